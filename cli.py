@@ -1,0 +1,122 @@
+"""Command lines of ``xprep`` and ``xtrain``: parsing and messages only, the work lives in prep/ and train/.
+
+Every user mistake surfaces as an ``XprepError``; ``main`` prints it as one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import wraps
+
+import click
+
+from prep.errors import XprepError
+
+
+def _user_errors(fn):
+    """Turn an XprepError into one line on stderr and exit status 2 (no traceback)."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except XprepError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def xprep():
+    """Offline data preparation: tokenize corpora, pack documents, inspect what is there."""
+
+
+# --------------------------------------------------------------------------------------- tokenize
+@xprep.command()
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, help="Output dataset directory (must not exist or be empty).")
+@click.option("--tokenizer", "tokenizer", required=True,
+              help="tokenizer.json, or a directory with tokenizer.json (+ tokenizer_config.json).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "text", "chat", "tokens"]), default="auto",
+              show_default=True, help="Record kind; auto decides per record.")
+@click.option("--text-field", default="text", show_default=True, help="Field holding plain text.")
+@click.option("--chat-template", default="auto", show_default=True,
+              help="auto (the tokenizer's own Jinja template), chatml, llama3, or a Jinja file.")
+@click.option("--train-on", type=click.Choice(["assistant", "all"]), default="assistant", show_default=True,
+              help="Which chat tokens are training targets.")
+@click.option("--category", default=None, help="Category name for every record of this invocation.")
+@click.option("--category-field", default=None, help="Record field naming its category.")
+@click.option("--append-eod/--no-append-eod", default=None,
+              help="Append the end-of-document token (default: on for text, off for chat and tokens).")
+@click.option("--workers", type=int, default=0, show_default=True,
+              help="Processes, one tokenizer each (0 = auto: 1 for text, all cores for chat).")
+@click.option("--backend", type=click.Choice(["auto", "gigatoken", "hf"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "uint16", "int32"]), default="auto", show_default=True,
+              help="Token storage; auto = uint16 when vocab < 65,500.")
+@click.option("--num-shards", type=int, default=1, show_default=True)
+@click.option("--shard-index", type=int, default=0, show_default=True)
+@click.option("--on-error", type=click.Choice(["fail", "skip"]), default="fail", show_default=True,
+              help="fail: stop at the first bad record; skip: write it to rejects.jsonl and go on.")
+@click.option("--limit", type=int, default=None, help="Read at most N records.")
+@_user_errors
+def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on, category,
+             category_field, append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit):
+    """Tokenize INPUT files/dirs/globs into a Megatron-compatible token dataset."""
+    from prep.tokenize import TokenizeConfig, run_tokenize
+
+    config = TokenizeConfig(
+        inputs=list(inputs), output=output, tokenizer=tokenizer, format=fmt, text_field=text_field,
+        chat_template=chat_template, train_on=train_on, category=category, category_field=category_field,
+        append_eod=append_eod, workers=workers, backend=backend, dtype=dtype, num_shards=num_shards,
+        shard_index=shard_index, on_error=on_error, limit=limit,
+    )
+    run_tokenize(config)
+
+
+@xprep.command()
+@click.argument("datasets", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, help="Merged dataset directory.")
+@_user_errors
+def merge(datasets, output):
+    """Concatenate token datasets (e.g. shards) into one, in the given order."""
+    from prep.merge import merge_datasets
+
+    manifest = merge_datasets(list(datasets), output)
+    c = manifest["counts"]
+    click.echo(f"merged {len(datasets)} datasets into {output}: {c['documents']:,} documents, "
+               f"{c['tokens']:,} tokens")
+
+
+# ------------------------------------------------------------------------------------------- pack
+# (the `xprep pack` command goes here)
+
+
+# ---------------------------------------------------------------------------------------- inspect
+@xprep.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of tables.")
+@_user_errors
+def inspect(path, as_json):
+    """Report on a token dataset, a pack cache, or a training run directory."""
+    from prep.inspect import inspect_path
+
+    report, text = inspect_path(path)
+    click.echo(json.dumps(report, indent=2) if as_json else text)
+
+
+# ----------------------------------------------------------------------------------------- xtrain
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def xtrain():
+    """Train on packs written by `xprep pack`."""
+
+
+# (the `xtrain run` command goes here)
+
+
+if __name__ == "__main__":
+    xprep()

@@ -1,0 +1,1 @@
+"""xprep: offline data preparation (tokenize, pack, inspect). Never imports torch.distributed."""

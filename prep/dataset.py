@@ -1,0 +1,372 @@
+"""Token datasets: aligned ``.bin/.idx`` streams plus ``manifest.json`` (DESIGN §1).
+
+``DatasetWriter`` builds a dataset in a temporary sibling directory and publishes it with one
+rename, so a killed run never leaves something that opens as a dataset. ``TokenDataset`` opens
+one, checking that the streams agree with each other and with the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from prep.errors import XprepError
+from prep.indexed import BinWriter, IndexedReader
+
+FORMAT = "xprep-dataset"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+REJECTS = "rejects.jsonl"
+UNCATEGORIZED = "uncategorized"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits with room for added tokens (vocab < 65,500), else int32."""
+    return np.dtype(np.uint16) if vocab_size < 65_500 else np.dtype(np.int32)
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def fingerprint(manifest: dict) -> str:
+    """sha256 over what defines the content: format, tokenizer, template, options, categories, streams.
+
+    Source paths, counts and rejects are derived or incidental and stay out, so a dataset
+    rebuilt elsewhere (or merged from shards) from the same inputs has the same fingerprint.
+    """
+    keys = ("format", "version", "tokenizer", "chat_template", "options", "categories", "streams")
+    return hashlib.sha256(canonical_json({k: manifest.get(k) for k in keys})).hexdigest()
+
+
+class CategoryTable:
+    """Category names ↔ ids. Id 0 is "uncategorized"; names get ids ≥ 1 in order of first use.
+
+    Pre-tokenized records carry numeric ids; those are kept verbatim and named by their number.
+    """
+
+    def __init__(self, names: list[str | None] | None = None):
+        self.names: list[str | None] = list(names) if names else [UNCATEGORIZED]
+        self._ids = {n: i for i, n in enumerate(self.names) if n is not None}
+
+    def id_of(self, name: str) -> int:
+        found = self._ids.get(name)
+        if found is not None:
+            return found
+        free = self.names.index(None) if None in self.names else len(self.names)
+        return self._set(free, name)
+
+    def use_numeric(self, cid: int) -> None:
+        """Reserve a verbatim numeric id from pre-tokenized data (named ``str(cid)``)."""
+        if cid < len(self.names) and self.names[cid] is not None:
+            return
+        self._set(cid, str(cid))
+
+    def _set(self, cid: int, name: str) -> int:
+        if name in self._ids and self._ids[name] != cid:
+            raise XprepError(f"category {name!r} would get two ids ({self._ids[name]} and {cid})")
+        while len(self.names) <= cid:
+            self.names.append(None)
+        self.names[cid] = name
+        self._ids[name] = cid
+        return cid
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass
+class _LazyStream:
+    """A stream created on first use, backfilled for the documents written before it existed."""
+
+    name: str
+    dtype: np.dtype
+    writer: BinWriter | None = None
+
+
+@dataclass
+class Counts:
+    documents: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    per_category: dict[int, list[int]] = field(default_factory=dict)  # id -> [docs, tokens, loss]
+
+    def add(self, lengths: np.ndarray, loss_mask: np.ndarray | None, cats: np.ndarray | None,
+            doc_cats: np.ndarray | None) -> None:
+        n_tok = int(lengths.sum())
+        self.documents += len(lengths)
+        self.tokens += n_tok
+        loss = n_tok - len(lengths) if loss_mask is None else int(np.count_nonzero(loss_mask))
+        self.loss_tokens += loss
+        if cats is None:
+            entry = self.per_category.setdefault(0, [0, 0, 0])
+            entry[0] += len(lengths)
+            entry[1] += n_tok
+            entry[2] += loss
+            return
+        size = int(cats.max()) + 1 if len(cats) else 1
+        tok = np.bincount(cats, minlength=size)
+        lossc = tok - _first_token_bincount(cats, lengths, size) if loss_mask is None else np.bincount(
+            cats, weights=loss_mask, minlength=size
+        ).astype(np.int64)
+        docc = np.bincount(doc_cats, minlength=size) if doc_cats is not None and len(doc_cats) else np.zeros(size, np.int64)
+        for cid in np.flatnonzero(tok | docc):
+            entry = self.per_category.setdefault(int(cid), [0, 0, 0])
+            entry[0] += int(docc[cid]) if cid < len(docc) else 0
+            entry[1] += int(tok[cid])
+            entry[2] += int(lossc[cid])
+
+
+def _first_token_bincount(cats: np.ndarray, lengths: np.ndarray, size: int) -> np.ndarray:
+    starts = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return np.bincount(cats[starts[lengths > 0]], minlength=size)
+
+
+class DatasetWriter:
+    """Writes a token dataset into ``out`` atomically: a temp sibling dir renamed on ``finish``.
+
+    Use as a context manager; on an exception the temporary directory is removed and nothing
+    at ``out`` changes.
+    """
+
+    def __init__(self, out: str | Path, vocab_size: int, dtype: np.dtype | None = None):
+        self.out = Path(out)
+        if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
+            raise XprepError(f"{self.out}: already exists and is not empty; remove it or choose another -o")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(self.out)
+        self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir()
+        self.dtype = np.dtype(dtype) if dtype is not None else token_dtype(vocab_size)
+        self.vocab_size = vocab_size
+        self.tokens = BinWriter(self.tmp / "tokens", self.dtype)
+        self.loss_mask = _LazyStream("loss_mask", np.dtype(np.uint8))
+        self.category_ids = _LazyStream("category_ids", np.dtype(np.uint8))
+        self.counts = Counts()
+        self._lengths: list[np.ndarray] = []
+        self._rejects = None
+        self.reject_count = 0
+        self.reject_reasons: dict[str, int] = {}
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def append(self, tokens: np.ndarray, lengths: np.ndarray, loss_mask: np.ndarray | None = None,
+               category_ids: np.ndarray | None = None, doc_categories: np.ndarray | None = None) -> None:
+        """Append documents: flat ``tokens`` split by ``lengths``; optional aligned streams.
+
+        ``loss_mask`` None means every token but each document's first is a target;
+        ``category_ids`` None means category 0.
+        """
+        lengths = np.asarray(lengths, np.int64)
+        if len(lengths) == 0:
+            return
+        if self.dtype == np.uint16 and len(tokens) and int(tokens.max()) > 65535:
+            raise XprepError(f"token id {int(tokens.max())} does not fit uint16; use --dtype int32")
+        self.tokens.append(tokens, lengths)
+        if loss_mask is not None or self.loss_mask.writer is not None:
+            self._append_lazy(self.loss_mask, loss_mask, lengths, _default_loss_mask)
+        if category_ids is not None or self.category_ids.writer is not None:
+            if category_ids is not None and len(category_ids) and int(category_ids.max()) > 255:
+                self._widen_categories()
+            self._append_lazy(self.category_ids, category_ids, lengths, _default_categories)
+        self.counts.add(lengths, loss_mask, category_ids, doc_categories)
+        self._lengths.append(lengths)
+
+    def _append_lazy(self, stream: _LazyStream, values, lengths, default) -> None:
+        if stream.writer is None:
+            stream.writer = BinWriter(self.tmp / stream.name, stream.dtype)
+            for old in self._lengths:
+                stream.writer.append(default(old), old)
+        stream.writer.append(default(lengths) if values is None else values, lengths)
+
+    def _widen_categories(self) -> None:
+        """More than 255 categories: rewrite the category stream written so far as uint16."""
+        stream = self.category_ids
+        if stream.dtype == np.uint16:
+            return
+        old = stream.writer
+        stream.dtype = np.dtype(np.uint16)
+        stream.writer = None
+        if old is None:
+            return
+        old.close()
+        prefix = old.prefix
+        data = np.fromfile(f"{prefix}.bin", np.uint8)
+        stream.writer = BinWriter(self.tmp / stream.name, stream.dtype)
+        stream.writer.append(data.astype(np.uint16), old.lengths())
+
+    def reject(self, source: str, line: int, reason: str, record: str | None = None) -> None:
+        """Record a skipped input record in ``rejects.jsonl`` with its reason."""
+        if self._rejects is None:
+            self._rejects = open(self.tmp / "rejects.jsonl", "w")
+        entry = {"source": source, "line": line, "reason": reason}
+        if record is not None:
+            entry["record"] = record[:500]
+        self._rejects.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self.reject_count += 1
+        kind = reason.split(":")[0]
+        self.reject_reasons[kind] = self.reject_reasons.get(kind, 0) + 1
+
+    def finish(self, manifest: dict, categories: CategoryTable) -> dict:
+        """Close every stream, write the manifest with counts and fingerprint, publish."""
+        streams = {"tokens": {"dtype": self.dtype.name, **self.tokens.close()}}
+        for stream in (self.loss_mask, self.category_ids):
+            if stream.writer is not None:
+                streams[stream.name] = {"dtype": stream.dtype.name, **stream.writer.close()}
+        if self._rejects is not None:
+            self._rejects.close()
+        names = categories.names
+        manifest = dict(manifest)
+        manifest.update(
+            format=FORMAT,
+            version=FORMAT_VERSION,
+            categories=names,
+            streams=streams,
+            counts={
+                "documents": self.counts.documents,
+                "tokens": self.counts.tokens,
+                "loss_tokens": self.counts.loss_tokens,
+                "categories": {
+                    (names[c] if c < len(names) and names[c] is not None else str(c)): {
+                        "documents": v[0], "tokens": v[1], "loss_tokens": v[2]}
+                    for c, v in sorted(self.counts.per_category.items())
+                },
+            },
+            rejects={"count": self.reject_count, "by_reason": dict(sorted(self.reject_reasons.items())),
+                     "file": REJECTS if self.reject_count else None},
+        )
+        manifest["fingerprint"] = fingerprint(manifest)
+        write_json_atomic(self.tmp / MANIFEST, manifest)
+        _fsync_dir(self.tmp)
+        if self.out.exists():
+            self.out.rmdir()  # empty (checked in __init__)
+        os.replace(self.tmp, self.out)
+        return manifest
+
+    def abort(self) -> None:
+        for w in (self.tokens, self.loss_mask.writer, self.category_ids.writer):
+            if w is not None:
+                w.abort()
+        if self._rejects is not None:
+            self._rejects.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _default_loss_mask(lengths: np.ndarray) -> np.ndarray:
+    mask = np.ones(int(lengths.sum()), np.uint8)
+    starts = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    mask[starts[lengths > 0]] = 0
+    return mask
+
+
+def _default_categories(lengths: np.ndarray) -> np.ndarray:
+    return np.zeros(int(lengths.sum()), np.uint8)
+
+
+def _fsync_dir(path: Path) -> None:
+    for p in path.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Remove temp dirs of earlier runs for the same output whose process is gone."""
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+class TokenDataset:
+    """An opened token dataset: manifest plus zero-copy streams, checked for consistency."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        mpath = self.path / MANIFEST
+        if not mpath.is_file():
+            raise XprepError(f"{self.path}: not a token dataset (no {MANIFEST}); run `xprep tokenize` first")
+        try:
+            self.manifest = json.loads(mpath.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise XprepError(f"{mpath}: unreadable manifest ({e}); re-create the dataset") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != FORMAT_VERSION:
+            raise XprepError(f"{mpath}: not an {FORMAT} v{FORMAT_VERSION} manifest")
+        self.tokens = IndexedReader(self.path / "tokens")
+        self.loss_mask = self._optional("loss_mask")
+        self.category_ids = self._optional("category_ids")
+        self._check()
+
+    def _optional(self, name: str) -> IndexedReader | None:
+        if name not in self.manifest["streams"]:
+            return None
+        return IndexedReader(self.path / name)
+
+    def _check(self) -> None:
+        for name, reader in (("loss_mask", self.loss_mask), ("category_ids", self.category_ids)):
+            if reader is None:
+                continue
+            if not (np.array_equal(reader.lengths, self.tokens.lengths)
+                    and np.array_equal(reader.doc_index, self.tokens.doc_index)):
+                raise XprepError(
+                    f"{self.path}: stream {name} disagrees with tokens (different document lengths); "
+                    "the dataset is corrupt: re-create it"
+                )
+        counts = self.manifest["counts"]
+        if len(self.tokens) != counts["documents"] or self.tokens.items.size != counts["tokens"]:
+            raise XprepError(
+                f"{self.path}: tokens stream holds {len(self.tokens)} documents / {self.tokens.items.size} "
+                f"tokens but the manifest says {counts['documents']} / {counts['tokens']}; re-create it"
+            )
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def category_names(self) -> list[str | None]:
+        return self.manifest["categories"]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.tokens.lengths
+
+    def document(self, i: int) -> dict[str, np.ndarray]:
+        """Tokens, loss mask and category ids of document ``i`` (defaults filled in)."""
+        tokens = self.tokens[i]
+        mask = self.loss_mask[i] if self.loss_mask is not None else _default_loss_mask(
+            np.array([len(tokens)]))
+        cats = self.category_ids[i] if self.category_ids is not None else np.zeros(len(tokens), np.uint8)
+        return {"input_ids": tokens, "loss_mask": mask, "category_ids": cats}
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])

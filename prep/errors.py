@@ -1,0 +1,8 @@
+"""The one exception type for mistakes a user can fix."""
+
+
+class XprepError(Exception):
+    """A user-fixable problem: the CLI prints the message as one line and exits with status 2.
+
+    Messages name the file (and line or record), what is wrong, and what to do about it.
+    """

@@ -1,0 +1,1 @@
+"""xtrain: a thin trainer over packs written by xprep."""
