@@ -98,35 +98,35 @@ class _LazyStream:
 
 @dataclass
 class Counts:
+    """Documents, tokens and target tokens, in total and per category id (tokens, targets)."""
+
     documents: int = 0
     tokens: int = 0
     loss_tokens: int = 0
-    per_category: dict[int, list[int]] = field(default_factory=dict)  # id -> [docs, tokens, loss]
+    per_category: dict[int, list[int]] = field(default_factory=dict)  # id -> [tokens, targets]
 
-    def add(self, lengths: np.ndarray, loss_mask: np.ndarray | None, cats: np.ndarray | None,
-            doc_cats: np.ndarray | None) -> None:
+    def add(self, lengths: np.ndarray, loss_mask: np.ndarray | None, cats: np.ndarray | None) -> None:
         n_tok = int(lengths.sum())
         self.documents += len(lengths)
         self.tokens += n_tok
-        loss = n_tok - len(lengths) if loss_mask is None else int(np.count_nonzero(loss_mask))
+        loss = n_tok - int(np.count_nonzero(lengths)) if loss_mask is None else int(np.count_nonzero(loss_mask))
         self.loss_tokens += loss
         if cats is None:
-            entry = self.per_category.setdefault(0, [0, 0, 0])
-            entry[0] += len(lengths)
-            entry[1] += n_tok
-            entry[2] += loss
+            self._add(0, n_tok, loss)
             return
         size = int(cats.max()) + 1 if len(cats) else 1
         tok = np.bincount(cats, minlength=size)
-        lossc = tok - _first_token_bincount(cats, lengths, size) if loss_mask is None else np.bincount(
-            cats, weights=loss_mask, minlength=size
-        ).astype(np.int64)
-        docc = np.bincount(doc_cats, minlength=size) if doc_cats is not None and len(doc_cats) else np.zeros(size, np.int64)
-        for cid in np.flatnonzero(tok | docc):
-            entry = self.per_category.setdefault(int(cid), [0, 0, 0])
-            entry[0] += int(docc[cid]) if cid < len(docc) else 0
-            entry[1] += int(tok[cid])
-            entry[2] += int(lossc[cid])
+        if loss_mask is None:
+            targets = tok - _first_token_bincount(cats, lengths, size)
+        else:
+            targets = np.bincount(cats, weights=loss_mask, minlength=size).astype(np.int64)
+        for cid in np.flatnonzero(tok):
+            self._add(int(cid), int(tok[cid]), int(targets[cid]))
+
+    def _add(self, cid: int, tokens: int, targets: int) -> None:
+        entry = self.per_category.setdefault(cid, [0, 0])
+        entry[0] += tokens
+        entry[1] += targets
 
 
 def _first_token_bincount(cats: np.ndarray, lengths: np.ndarray, size: int) -> np.ndarray:
@@ -170,7 +170,7 @@ class DatasetWriter:
             self.abort()
 
     def append(self, tokens: np.ndarray, lengths: np.ndarray, loss_mask: np.ndarray | None = None,
-               category_ids: np.ndarray | None = None, doc_categories: np.ndarray | None = None) -> None:
+               category_ids: np.ndarray | None = None) -> None:
         """Append documents: flat ``tokens`` split by ``lengths``; optional aligned streams.
 
         ``loss_mask`` None means every token but each document's first is a target;
@@ -188,7 +188,7 @@ class DatasetWriter:
             if category_ids is not None and len(category_ids) and int(category_ids.max()) > 255:
                 self._widen_categories()
             self._append_lazy(self.category_ids, category_ids, lengths, _default_categories)
-        self.counts.add(lengths, loss_mask, category_ids, doc_categories)
+        self.counts.add(lengths, loss_mask, category_ids)
         self._lengths.append(lengths)
 
     def _append_lazy(self, stream: _LazyStream, values, lengths, default) -> None:
@@ -247,7 +247,7 @@ class DatasetWriter:
                 "loss_tokens": self.counts.loss_tokens,
                 "categories": {
                     (names[c] if c < len(names) and names[c] is not None else str(c)): {
-                        "documents": v[0], "tokens": v[1], "loss_tokens": v[2]}
+                        "tokens": v[0], "loss_tokens": v[1]}
                     for c, v in sorted(self.counts.per_category.items())
                 },
             },

@@ -149,10 +149,10 @@ def render_dataset(r: dict) -> str:
         lines.append("length histogram (tokens per document)")
         lines += render_histogram(r["histogram"])
     lines.append("")
-    rows = [[name, c["documents"], c["tokens"], c["loss_tokens"],
+    rows = [[name, c["tokens"], c["loss_tokens"],
              f"{c['tokens'] / r['tokens']:.1%}" if r["tokens"] else "-"]
             for name, c in r["categories"].items()]
-    lines += table(["category", "documents", "tokens", "target tokens", "share"], rows)
+    lines += table(["category", "tokens", "target tokens", "share"], rows)
     if r["rejects"]["count"]:
         lines.append("")
         lines.append(f"rejected records: {r['rejects']['count']:,} (see {r['path']}/rejects.jsonl)")

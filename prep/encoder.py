@@ -1,0 +1,207 @@
+"""Text → token ids, with HF ``tokenizers`` as the reference and ``gigatoken`` as the fast path.
+
+Ids are exactly ``tokenizers.Tokenizer.encode(text).ids`` (post-processor included, e.g. a BOS).
+gigatoken does not apply the post-processor, so the special tokens it adds are found once by
+diffing ``encode(x)`` with and without special tokens, and added here. gigatoken is only used
+after a self-check on a built-in sample (and the caller's own sample) gives identical ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prep.errors import XprepError
+
+# Whitespace runs, digits, mixed scripts, emoji, odd unicode and special-token look-alikes:
+# where BPE re-implementations usually disagree.
+SELF_CHECK_SAMPLE = [
+    "Hello world! It's 2024-01-02 and we've got 1234567 tokens.",
+    "  leading spaces\n\n\ttabs\r\nCRLF   trailing   ",
+    "def f(x):\n    return x**2  # comment\n\n\n",
+    "Ünïcödé façade naïve — “quotes” ‘single’ … ½ ℃",
+    "日本語のテキスト。中文文本，한국어 텍스트. Русский текст. العربية",
+    "emoji 😀👍🏽🇺🇸 and ZWJ 👨‍👩‍👧",
+    "URLs https://example.com/a?b=c&d=e and e-mails a.b@c.de",
+    "<|im_start|>user\nhi<|im_end|>\n<s> </s> <|endoftext|> <unk>",
+    "a" * 300 + " " + "ab" * 150,
+    "\u00a0\u2009\u200b zero-width and nbsp",
+    "",
+]
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the manifest records about a tokenizer, and what workers need to rebuild it."""
+
+    path: str  # the tokenizer.json
+    sha256: str
+    vocab_size: int
+    eod_id: int | None
+    pad_id: int | None
+    bos_token: str | None
+    eos_token: str | None
+    chat_template: str | None  # from tokenizer_config.json
+
+    def describe(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256, "vocab_size": self.vocab_size,
+                "eod_id": self.eod_id, "pad_id": self.pad_id}
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_tokenizer_info(spec: str) -> TokenizerInfo:
+    """Resolve ``--tokenizer`` (a tokenizer.json or a directory holding one) and read its config."""
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise XprepError(f"--tokenizer {spec}: no tokenizer.json there; pass the file or its directory")
+    data = path.read_bytes()
+    hf = _load_hf(path)
+    config = {}
+    cfg_path = path.with_name("tokenizer_config.json")
+    if cfg_path.is_file():
+        try:
+            config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise XprepError(f"{cfg_path}: not valid JSON ({e})") from None
+    eos, bos, pad = (_token_str(config.get(k)) for k in ("eos_token", "bos_token", "pad_token"))
+    eod_id = hf.token_to_id(eos) if eos else None
+    if eod_id is None:
+        eod_id = next((hf.token_to_id(t) for t in EOD_CANDIDATES if hf.token_to_id(t) is not None), None)
+        eos = hf.id_to_token(eod_id) if eod_id is not None else None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: use "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return TokenizerInfo(
+        path=str(path.resolve()),
+        sha256=hashlib.sha256(data).hexdigest(),
+        vocab_size=hf.get_vocab_size(with_added_tokens=True),
+        eod_id=eod_id,
+        pad_id=hf.token_to_id(pad) if pad else None,
+        bos_token=bos,
+        eos_token=eos,
+        chat_template=template,
+    )
+
+
+def _load_hf(path: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise XprepError(f"{path}: not a loadable HF tokenizer.json ({e})") from None
+
+
+class Encoder:
+    """Batch encoder returning flat ids plus per-text lengths (CSR), never per-token Python."""
+
+    def __init__(self, info: TokenizerInfo, backend: str):
+        self.info = info
+        self.hf = _load_hf(Path(info.path))
+        self.backend = backend
+        self._giga = _load_gigatoken(info.path) if backend == "gigatoken" else None
+        with_special = self.hf.encode("x").ids
+        plain = self.hf.encode("x", add_special_tokens=False).ids
+        at = _find(with_special, plain)
+        self.prefix = np.array(with_special[:at], np.int64)
+        self.suffix = np.array(with_special[at + len(plain):], np.int64)
+
+    def encode(self, texts: list[str], add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Encode texts → (flat int64 ids, int64 lengths)."""
+        if self._giga is not None:
+            flat, lengths = _giga_encode(self._giga, texts)
+            if add_special_tokens and (len(self.prefix) or len(self.suffix)):
+                flat, lengths = add_around(flat, lengths, self.prefix, self.suffix)
+            return flat, lengths
+        encodings = self.hf.encode_batch_fast(texts, add_special_tokens=add_special_tokens) if hasattr(
+            self.hf, "encode_batch_fast") else self.hf.encode_batch(texts, add_special_tokens=add_special_tokens)
+        lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
+        flat = np.fromiter((i for e in encodings for i in e.ids), np.int64, int(lengths.sum()))
+        return flat, lengths
+
+    def offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Reference ids and character start offsets of ``text`` (no special tokens added)."""
+        enc = self.hf.encode(text, add_special_tokens=False)
+        return np.array(enc.ids, np.int64), np.array([s for s, _ in enc.offsets], np.int64)
+
+
+def _find(haystack: list[int], needle: list[int]) -> int:
+    for i in range(len(haystack) - len(needle) + 1):
+        if haystack[i : i + len(needle)] == needle:
+            return i
+    raise XprepError("tokenizer post-processor rewrites the text itself; use --backend hf")
+
+
+def _load_gigatoken(path: str):
+    import gigatoken
+
+    return gigatoken.Tokenizer(path)
+
+
+def _giga_encode(giga, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    import awkward as ak
+
+    layout = ak.to_layout(giga.encode_batch(texts))
+    offsets = np.asarray(layout.offsets.data)
+    flat = np.asarray(layout.content.data)[offsets[0] : offsets[-1]].astype(np.int64)
+    return flat, np.diff(offsets).astype(np.int64)
+
+
+def add_around(flat: np.ndarray, lengths: np.ndarray, prefix: np.ndarray, suffix: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Put ``prefix`` before and ``suffix`` after every sequence of a CSR batch (vectorized)."""
+    n, p, s = len(lengths), len(prefix), len(suffix)
+    new_lengths = lengths + p + s
+    out = np.empty(int(new_lengths.sum()), flat.dtype)
+    starts = np.zeros(n, np.int64)
+    np.cumsum(new_lengths[:-1], out=starts[1:])
+    body = np.ones(len(out), bool)
+    for j in range(p):
+        out[starts + j] = prefix[j]
+        body[starts + j] = False
+    ends = starts + new_lengths
+    for j in range(s):
+        out[ends - s + j] = suffix[j]
+        body[ends - s + j] = False
+    out[body] = flat
+    return out, new_lengths
+
+
+def choose_backend(info: TokenizerInfo, requested: str, sample: list[str] | None = None) -> tuple[str, str]:
+    """Pick the encoder backend; gigatoken only if it loads and matches HF on the samples.
+
+    Returns (backend, reason) so the caller can say what it chose and why.
+    """
+    if requested == "hf":
+        return "hf", "requested"
+    try:
+        fast = Encoder(info, "gigatoken")
+    except ImportError:
+        reason = "gigatoken is not installed"
+    except Exception as e:  # any failure to load means: do not use it
+        reason = f"gigatoken cannot load this tokenizer ({type(e).__name__}: {e})"
+    else:
+        texts = SELF_CHECK_SAMPLE + [t[:20_000] for t in (sample or [])]
+        got_flat, got_len = fast.encode(texts)
+        want = [fast.hf.encode(t).ids for t in texts]
+        want_flat = np.array([i for ids in want for i in ids], np.int64)
+        if np.array_equal(got_len, [len(w) for w in want]) and np.array_equal(got_flat, want_flat):
+            return "gigatoken", "self-check passed"
+        reason = "gigatoken ids differ from HF tokenizers on the self-check sample"
+    if requested == "gigatoken":
+        raise XprepError(f"--backend gigatoken: {reason}; use --backend auto or hf")
+    print(f"xprep: using HF tokenizers: {reason}", file=sys.stderr)
+    return "hf", reason

@@ -1,0 +1,87 @@
+"""``xprep merge``: concatenate token datasets (e.g. shards) into one.
+
+Streams are copied in large slices through ``DatasetWriter``, which rebases the pointers and
+recomputes digests and counts, so merging the shards of a run reproduces the single run byte
+for byte (categories are remapped to the merged table, which assigns ids in order of first use
+exactly as a single run does).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
+
+SLICE_TOKENS = 16 << 20
+
+
+def merge_datasets(paths: list[str], output: str) -> dict:
+    """Merge ``paths`` in order into ``output``; returns the merged manifest."""
+    from prep.errors import XprepError
+
+    datasets = [TokenDataset(p) for p in paths]
+    first = datasets[0].manifest
+    for ds in datasets[1:]:
+        for key in ("tokenizer", "chat_template", "options"):
+            if ds.manifest.get(key) != first.get(key):
+                raise XprepError(
+                    f"{ds.path}: its {key} differs from {datasets[0].path}'s; only datasets made with the "
+                    "same tokenizer, template and options can be merged"
+                )
+    categories = CategoryTable()
+    dtype = np.dtype(first["streams"]["tokens"]["dtype"])
+    sources: list[dict] = []
+    with DatasetWriter(output, first["tokenizer"]["vocab_size"], dtype) as writer:
+        for ds in datasets:
+            lut = _category_lut(ds, categories)
+            _copy(ds, writer, lut)
+            _copy_rejects(ds, writer)
+            for src in ds.manifest.get("sources", []):
+                if not sources or sources[-1]["path"] != src["path"]:
+                    sources.append(src)
+        manifest = {k: first[k] for k in ("tokenizer", "chat_template", "options")}
+        manifest["sources"] = sources
+        return writer.finish(manifest, categories)
+
+
+def _category_lut(ds: TokenDataset, categories: CategoryTable) -> np.ndarray | None:
+    names = ds.category_names
+    lut = np.zeros(max(len(names), 1), np.uint16)
+    for cid, name in enumerate(names):
+        if name is None or cid == 0:
+            continue
+        if name == str(cid):  # a numeric id kept verbatim from pre-tokenized data
+            categories.use_numeric(cid)
+            lut[cid] = cid
+        else:
+            lut[cid] = categories.id_of(name)
+    return lut
+
+
+def _copy(ds: TokenDataset, writer: DatasetWriter, lut: np.ndarray) -> None:
+    """Append all documents of ``ds`` in slices of about SLICE_TOKENS tokens."""
+    offsets = ds.tokens.offsets()
+    n = len(ds)
+    doc = 0
+    while doc < n:
+        stop = int(np.searchsorted(offsets, offsets[doc] + SLICE_TOKENS, side="right")) - 1
+        stop = min(max(stop, doc + 1), n)
+        lo, hi = int(offsets[doc]), int(offsets[stop])
+        lengths = ds.lengths[doc:stop]
+        mask = ds.loss_mask.items[lo:hi] if ds.loss_mask is not None else None
+        cats = lut[ds.category_ids.items[lo:hi]] if ds.category_ids is not None else None
+        writer.append(ds.tokens.items[lo:hi], lengths, mask, cats)
+        doc = stop
+
+
+def _copy_rejects(ds: TokenDataset, writer: DatasetWriter) -> None:
+    path = Path(ds.path) / "rejects.jsonl"
+    if not path.is_file():
+        return
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            writer.reject(r["source"], r["line"], r["reason"], r.get("record"))

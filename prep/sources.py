@@ -1,0 +1,305 @@
+"""Find input files and stream their records in batches, in a deterministic global order.
+
+Supported: JSON Lines (``.jsonl``/``.json``, optionally ``.gz``/``.zst``), Parquet, Arrow IPC
+files/streams, ``datasets.save_to_disk`` directories, and ``.txt`` (one document per file).
+
+Sharding (``--num-shards N --shard-index i``) splits the concatenated input bytes into N
+contiguous ranges; a JSON line belongs to the shard holding its first byte, any other file to
+the shard holding its first byte. Shards are therefore contiguous runs of the single-run
+order, and concatenating their outputs reproduces a single run.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prep.errors import XprepError
+
+LINE_SUFFIXES = (".jsonl", ".json", ".ndjson")
+COMPRESSIONS = (".gz", ".zst")
+TEXT_SUFFIXES = (".txt",)
+TABLE_SUFFIXES = (".parquet", ".arrow")
+BATCH_BYTES = 4 << 20
+BATCH_RECORDS = 1024
+CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One input file and how to read it."""
+
+    path: str
+    kind: str  # "lines", "text", "parquet", "arrow"
+    size: int
+    mtime_ns: int
+    compression: str | None = None
+
+    @property
+    def splittable(self) -> bool:
+        return self.kind == "lines" and self.compression is None
+
+    def describe(self) -> dict:
+        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
+
+
+@dataclass
+class RawBatch:
+    """Records of one source, in order: JSON lines (bytes), text files (bytes) or table rows (dicts).
+
+    ``lines[j]`` is the 1-based line (or row / file) number of ``items[j]`` for error messages.
+    """
+
+    source: int
+    items: list
+    lines: list[int]
+    kind: str
+
+
+def _kind_of(path: Path) -> tuple[str, str | None] | None:
+    name = path.name.lower()
+    compression = next((c for c in COMPRESSIONS if name.endswith(c)), None)
+    if compression:
+        name = name[: -len(compression)]
+    if name.endswith(LINE_SUFFIXES):
+        return "lines", compression
+    if compression:
+        return None
+    if name.endswith(TEXT_SUFFIXES):
+        return "text", None
+    if name.endswith(".parquet"):
+        return "parquet", None
+    if name.endswith(".arrow"):
+        return "arrow", None
+    return None
+
+
+def resolve_inputs(inputs: list[str]) -> list[SourceFile]:
+    """Expand files, directories and globs into an ordered, de-duplicated list of sources."""
+    files: list[SourceFile] = []
+    seen: set[str] = set()
+    for spec in inputs:
+        for path in _expand(spec):
+            key = str(path.resolve())
+            if key in seen:
+                continue
+            seen.add(key)
+            files.append(_source(path))
+    if not files:
+        raise XprepError(f"no input files found in {' '.join(inputs)}")
+    return files
+
+
+def _expand(spec: str) -> list[Path]:
+    path = Path(spec)
+    if any(ch in spec for ch in "*?["):
+        matches = sorted(Path(p) for p in glob.glob(spec, recursive=True))
+        if not matches:
+            raise XprepError(f"{spec}: the pattern matches no file")
+        return [p for m in matches for p in (_dir_files(m) if m.is_dir() else [m])]
+    if not path.exists():
+        raise XprepError(f"{spec}: no such file or directory")
+    if path.is_dir():
+        found = _dir_files(path)
+        if not found:
+            raise XprepError(f"{spec}: directory holds no .jsonl/.json/.parquet/.arrow/.txt file")
+        return found
+    if _kind_of(path) is None:
+        raise XprepError(
+            f"{spec}: unsupported file type; expected .jsonl/.json(.gz/.zst), .parquet, .arrow or .txt"
+        )
+    return [path]
+
+
+def _dir_files(directory: Path) -> list[Path]:
+    state = directory / "state.json"
+    if state.is_file() and (directory / "dataset_info.json").is_file():
+        return _hf_disk_files(directory, state)
+    if (directory / "dataset_dict.json").is_file():
+        splits = json.loads((directory / "dataset_dict.json").read_text()).get("splits", [])
+        raise XprepError(
+            f"{directory}: a DatasetDict with splits {splits}; pass one split directory, "
+            f"e.g. {directory / (splits[0] if splits else 'train')}"
+        )
+    return sorted(p for p in directory.rglob("*") if p.is_file() and _kind_of(p) is not None
+                  and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+
+
+def _hf_disk_files(directory: Path, state: Path) -> list[Path]:
+    """Arrow shards of a ``datasets.Dataset.save_to_disk`` directory, in their stored order."""
+    try:
+        names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise XprepError(f"{state}: not a datasets state file ({e})") from None
+    return [directory / n for n in names]
+
+
+def _source(path: Path) -> SourceFile:
+    kind, compression = _kind_of(path) or ("lines", None)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise XprepError(f"{path}: cannot read ({e.strerror})") from None
+    return SourceFile(str(path), kind, st.st_size, st.st_mtime_ns, compression)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What one shard reads of one source: a byte range for plain JSONL, else the whole file."""
+
+    source: int
+    start: int  # byte where records start (line files), 0 otherwise
+    stop: int  # records must start before this byte
+
+
+def plan_shard(sources: list[SourceFile], num_shards: int, shard_index: int) -> list[Assignment]:
+    """The contiguous slice of the global byte order that shard ``shard_index`` reads."""
+    total = sum(s.size for s in sources)
+    lo = total * shard_index // num_shards
+    hi = total * (shard_index + 1) // num_shards
+    plan = []
+    offset = 0
+    for i, src in enumerate(sources):
+        begin, end = offset, offset + src.size
+        offset = end
+        if src.splittable:
+            a, b = max(lo, begin) - begin, min(hi, end) - begin
+            if a < b:
+                plan.append(Assignment(i, a, b))
+        elif lo <= begin < hi or (src.size == 0 and begin == hi == total and shard_index == num_shards - 1):
+            plan.append(Assignment(i, 0, src.size))
+    return plan
+
+
+def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int | None = None
+                 ) -> Iterator[RawBatch | tuple[int, int, str]]:
+    """Yield record batches in order; an unreadable file yields ``(source, line, reason)``."""
+    remaining = limit
+    for a in plan:
+        src = sources[a.source]
+        try:
+            for batch in _read_source(a, src):
+                if remaining is not None:
+                    if remaining <= 0:
+                        return
+                    if len(batch.items) > remaining:
+                        batch.items, batch.lines = batch.items[:remaining], batch.lines[:remaining]
+                    remaining -= len(batch.items)
+                yield batch
+        except (OSError, EOFError, ValueError) as e:
+            yield a.source, 0, f"unreadable file: {e}"
+
+
+def _read_source(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
+    if src.kind == "lines":
+        yield from _read_lines(a, src)
+    elif src.kind == "text":
+        with open(src.path, "rb") as f:
+            yield RawBatch(a.source, [f.read()], [1], "text")
+    else:
+        yield from _read_table(a.source, src)
+
+
+def _open_lines(src: SourceFile):
+    if src.compression == ".gz":
+        return gzip.open(src.path, "rb")
+    if src.compression == ".zst":
+        import zstandard
+
+        raw = open(src.path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), CHUNK)
+    return open(src.path, "rb")
+
+
+def _read_lines(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
+    """Stream the JSON lines that start in [a.start, a.stop), in batches of about BATCH_BYTES."""
+    with _open_lines(src) as f:
+        line_no, pos = (1, 0) if a.start == 0 else _seek_line_start(f, a.start)
+        items: list[bytes] = []
+        lines: list[int] = []
+        size = 0
+        for line in _iter_lines(f):
+            if pos >= a.stop:
+                break
+            pos += len(line) + 1
+            if line.strip():
+                items.append(line)
+                lines.append(line_no)
+                size += len(line)
+                if size >= BATCH_BYTES or len(items) >= BATCH_RECORDS:
+                    yield RawBatch(a.source, items, lines, "lines")
+                    items, lines, size = [], [], 0
+            line_no += 1
+        if items:
+            yield RawBatch(a.source, items, lines, "lines")
+
+
+def _iter_lines(f) -> Iterator[bytes]:
+    """Lines of a binary stream without their newline, read in large chunks."""
+    carry = b""
+    while chunk := f.read(CHUNK):
+        parts = (carry + chunk).split(b"\n")
+        carry = parts.pop()
+        yield from parts
+    if carry:
+        yield carry
+
+
+def _seek_line_start(f, start: int) -> tuple[int, int]:
+    """Position ``f`` at the first line starting at or after byte ``start``.
+
+    Returns (line number, byte position). Counts newlines before it for error messages.
+    """
+    newlines = 0
+    remaining = start - 1  # the byte before `start` tells whether a line starts at `start`
+    while remaining > 0:
+        block = f.read(min(CHUNK, remaining))
+        if not block:
+            break
+        newlines += block.count(b"\n")
+        remaining -= len(block)
+    prev = f.read(1)
+    pos = start
+    if prev == b"\n":
+        return newlines + 2, pos
+    rest = f.readline()  # finish the partial line that belongs to the previous shard
+    pos += len(rest)
+    return newlines + 2, pos
+
+
+def _read_table(source: int, src: SourceFile) -> Iterator[RawBatch]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = 1
+    if src.kind == "parquet":
+        batches = pq.ParquetFile(src.path).iter_batches(batch_size=1024)
+    else:
+        batches = _arrow_batches(src.path, pa)
+    for rb in batches:
+        rows = rb.to_pylist()
+        yield RawBatch(source, rows, list(range(row, row + len(rows))), "rows")
+        row += len(rows)
+
+
+def _arrow_batches(path: str, pa):
+    import pyarrow.ipc as ipc
+
+    with pa.memory_map(path, "r") as mm:
+        try:
+            reader = ipc.open_file(mm)
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i)
+        except pa.ArrowInvalid:
+            mm.seek(0)
+            yield from ipc.open_stream(mm)
+
+
+def file_is_readable(path: str) -> bool:
+    return os.access(path, os.R_OK)

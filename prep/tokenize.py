@@ -1,0 +1,525 @@
+"""``xprep tokenize``: records → token datasets, in parallel and in input order.
+
+The main process reads raw record batches and writes results in order; ``Processor`` (inline
+for one worker, one per process otherwise) parses, validates, renders chat templates and
+encodes a whole batch at once. Output bytes do not depend on the worker count.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prep.dataset import CategoryTable, DatasetWriter, token_dtype
+from prep.encoder import Encoder, TokenizerInfo, choose_backend, load_tokenizer_info
+from prep.errors import XprepError
+from prep.progress import Progress
+from prep.sources import RawBatch, plan_shard, read_batches, resolve_inputs
+from prep.templates import ChatTemplate, TemplateError, TemplateSpec, normalize_messages, resolve_template
+
+FORMATS = ("auto", "text", "chat", "tokens")
+
+
+@dataclass
+class TokenizeConfig:
+    """Everything ``xprep tokenize`` takes; one field per CLI option."""
+
+    inputs: list[str]
+    output: str
+    tokenizer: str
+    format: str = "auto"
+    text_field: str = "text"
+    chat_template: str = "auto"
+    train_on: str = "assistant"
+    category: str | None = None
+    category_field: str | None = None
+    append_eod: bool | None = None
+    workers: int = 0
+    backend: str = "auto"
+    dtype: str = "auto"
+    num_shards: int = 1
+    shard_index: int = 0
+    on_error: str = "fail"
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise XprepError(f"--format {self.format}: expected one of {', '.join(FORMATS)}")
+        if self.num_shards < 1:
+            raise XprepError(f"--num-shards {self.num_shards}: must be ≥ 1")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise XprepError(
+                f"--shard-index {self.shard_index}: must be in [0, {self.num_shards - 1}] for "
+                f"--num-shards {self.num_shards}"
+            )
+        if self.workers < 0:
+            raise XprepError(f"--workers {self.workers}: must be ≥ 0 (0 = auto)")
+        if self.limit is not None and self.limit < 1:
+            raise XprepError(f"--limit {self.limit}: must be ≥ 1")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a Processor needs besides the tokenizer: content-defining options only."""
+
+    format: str
+    text_field: str
+    train_on: str
+    category: str | None
+    category_field: str | None
+    append_eod: bool | None  # None: plain text documents only
+    eod_id: int | None
+    vocab_size: int
+
+    def describe(self) -> dict:
+        return {"format": self.format, "text_field": self.text_field, "train_on": self.train_on,
+                "category": self.category, "category_field": self.category_field,
+                "append_eod": self.append_eod}
+
+
+@dataclass
+class Encoded:
+    """One batch of documents as flat arrays, plus the records rejected on the way.
+
+    ``cat_codes`` index into ``cat_keys`` (name strings, or ints kept verbatim from
+    pre-tokenized data); code 0 is "no category". Arrays are None when no document needs them.
+    """
+
+    source: int
+    tokens: np.ndarray
+    lengths: np.ndarray
+    loss_mask: np.ndarray | None
+    cat_codes: np.ndarray | None
+    cat_keys: list
+    rejects: list[tuple[int, str, str, bool]] = field(default_factory=list)
+    bytes_in: int = 0
+
+
+class BadRecord(ValueError):
+    """A record that is malformed: fatal under --on-error fail, set aside under skip."""
+
+
+class Unusable(ValueError):
+    """A well-formed record with nothing to train on: always set aside in rejects.jsonl, counted."""
+
+
+class Processor:
+    """Parses, validates and encodes RawBatches. Pure: same batch in, same arrays out."""
+
+    def __init__(self, info: TokenizerInfo, backend: str, template: TemplateSpec | None, options: Options):
+        self.encoder = Encoder(info, backend)
+        self.template = ChatTemplate(template) if template is not None else None
+        self.options = options
+
+    def __call__(self, batch: RawBatch) -> Encoded:
+        docs: list[tuple[str, object, str | int | None]] = []  # (kind, payload, category)
+        rejects = []
+        for item, line in zip(batch.items, batch.lines, strict=True):
+            try:
+                docs.append(self._parse(item, batch.kind))
+            except BadRecord as e:
+                rejects.append((line, str(e), _snippet(item), True))
+            except Unusable as e:
+                rejects.append((line, str(e), _snippet(item), False))
+            except TemplateError as e:
+                rejects.append((line, f"bad chat record: {e}", _snippet(item), True))
+        out = self._encode(batch.source, docs)
+        out.rejects = rejects + out.rejects
+        out.bytes_in = sum(len(i) for i in batch.items) if batch.kind != "rows" else 0
+        return out
+
+    # -- parsing -------------------------------------------------------------------------------
+    def _parse(self, item, kind: str):
+        if kind == "text":
+            return "text", _decode_text(item), self.options.category
+        if kind == "lines":
+            try:
+                record = json.loads(item)
+            except UnicodeDecodeError as e:
+                raise BadRecord(f"invalid UTF-8 at byte {e.start}") from None
+            except json.JSONDecodeError as e:
+                raise BadRecord(f"malformed JSON: {e.msg} at column {e.colno}") from None
+        else:
+            record = item
+        if not isinstance(record, dict):
+            raise BadRecord(f"record is a JSON {type(record).__name__}, expected an object")
+        category = self._category(record)
+        fmt = self.options.format if self.options.format != "auto" else _detect(record, self.options.text_field)
+        if fmt == "text":
+            value = record.get(self.options.text_field)
+            if value is None:
+                raise BadRecord(f"missing field {self.options.text_field!r} (set --text-field)")
+            if not isinstance(value, str):
+                raise BadRecord(f"field {self.options.text_field!r} is a {type(value).__name__}, expected a string")
+            if not value.strip():
+                raise BadRecord("empty text")
+            return "text", value, category
+        if fmt == "chat":
+            if "messages" not in record and "conversations" not in record:
+                raise BadRecord("missing field 'messages' (or 'conversations')")
+            messages = normalize_messages(record)
+            if self.options.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
+                raise Unusable("no assistant message: nothing to train on (use --train-on all to keep it)")
+            return "chat", messages, category
+        return "tokens", self._tokens(record), category
+
+    def _category(self, record: dict) -> str | None:
+        field_name = self.options.category_field
+        value = record.get(field_name) if field_name else record.get("category")
+        if value is None:
+            return self.options.category
+        if not isinstance(value, str) or not value:
+            raise BadRecord(f"category {value!r} must be a non-empty string")
+        return value
+
+    def _tokens(self, record: dict) -> dict:
+        ids = _int_list(record, "input_ids")
+        if ids is None:
+            raise BadRecord("missing field 'input_ids'")
+        n = len(ids)
+        if n == 0:
+            raise BadRecord("empty input_ids")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.options.vocab_size:
+            raise BadRecord(f"input_ids outside [0, {self.options.vocab_size}) of the tokenizer vocabulary")
+        mask = _int_list(record, "loss_mask")
+        cats = _int_list(record, "category_ids")
+        for name, arr, hi in (("loss_mask", mask, 1), ("category_ids", cats, 65535)):
+            if arr is not None and (len(arr) != n or (n and (arr.min() < 0 or arr.max() > hi))):
+                raise BadRecord(f"{name} must hold {n} integers in [0, {hi}]")
+        if "length" in record and record["length"] != n:
+            raise BadRecord(f"length {record['length']!r} != len(input_ids) {n}")
+        return {"input_ids": ids, "loss_mask": mask, "category_ids": cats}
+
+    # -- encoding ------------------------------------------------------------------------------
+    def _encode(self, source: int, docs: list) -> Encoded:
+        keys: list = [None]
+        code_of: dict = {None: 0}
+
+        def code(key) -> int:
+            if key not in code_of:
+                code_of[key] = len(keys)
+                keys.append(key)
+            return code_of[key]
+
+        parts_tok, parts_len, parts_mask, parts_cat = [], [], [], []
+        need_mask = any(kind != "text" for kind, _, _ in docs)
+        need_cat = any(cat is not None for _, _, cat in docs) or any(
+            kind == "tokens" and p["category_ids"] is not None for kind, p, _ in docs)
+        rejects: list = []
+        # Text documents of the batch are encoded in one call; chat ones through their segments.
+        order = []
+        texts = [p for kind, p, _ in docs if kind == "text"]
+        if texts:
+            flat, lengths = self.encoder.encode(texts, add_special_tokens=True)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+        chats = [(p, cat) for kind, p, cat in docs if kind == "chat"]
+        chat_out = self._encode_chats(chats, code) if chats else []
+        ti = ci = 0
+        for kind, payload, cat in docs:
+            if kind == "text":
+                ids = flat[offsets[ti] : offsets[ti + 1]]
+                ti += 1
+                mask = None
+                cats = np.full(len(ids), code(cat), np.uint16) if need_cat else None
+            elif kind == "chat":
+                ids, mask, cats = chat_out[ci]
+                ci += 1
+            else:
+                ids = payload["input_ids"]
+                mask = payload["loss_mask"]
+                if payload["category_ids"] is not None:
+                    values, inverse = np.unique(payload["category_ids"], return_inverse=True)
+                    cats = np.array([code(int(v)) for v in values], np.uint16)[inverse]
+                else:
+                    cats = np.full(len(ids), code(cat), np.uint16)
+            order.append((ids, mask, cats))
+        for (kind, _, _), (ids, mask, cats) in zip(docs, order, strict=True):
+            if self._appends_eod(kind):
+                ids = np.append(ids, self.options.eod_id)
+                if mask is not None:
+                    mask = np.append(mask, 1)
+                if cats is not None:
+                    cats = np.append(cats, cats[-1] if len(cats) else 0)
+            parts_tok.append(ids)
+            parts_len.append(len(ids))
+            if need_mask:
+                if mask is None:
+                    mask = np.ones(len(ids), np.uint8)
+                    mask[:1] = 0
+                parts_mask.append(np.asarray(mask, np.uint8))
+            if need_cat:
+                parts_cat.append(cats if cats is not None else np.zeros(len(ids), np.uint16))
+        return Encoded(
+            source=source,
+            tokens=np.concatenate(parts_tok) if parts_tok else np.zeros(0, np.int64),
+            lengths=np.array(parts_len, np.int64),
+            loss_mask=np.concatenate(parts_mask) if need_mask and parts_mask else None,
+            cat_codes=np.concatenate(parts_cat) if need_cat and parts_cat else None,
+            cat_keys=keys,
+            rejects=rejects,
+        )
+
+    def _appends_eod(self, kind: str) -> bool:
+        eod = self.options.append_eod
+        return self.options.eod_id is not None and (eod or (eod is None and kind == "text"))
+
+    def _encode_chats(self, chats: list, code) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Render every conversation, encode it whole, and mark the assistant spans as targets.
+
+        Each conversation is also encoded as its span-separated segments; where the segments'
+        ids concatenate to the whole-text ids (the common case: spans begin and end at special
+        tokens or newlines) the segment lengths give the mask. Elsewhere HF offsets map
+        characters to tokens.
+        """
+        rendered = []
+        for messages, cat in chats:
+            if self.template is None:
+                raise XprepError("chat records need a chat template")
+            text, spans = self.template.render_with_spans(messages)
+            rendered.append((text, spans, messages, cat))
+        whole_flat, whole_len = self.encoder.encode([r[0] for r in rendered], add_special_tokens=False)
+        seg_texts, seg_target, seg_cat, seg_count = [], [], [], []
+        for text, spans, messages, cat in rendered:
+            pos = 0
+            n = 0
+            for start, end, i in spans:
+                if start > pos:
+                    seg_texts.append(text[pos:start])
+                    seg_target.append(False)
+                    seg_cat.append(code(cat))
+                    n += 1
+                seg_texts.append(text[start:end])
+                seg_target.append(True)
+                seg_cat.append(code(messages[i].get("category") or cat))
+                n += 1
+                pos = end
+            if pos < len(text):
+                seg_texts.append(text[pos:])
+                seg_target.append(False)
+                seg_cat.append(code(cat))
+                n += 1
+            seg_count.append(n)
+        seg_flat, seg_len = self.encoder.encode(seg_texts, add_special_tokens=False)
+        seg_target = np.array(seg_target, bool)
+        seg_cat = np.array(seg_cat, np.uint16)
+        whole_off = np.concatenate([[0], np.cumsum(whole_len)])
+        seg_off = np.concatenate([[0], np.cumsum(seg_len)])
+        seg_first = np.concatenate([[0], np.cumsum(seg_count)])
+        out = []
+        for k, (text, spans, messages, cat) in enumerate(rendered):
+            ids = whole_flat[whole_off[k] : whole_off[k + 1]]
+            s0, s1 = seg_first[k], seg_first[k + 1]
+            seg_ids = seg_flat[seg_off[s0] : seg_off[s1]]
+            if np.array_equal(ids, seg_ids):
+                reps = seg_len[s0:s1]
+                target = np.repeat(seg_target[s0:s1], reps)
+                cats = np.repeat(seg_cat[s0:s1], reps)
+            else:
+                target, cats = self._mask_from_offsets(text, ids, spans, messages, cat, code)
+            if self.options.train_on == "all":
+                target = np.ones(len(ids), bool)
+            mask = target.astype(np.uint8)
+            mask[:1] = 0
+            out.append((ids, mask, cats))
+        return out
+
+    def _mask_from_offsets(self, text, ids, spans, messages, cat, code):
+        ref_ids, starts = self.encoder.offsets(text)
+        if not np.array_equal(ref_ids, ids):
+            raise XprepError("the encoder disagrees with HF tokenizers on a rendered chat; use --backend hf")
+        target = np.zeros(len(ids), bool)
+        cats = np.full(len(ids), code(cat), np.uint16)
+        for start, end, i in spans:
+            inside = (starts >= start) & (starts < end)
+            target |= inside
+            cats[inside] = code(messages[i].get("category") or cat)
+        return target, cats
+
+
+def _detect(record: dict, text_field: str) -> str:
+    if "messages" in record or "conversations" in record:
+        return "chat"
+    if "input_ids" in record:
+        return "tokens"
+    if text_field in record:
+        return "text"
+    raise BadRecord(f"no {text_field!r}, 'messages', 'conversations' or 'input_ids' field "
+                    "(set --text-field or --format)")
+
+
+def _int_list(record: dict, key: str) -> np.ndarray | None:
+    value = record.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise BadRecord(f"field {key!r} must be a list of integers")
+    return np.array(value, np.int64)
+
+
+def _decode_text(raw: bytes) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord(f"invalid UTF-8 at byte {e.start}") from None
+    if not text.strip():
+        raise BadRecord("empty text")
+    return text
+
+
+def _snippet(item) -> str:
+    if isinstance(item, bytes):
+        return item[:300].decode("utf-8", "replace")
+    return json.dumps(item, ensure_ascii=False, default=str)[:300]
+
+
+# -- worker processes ----------------------------------------------------------------------------
+_PROCESSOR: Processor | None = None
+
+
+def _init_worker(args) -> None:
+    global _PROCESSOR
+    _PROCESSOR = Processor(*args)
+
+
+def _work(batch: RawBatch) -> Encoded:
+    assert _PROCESSOR is not None
+    return _PROCESSOR(batch)
+
+
+class _Pipeline:
+    """Ordered map of a Processor over batches: inline, or over N processes with bounded lookahead."""
+
+    def __init__(self, processor_args: tuple, workers: int):
+        self.workers = workers
+        if workers <= 1:
+            self.inline = Processor(*processor_args)
+            self.pool = None
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=(processor_args,))
+
+    def map(self, batches):
+        if self.pool is None:
+            for b in batches:
+                yield b if isinstance(b, tuple) else self.inline(b)
+            return
+        pending: deque = deque()
+        for b in batches:
+            pending.append(b if isinstance(b, tuple) else self.pool.apply_async(_work, (b,)))
+            if len(pending) >= 2 * self.workers:
+                yield _result(pending.popleft())
+        while pending:
+            yield _result(pending.popleft())
+
+    def close(self, ok: bool) -> None:
+        if self.pool is not None:
+            (self.pool.close if ok else self.pool.terminate)()
+            self.pool.join()
+
+
+def _result(item):
+    return item if isinstance(item, tuple) else item.get()
+
+
+def run_tokenize(config: TokenizeConfig) -> dict:
+    """Run ``xprep tokenize``; returns the written manifest."""
+    sources = resolve_inputs(config.inputs)
+    info = load_tokenizer_info(config.tokenizer)
+    dtype = _dtype(config.dtype, info.vocab_size)
+    plan = plan_shard(sources, config.num_shards, config.shard_index)
+    needs_chat = config.format in ("auto", "chat")
+    template = None
+    if needs_chat:
+        try:
+            template = resolve_template(config.chat_template, info.chat_template, info.bos_token, info.eos_token)
+        except XprepError:
+            if config.format == "chat" or config.chat_template != "auto":
+                raise
+    append_eod = config.append_eod
+    if append_eod is not False and config.format in ("auto", "text") and info.eod_id is None:
+        raise XprepError(f"{info.path}: no end-of-document token found (eos_token); pass --no-append-eod")
+    options = Options(config.format, config.text_field, config.train_on, config.category,
+                      config.category_field, append_eod, info.eod_id, info.vocab_size)
+    backend, reason = choose_backend(info, config.backend)
+    workers = config.workers or (min(os.cpu_count() or 1, 8) if config.format == "chat" else 1)
+    manifest = {
+        "tokenizer": info.describe(),
+        "chat_template": template.describe() if template is not None else None,
+        "options": {**options.describe(), "dtype": dtype.name, "limit": config.limit},
+    }
+    categories = CategoryTable()
+    progress = Progress("tokenize", total_bytes=_planned_bytes(sources, plan))
+    used_sources: list[int] = []
+    with DatasetWriter(config.output, info.vocab_size, dtype) as writer:
+        pipeline = _Pipeline((info, backend, template, options), workers)
+        ok = False
+        try:
+            for result in pipeline.map(read_batches(sources, plan, config.limit)):
+                if isinstance(result, tuple):  # unreadable file
+                    src, line, reason_ = result
+                    _reject(writer, config, sources[src].path, line, reason_, None)
+                    continue
+                if not used_sources or used_sources[-1] != result.source:
+                    used_sources.append(result.source)
+                for line, why, snippet, fatal in result.rejects:
+                    _reject(writer, config if fatal else None, sources[result.source].path, line, why, snippet)
+                lut = _category_lut(categories, result.cat_keys)
+                cats = lut[result.cat_codes] if result.cat_codes is not None else None
+                writer.append(result.tokens, result.lengths, result.loss_mask, cats)
+                progress.update(len(result.lengths), len(result.tokens), result.bytes_in)
+            ok = True
+        finally:
+            pipeline.close(ok)
+            progress.close()
+        manifest["sources"] = [sources[p.source].describe() for p in plan]
+        if config.num_shards > 1:
+            manifest["shard"] = {"index": config.shard_index, "count": config.num_shards}
+        manifest = writer.finish(manifest, categories)
+    c = manifest["counts"]
+    print(f"xprep tokenize: {c['documents']:,} documents, {c['tokens']:,} tokens "
+          f"({c['loss_tokens']:,} targets), {manifest['rejects']['count']:,} rejected → {config.output} "
+          f"[{backend}: {reason}, {workers} worker{'s' if workers > 1 else ''}]", file=sys.stderr)
+    return manifest
+
+
+def _reject(writer: DatasetWriter, config: TokenizeConfig | None, path: str, line: int, reason: str,
+            snippet: str | None) -> None:
+    """Fail on a bad record under --on-error fail; otherwise (or if ``config`` is None) set it aside."""
+    if config is not None and config.on_error == "fail":
+        where = f"{path}:{line}" if line else path
+        raise XprepError(f"{where}: {reason} (use --on-error skip to set bad records aside in rejects.jsonl)")
+    writer.reject(path, line, reason, snippet)
+
+
+def _category_lut(categories: CategoryTable, keys: list) -> np.ndarray:
+    lut = np.zeros(len(keys), np.uint16)
+    for code, key in enumerate(keys):
+        if key is None:
+            continue
+        if isinstance(key, int):
+            categories.use_numeric(key)
+            lut[code] = key
+        else:
+            lut[code] = categories.id_of(key)
+    return lut
+
+
+def _dtype(choice: str, vocab_size: int) -> np.dtype:
+    if choice == "auto":
+        return token_dtype(vocab_size)
+    if choice == "uint16" and vocab_size > 65536:
+        raise XprepError(
+            f"--dtype uint16: the tokenizer has {vocab_size:,} tokens, more than uint16 holds (65,536); "
+            "use --dtype int32 or auto"
+        )
+    return np.dtype(choice)
+
+
+def _planned_bytes(sources, plan) -> int:
+    return sum(a.stop - a.start for a in plan)
