@@ -20,8 +20,18 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# The whole pipeline on an embedded corpus (Python's standard library + a BPE tokenizer trained
+# here): tokenize -> pack -> inspect -> a few training steps.
 demo: $(STAMP)
-	$(VENV)/bin/python bench/demo.py --out $(DEMO)
+	rm -rf $(DEMO)
+	$(PY) -m prep.demo $(DEMO)
+	$(VENV)/bin/xprep tokenize $(DEMO)/corpus -o $(DEMO)/dataset --tokenizer $(DEMO)/tokenizer
+	$(VENV)/bin/xprep inspect $(DEMO)/dataset
+	$(VENV)/bin/xprep pack $(DEMO)/dataset -o $(DEMO)/packed --method multipack --seq-len 1024 --cp-size 2
+	$(VENV)/bin/xprep inspect $(DEMO)/packed
+	$(VENV)/bin/xtrain run $(DEMO)/packed --model tiny --steps 20 --micro-batch-size 1 --global-batch-size 2 \
+		--output $(DEMO)/runs/demo
+	$(VENV)/bin/xprep inspect $(DEMO)/runs/demo
 
 bench: $(STAMP)
 	$(PY) bench/tokenize.py

@@ -12,6 +12,7 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +69,7 @@ def load_tokenizer_info(spec: str) -> TokenizerInfo:
     if not path.is_file():
         raise XprepError(f"--tokenizer {spec}: no tokenizer.json there; pass the file or its directory")
     data = path.read_bytes()
-    hf = _load_hf(path)
+    hf = _load_hf(path.resolve())
     config = {}
     cfg_path = path.with_name("tokenizer_config.json")
     if cfg_path.is_file():
@@ -96,7 +97,9 @@ def load_tokenizer_info(spec: str) -> TokenizerInfo:
     )
 
 
+@lru_cache(maxsize=4)
 def _load_hf(path: Path):
+    """The HF tokenizer (loaded once per process: a 150k-token vocabulary takes ~0.5 s)."""
     from tokenizers import Tokenizer
 
     try:
@@ -110,7 +113,7 @@ class Encoder:
 
     def __init__(self, info: TokenizerInfo, backend: str):
         self.info = info
-        self.hf = _load_hf(Path(info.path))
+        self.hf = _load_hf(Path(info.path).resolve())
         self.backend = backend
         self._giga = _load_gigatoken(info.path) if backend == "gigatoken" else None
         with_special = self.hf.encode("x").ids
@@ -145,6 +148,7 @@ def _find(haystack: list[int], needle: list[int]) -> int:
     raise XprepError("tokenizer post-processor rewrites the text itself; use --backend hf")
 
 
+@lru_cache(maxsize=4)
 def _load_gigatoken(path: str):
     import gigatoken
 
