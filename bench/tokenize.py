@@ -195,7 +195,8 @@ def main() -> None:
                     shutil.copyfileobj(f, out)
         big_t, big_rss = xprep_tokenize(big, work / "xprep4")
         print(f"peak RSS: {size / 1e6:.0f} MB corpus {ours_rss:.0f} MB, "
-              f"{4 * size / 1e6:.0f} MB corpus {big_rss:.0f} MB (ratio {big_rss / ours_rss:.2f}; target < 1024 MB and flat), {4 * size / 1e6 / big_t:.1f} MB/s")
+              f"{4 * size / 1e6:.0f} MB corpus {big_rss:.0f} MB (ratio {big_rss / ours_rss:.2f}; "
+              f"target < 1024 MB and flat), {4 * size / 1e6 / big_t:.1f} MB/s")
 
         chat = work / "chat.jsonl"
         chat_size = build_chat_corpus(chat, chat_mb)
