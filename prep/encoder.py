@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -49,6 +50,8 @@ class TokenizerInfo:
     bos_token: str | None
     eos_token: str | None
     chat_template: str | None  # from tokenizer_config.json
+    prefix: tuple[int, ...] = ()  # ids the post-processor puts before / after every text
+    suffix: tuple[int, ...] = ()
 
     def describe(self) -> dict:
         return {"path": self.path, "sha256": self.sha256, "vocab_size": self.vocab_size,
@@ -68,8 +71,8 @@ def load_tokenizer_info(spec: str) -> TokenizerInfo:
         path = path / "tokenizer.json"
     if not path.is_file():
         raise XprepError(f"--tokenizer {spec}: no tokenizer.json there; pass the file or its directory")
-    data = path.read_bytes()
-    hf = _load_hf(path.resolve())
+    path = path.resolve()
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
     config = {}
     cfg_path = path.with_name("tokenizer_config.json")
     if cfg_path.is_file():
@@ -78,23 +81,75 @@ def load_tokenizer_info(spec: str) -> TokenizerInfo:
         except json.JSONDecodeError as e:
             raise XprepError(f"{cfg_path}: not valid JSON ({e})") from None
     eos, bos, pad = (_token_str(config.get(k)) for k in ("eos_token", "bos_token", "pad_token"))
-    eod_id = hf.token_to_id(eos) if eos else None
+    facts = _tokenizer_facts(path, sha, [t for t in (eos, pad, *EOD_CANDIDATES) if t])
+    ids = facts["ids"]
+    eod_id = ids.get(eos) if eos else None
     if eod_id is None:
-        eod_id = next((hf.token_to_id(t) for t in EOD_CANDIDATES if hf.token_to_id(t) is not None), None)
-        eos = hf.id_to_token(eod_id) if eod_id is not None else None
+        eos = next((t for t in EOD_CANDIDATES if ids.get(t) is not None), None)
+        eod_id = ids.get(eos) if eos else None
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: use "default"
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return TokenizerInfo(
-        path=str(path.resolve()),
-        sha256=hashlib.sha256(data).hexdigest(),
-        vocab_size=hf.get_vocab_size(with_added_tokens=True),
+        path=str(path),
+        sha256=sha,
+        vocab_size=facts["vocab_size"],
         eod_id=eod_id,
-        pad_id=hf.token_to_id(pad) if pad else None,
+        pad_id=ids.get(pad) if pad else None,
         bos_token=bos,
         eos_token=eos,
         chat_template=template,
+        prefix=tuple(facts["prefix"]),
+        suffix=tuple(facts["suffix"]),
     )
+
+
+def cache_dir() -> Path:
+    """Where derived facts about tokenizers are memoized ($XPREP_CACHE_DIR, else ~/.cache/xprep)."""
+    env = os.environ.get("XPREP_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xprep"
+
+
+def _cached(name: str, compute):
+    """Memoize a JSON-able result on disk; an unwritable or corrupt cache just recomputes."""
+    path = cache_dir() / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
+
+
+def _tokenizer_facts(path: Path, sha: str, tokens: list[str]) -> dict:
+    """Vocabulary size, ids of named tokens and the post-processor's added ids, keyed by content.
+
+    Loading a 150k-token HF tokenizer takes ~0.5-1 s per process; these facts are all the fast
+    path needs, so they are computed once per tokenizer file content.
+    """
+    def compute() -> dict:
+        hf = _load_hf(path)
+        with_special = hf.encode("x").ids
+        plain = hf.encode("x", add_special_tokens=False).ids
+        at = _find(with_special, plain)
+        return {
+            "vocab_size": hf.get_vocab_size(with_added_tokens=True),
+            "ids": {t: hf.token_to_id(t) for t in tokens},
+            "prefix": with_special[:at],
+            "suffix": with_special[at + len(plain):],
+        }
+
+    key = hashlib.sha256(("\0".join([sha, *tokens])).encode()).hexdigest()[:40]
+    return _cached(f"tokenizer-{key}.json", compute)
 
 
 @lru_cache(maxsize=4)
@@ -113,14 +168,15 @@ class Encoder:
 
     def __init__(self, info: TokenizerInfo, backend: str):
         self.info = info
-        self.hf = _load_hf(Path(info.path).resolve())
         self.backend = backend
         self._giga = _load_gigatoken(info.path) if backend == "gigatoken" else None
-        with_special = self.hf.encode("x").ids
-        plain = self.hf.encode("x", add_special_tokens=False).ids
-        at = _find(with_special, plain)
-        self.prefix = np.array(with_special[:at], np.int64)
-        self.suffix = np.array(with_special[at + len(plain):], np.int64)
+        self.prefix = np.array(info.prefix, np.int64)
+        self.suffix = np.array(info.suffix, np.int64)
+
+    @property
+    def hf(self):
+        """The reference HF tokenizer, loaded on first use (the fast path rarely needs it)."""
+        return _load_hf(Path(self.info.path))
 
     def encode(self, texts: list[str], add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Encode texts → (flat int64 ids, int64 lengths)."""
@@ -184,28 +240,40 @@ def add_around(flat: np.ndarray, lengths: np.ndarray, prefix: np.ndarray, suffix
     return out, new_lengths
 
 
-def choose_backend(info: TokenizerInfo, requested: str, sample: list[str] | None = None) -> tuple[str, str]:
-    """Pick the encoder backend; gigatoken only if it loads and matches HF on the samples.
+def choose_backend(info: TokenizerInfo, requested: str) -> tuple[str, str]:
+    """Pick the encoder backend; gigatoken only if it loads and matches HF on the self-check sample.
 
+    The verdict is memoized per (tokenizer content, gigatoken version, tokenizers version).
     Returns (backend, reason) so the caller can say what it chose and why.
     """
     if requested == "hf":
         return "hf", "requested"
     try:
-        fast = Encoder(info, "gigatoken")
-    except ImportError:
-        reason = "gigatoken is not installed"
-    except Exception as e:  # any failure to load means: do not use it
-        reason = f"gigatoken cannot load this tokenizer ({type(e).__name__}: {e})"
+        from importlib.metadata import version
+
+        versions = f"{version('gigatoken')}-{version('tokenizers')}"
+    except Exception:  # not installed: no fast path
+        versions = None
+    if versions is None:
+        ok, reason = False, "gigatoken is not installed"
     else:
-        texts = SELF_CHECK_SAMPLE + [t[:20_000] for t in (sample or [])]
-        got_flat, got_len = fast.encode(texts)
-        want = [fast.hf.encode(t).ids for t in texts]
-        want_flat = np.array([i for ids in want for i in ids], np.int64)
-        if np.array_equal(got_len, [len(w) for w in want]) and np.array_equal(got_flat, want_flat):
-            return "gigatoken", "self-check passed"
-        reason = "gigatoken ids differ from HF tokenizers on the self-check sample"
+        ok, reason = _cached(f"selfcheck-{info.sha256[:40]}-{versions}.json", lambda: _self_check(info))
+    if ok:
+        return "gigatoken", reason
     if requested == "gigatoken":
         raise XprepError(f"--backend gigatoken: {reason}; use --backend auto or hf")
     print(f"xprep: using HF tokenizers: {reason}", file=sys.stderr)
     return "hf", reason
+
+
+def _self_check(info: TokenizerInfo) -> tuple[bool, str]:
+    try:
+        fast = Encoder(info, "gigatoken")
+    except Exception as e:  # any failure to load means: do not use it
+        return False, f"gigatoken cannot load this tokenizer ({type(e).__name__}: {e})"
+    got_flat, got_len = fast.encode(SELF_CHECK_SAMPLE)
+    want = [fast.hf.encode(t).ids for t in SELF_CHECK_SAMPLE]
+    want_flat = np.array([i for ids in want for i in ids], np.int64)
+    if np.array_equal(got_len, [len(w) for w in want]) and np.array_equal(got_flat, want_flat):
+        return True, "self-check passed"
+    return False, "gigatoken ids differ from HF tokenizers on the self-check sample"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prep.dataset import CategoryTable, DatasetWriter, token_dtype
-from prep.encoder import Encoder, TokenizerInfo, choose_backend, load_tokenizer_info
+from prep.encoder import Encoder, TokenizerInfo, add_around, choose_backend, load_tokenizer_info
 from prep.errors import XprepError
 from prep.progress import Progress
 from prep.sources import RawBatch, plan_shard, read_batches, resolve_inputs
@@ -217,6 +217,8 @@ class Processor:
         texts = [p for kind, p, _ in docs if kind == "text"]
         if texts:
             flat, lengths = self.encoder.encode(texts, add_special_tokens=True)
+            if len(texts) == len(docs):  # the common case, fully vectorized
+                return self._text_batch(source, flat, lengths, [cat for _, _, cat in docs], need_cat, code, keys)
             offsets = np.concatenate([[0], np.cumsum(lengths)])
         chats = [(p, cat) for kind, p, cat in docs if kind == "chat"]
         chat_out = self._encode_chats(chats, code) if chats else []
@@ -264,6 +266,13 @@ class Processor:
             cat_keys=keys,
             rejects=rejects,
         )
+
+    def _text_batch(self, source, flat, lengths, cats, need_cat, code, keys) -> Encoded:
+        if self._appends_eod("text"):
+            flat, lengths = add_around(flat, lengths, np.zeros(0, np.int64),
+                                       np.array([self.options.eod_id], np.int64))
+        codes = np.repeat(np.array([code(c) for c in cats], np.uint16), lengths) if need_cat else None
+        return Encoded(source, flat, lengths, None, codes, keys)
 
     def _appends_eod(self, kind: str) -> bool:
         eod = self.options.append_eod
