@@ -1,0 +1,235 @@
+"""Context parallelism for packed documents: zigzag sharding and all-gather K/V attention.
+
+Sharding is a chain of small pure steps (STYLE 11), each testable without a process group:
+
+    cu_seqlens --pad_documents--> padded layout --zigzag_permutation--> (C, T_pad/C) global indices
+                                                 --inverse_permutation--> gathered order -> global order
+
+Every document is padded to a multiple of 2·C (`padded_length`, the same rule the packer uses
+to reserve room with `--cp-size C`) and cut into 2·C equal chunks; rank r keeps chunks r and
+2C−1−r of every document, so each rank gets the same number of tokens and about the same
+causal-attention work. At attention time each rank all-gathers K and V over the CP group
+(autograd-aware: the backward reduce-scatters their gradients), puts them back in global order,
+and lets its local queries attend causally to their own document's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from train.attention import lower_right_causal_attention
+
+Lengths = TypeVar("Lengths", int, np.ndarray, Tensor)
+GatherFn = Callable[[Tensor], Tensor]  # (T_local, ...) -> (C·T_local, ...) concatenated in rank order
+
+# Fill values of the padding tokens, per batch key (keys not listed get 0). position_ids continue.
+PAD_FILL = {"labels": -100, "category_ids": 0, "input_ids": 0}
+
+
+def cp_alignment(cp_size: int) -> int:
+    """What every document length is padded to a multiple of: 2·cp_size, or 1 without CP (cp_size 1)."""
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+def padded_length(doc_len: Lengths, cp_size: int) -> Lengths:
+    """A document's length once padded for CP: rounded up to a multiple of `cp_alignment(cp_size)`.
+
+    The pack's CP alignment (`xprep pack --cp-size C`, prep.packing.item_costs with
+    PackConfig.align) must count documents with exactly this rule, so a bin that fits its
+    capacity still fits after sharding; tests/test_cp.py checks the two agree. Works on ints
+    and elementwise on integer numpy arrays / torch tensors.
+    """
+    unit = cp_alignment(cp_size)
+    return (doc_len + unit - 1) // unit * unit
+
+
+def pad_documents(cu_seqlens: Tensor, cp_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Pad each document at its tail to `padded_length`: (cu_seqlens_padded, source, pad_offset).
+
+    For every padded token: `source` (T_pad,) int64 is the unpadded token it copies (a padding
+    token copies its document's last real token) and `pad_offset` (T_pad,) int64 is 0 for real
+    tokens and k for the k-th padding token. Padding sits after the real tokens of its document,
+    so causally no real token ever sees it.
+    """
+    cu = cu_seqlens.to("cpu", torch.int64)
+    lengths = cu[1:] - cu[:-1]  # (n_docs,)
+    cu_padded = torch.zeros_like(cu)
+    cu_padded[1:] = torch.cumsum(padded_length(lengths, cp_size), 0)
+    total = int(cu_padded[-1])
+    pos = torch.arange(total, dtype=torch.int64)
+    doc = torch.searchsorted(cu_padded, pos, right=True) - 1  # (T_pad,) document of each token
+    offset = pos - cu_padded[doc]  # position inside the padded document
+    pad_offset = (offset - lengths[doc] + 1).clamp(min=0)
+    source = cu[doc] + offset - pad_offset
+    return cu_padded.to(torch.int32), source, pad_offset
+
+
+def zigzag_owner(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
+    """The CP rank that owns each padded token (T_pad,): chunk c of 2C goes to min(c, 2C−1−c)."""
+    cu = cu_seqlens_padded.to("cpu", torch.int64)
+    pos = torch.arange(int(cu[-1]), dtype=torch.int64)
+    if cp_size == 1:
+        return torch.zeros_like(pos)
+    doc = torch.searchsorted(cu, pos, right=True) - 1
+    chunk_len = (cu[1:] - cu[:-1]) // (2 * cp_size)  # (n_docs,)
+    chunk = (pos - cu[doc]) // chunk_len[doc]  # (T_pad,) in [0, 2C)
+    return torch.minimum(chunk, 2 * cp_size - 1 - chunk)
+
+
+def zigzag_permutation(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
+    """Global token indices held by each rank, (C, T_pad/C): row r = chunks r and 2C−1−r of every document.
+
+    Within a rank, tokens keep their global order (document by document, chunk r before chunk
+    2C−1−r), which is exactly a stable sort of the tokens by owner rank. Flattened, the result
+    is the order in which an all-gather concatenates the ranks' tokens.
+    """
+    lengths = cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]
+    if bool((lengths % cp_alignment(cp_size)).any()):
+        raise ValueError(f"documents are not padded to a multiple of {cp_alignment(cp_size)}: use pad_documents")
+    owner = zigzag_owner(cu_seqlens_padded, cp_size)
+    return torch.argsort(owner, stable=True).view(cp_size, -1)
+
+
+def inverse_permutation(perm: Tensor) -> Tensor:
+    """Indices that put rank-major gathered tokens back in global order: gathered[inv] == global.
+
+    Derived from the forward permutation (argsort), so the two can never disagree.
+    """
+    return torch.argsort(perm.reshape(-1))
+
+
+def shard_batch(batch: dict[str, Tensor], cp_rank: int, cp_size: int) -> dict[str, Tensor]:
+    """This CP rank's share of a packed batch: pad every document, keep chunks r and 2C−1−r.
+
+    Per-token keys (shape (1, T)) are padded (PAD_FILL; position_ids continue, so they stay
+    GLOBAL positions within the document) and sliced to (1, T_pad/C). `cu_seqlens` becomes the
+    local one (the rank's tokens of each document, contiguous); added: `cu_seqlens_padded`
+    (global, padded), `global_index` (T_pad/C,) local→global token index and `cp_inverse`
+    (T_pad,) gathered→global order, which CPContext needs. Labels must already be aligned with
+    their logits position (shifted) before sharding: the loss is computed per rank, locally.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} not in [0, cp_size={cp_size})")
+    cu_seqlens = batch["cu_seqlens"]
+    n_tokens = int(cu_seqlens[-1])
+    cu_padded, source, pad_offset = pad_documents(cu_seqlens, cp_size)
+    perm = zigzag_permutation(cu_padded, cp_size)
+    local = perm[cp_rank]  # (T_pad/C,)
+    src, off = source[local], pad_offset[local]
+    out: dict[str, Tensor] = {}
+    for key, value in batch.items():
+        if key == "cu_seqlens":
+            continue
+        if value.dim() != 2 or value.shape[1] != n_tokens:
+            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}, expected (1, {n_tokens})")
+        taken = value[:, src.to(value.device)]
+        if key == "position_ids":
+            taken = taken + off.to(value.device)
+        else:
+            taken = torch.where(off.to(value.device) > 0, PAD_FILL.get(key, 0), taken)
+        out[key] = taken
+    out["cu_seqlens"] = (cu_padded // cp_size).to(torch.int32)
+    out["cu_seqlens_padded"] = cu_padded
+    out["global_index"] = local
+    out["cp_inverse"] = inverse_permutation(perm)
+    return out
+
+
+def all_gather_autograd(group: dist.ProcessGroup) -> GatherFn:
+    """Concatenate a tensor over the group along dim 0; the backward reduce-scatters (sums) the gradient."""
+    from torch.distributed import _functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return lambda x: gather(x.contiguous(), 0, group)
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """One batch's context-parallel state, handed to the model as `cp`.
+
+    `bounds` are the padded global document boundaries as Python ints (read once per batch,
+    not per layer); `inverse` maps gathered (rank-major) tokens to global order. `gather`
+    defaults to the autograd all-gather over `group`; tests pass a fake one to simulate ranks.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    bounds: list[int]
+    inverse: Tensor
+    gather: GatherFn
+
+    @classmethod
+    def from_shard(
+        cls,
+        shard: dict[str, Tensor],
+        group: dist.ProcessGroup | None,
+        rank: int,
+        size: int,
+        gather: GatherFn | None = None,
+    ) -> CPContext:
+        """Build from the dict `shard_batch` returned (already on the compute device)."""
+        if gather is None:
+            if group is None:
+                raise ValueError("CPContext needs a process group or a gather function")
+            gather = all_gather_autograd(group)
+        return cls(group, rank, size, shard["cu_seqlens_padded"].tolist(), shard["cp_inverse"], gather)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Local queries over the whole sequence: q (T_l, H, D), k/v (T_l, Hkv, D) -> (T_l, H, D)."""
+        n_kv = k.shape[1]
+        kv = self.gather(torch.cat([k, v], dim=1))  # (C·T_l, 2·Hkv, D), one collective per layer
+        kv = kv.index_select(0, self.inverse.to(kv.device))  # (T_pad, 2·Hkv, D) global order
+        k_all, v_all = kv[:, :n_kv], kv[:, n_kv:]
+        return zigzag_attention(q, k_all, v_all, self.bounds, self.rank, self.size)
+
+
+def local_segments(doc_len: int, rank: int, size: int) -> list[tuple[int, int]]:
+    """The [start, end) ranges of a padded document that `rank` holds: chunks r and 2C−1−r (whole doc at C=1)."""
+    if size == 1:
+        return [(0, doc_len)] if doc_len else []
+    chunk = doc_len // (2 * size)
+    return [(c * chunk, (c + 1) * chunk) for c in (rank, 2 * size - 1 - rank)] if chunk else []
+
+
+def zigzag_attention(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], rank: int, size: int) -> Tensor:
+    """Attention of rank `rank`'s zigzag queries over global keys: q (T_pad/C, H, D), k/v (T_pad, Hkv, D).
+
+    A local segment [a, b) of a document starting at `start` attends to that document's keys
+    [start, start + b) with bottom-right causal alignment: query a + i sees keys up to a + i.
+    """
+    outs = []
+    q_start = 0
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        for a, b in local_segments(end - start, rank, size):
+            q_seg = q[q_start : q_start + b - a]
+            outs.append(lower_right_causal_attention(q_seg, k[start : start + b], v[start : start + b]))
+            q_start += b - a
+    if not outs:
+        return q.new_zeros(q.shape)
+    return torch.cat(outs, dim=0)  # (T_pad/C, H, D)
+
+
+__all__ = [
+    "CPContext",
+    "PAD_FILL",
+    "all_gather_autograd",
+    "cp_alignment",
+    "inverse_permutation",
+    "local_segments",
+    "pad_documents",
+    "padded_length",
+    "shard_batch",
+    "zigzag_attention",
+    "zigzag_owner",
+    "zigzag_permutation",
+]
