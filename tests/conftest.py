@@ -1,0 +1,100 @@
+"""Shared test fixtures: paths, the real-data skip marker, a tiny offline tokenizer, a CLI runner.
+
+Kept generic on purpose: fixtures for one area live in that area's test files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = REPO_ROOT.parent / "shared" / "data"
+
+requires_shared_data = pytest.mark.skipif(
+    not SHARED.is_dir(),
+    reason=f"real test data not found at {SHARED} (../shared/data from the project root, see its README.md); "
+    "tests on real corpora and tokenizers are skipped",
+)
+
+# A ChatML template with a generation prompt: enough for chat tests on the tiny tokenizer.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data``; skips the test (with the reason) when it is absent."""
+    if not SHARED.is_dir():
+        pytest.skip(f"real test data not found at {SHARED} (../shared/data from the project root)")
+    return SHARED
+
+
+def _training_corpus() -> list[str]:
+    """Deterministic text present on every machine: a few standard-library sources plus prose."""
+    import json as json_module
+    import textwrap
+
+    texts = []
+    for module in (textwrap, json_module):
+        path = Path(module.__file__)
+        files = sorted(path.parent.glob("*.py")) if path.name == "__init__.py" else [path]
+        texts += [f.read_text(encoding="utf-8") for f in files]
+    texts.append(
+        "The quick brown fox jumps over the lazy dog. Hello world! How are you today? "
+        "I am fine, thanks. Numbers 0123456789 and punctuation: ; , . ! ? ' \" ( ) [ ] { }\n" * 20
+    )
+    return texts
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer (vocab 600) trained offline; a directory with tokenizer.json and
+    tokenizer_config.json (eos ``<|endoftext|>``, a ChatML chat template). Ids fit uint16."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=TINY_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    tok.save(str(out / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "bos_token": None,
+              "chat_template": TINY_CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def xprep_cli(*args, timeout: float = 300, cwd: str | Path | None = None) -> tuple[int, str, str]:
+    """Run ``xprep ARGS...`` in a fresh process (not a TTY: no progress bar); (exit code, stdout, stderr)."""
+    script = Path(sys.executable).with_name("xprep")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-c", "import cli; cli.xprep()"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env=env)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="session")
+def run_cli():
+    """``run_cli("tokenize", ...)`` → (exit code, stdout, stderr) of ``xprep`` in a subprocess."""
+    return xprep_cli

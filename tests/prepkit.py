@@ -1,0 +1,100 @@
+"""Test helpers for ``xprep tokenize/merge``: run in-process, compare outputs, read targets back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from prep.tokenize import TokenizeConfig, run_tokenize
+
+
+def tokenize(inputs, out: Path, tokenizer, **options) -> dict:
+    """Run ``xprep tokenize`` in this process (fast: no interpreter start-up); returns the manifest."""
+    if isinstance(inputs, (str, Path)):
+        inputs = [inputs]
+    options.setdefault("workers", 1)
+    config = TokenizeConfig(inputs=[str(i) for i in inputs], output=str(out), tokenizer=str(tokenizer), **options)
+    return run_tokenize(config)
+
+
+def dir_bytes(path: Path) -> dict[str, bytes]:
+    """Every file of a directory (recursively), by relative path: for byte-for-byte comparisons."""
+    path = Path(path)
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def assert_same_files(a: Path, b: Path) -> None:
+    fa, fb = dir_bytes(a), dir_bytes(b)
+    assert sorted(fa) == sorted(fb), f"{a} and {b} hold different files"
+    for name in fa:
+        assert fa[name] == fb[name], f"{name} differs between {a} and {b}"
+
+
+def write_jsonl(path: Path, records, ensure_ascii: bool = False) -> Path:
+    path = Path(path)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=ensure_ascii) + "\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def target_runs(ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+    """Maximal runs of consecutive tokens whose loss mask is 1."""
+    runs, current = [], []
+    for token, m in zip(np.asarray(ids).tolist(), np.asarray(mask).tolist(), strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def chat_records(n: int = 12) -> list[dict]:
+    """Small varied conversations (system turns, several assistant turns, unicode, newlines)."""
+    out = []
+    for i in range(n):
+        messages = []
+        if i % 3 == 0:
+            messages.append({"role": "system", "content": f"You are helper number {i}."})
+        for t in range(1 + i % 3):
+            messages.append({"role": "user", "content": f"Question {i}.{t}: how are you? ünï\ncode"})
+            messages.append({"role": "assistant", "content": f"Answer {i}.{t}: fine, thanks!\n  indented"})
+        out.append({"messages": messages})
+    return out
+
+
+def text_records(n: int = 20) -> list[dict]:
+    words = "the quick brown fox jumps over a lazy dog while json parsers decode strings".split()
+    return [{"text": " ".join(words[(i * 7 + k) % len(words)] for k in range(5 + (i * 13) % 40))}
+            for i in range(n)]
+
+
+def schema(name: str) -> dict:
+    """A JSON Schema of the project, e.g. ``"dataset"`` or ``"records/chat"``."""
+    from conftest import REPO_ROOT
+
+    return json.loads((REPO_ROOT / "schemas" / f"{name}.schema.json").read_text())
+
+
+def validate(instance, name: str) -> None:
+    """Raise ``jsonschema.ValidationError`` unless ``instance`` conforms to schema ``name``."""
+    import jsonschema
+
+    s = schema(name)
+    jsonschema.Draft202012Validator.check_schema(s)
+    jsonschema.Draft202012Validator(s, format_checker=jsonschema.FormatChecker()).validate(instance)
+
+
+def is_valid(instance, name: str) -> bool:
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(schema(name)).is_valid(instance)
