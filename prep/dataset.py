@@ -47,8 +47,11 @@ def fingerprint(manifest: dict) -> str:
     Source paths, counts and rejects are derived or incidental and stay out, so a dataset
     rebuilt elsewhere (or merged from shards) from the same inputs has the same fingerprint.
     """
-    keys = ("format", "version", "tokenizer", "chat_template", "options", "categories", "streams")
-    return hashlib.sha256(canonical_json({k: manifest.get(k) for k in keys})).hexdigest()
+    content = {k: manifest.get(k) for k in ("format", "version", "options", "categories", "streams")}
+    content["tokenizer"] = {k: v for k, v in manifest["tokenizer"].items() if k != "path"}
+    template = manifest.get("chat_template")
+    content["chat_template"] = template and template.get("sha256")
+    return hashlib.sha256(canonical_json(content)).hexdigest()
 
 
 class CategoryTable:
@@ -69,8 +72,15 @@ class CategoryTable:
         return self._set(free, name)
 
     def use_numeric(self, cid: int) -> None:
-        """Reserve a verbatim numeric id from pre-tokenized data (named ``str(cid)``)."""
+        """Reserve a verbatim numeric id from pre-tokenized data (named ``str(cid)``; 0 stays 0)."""
+        if cid == 0:
+            return
         if cid < len(self.names) and self.names[cid] is not None:
+            if self.names[cid] != str(cid):
+                raise XprepError(
+                    f"category id {cid} of pre-tokenized records is already the id of category "
+                    f"{self.names[cid]!r}: tokenize named and numeric categories into separate datasets"
+                )
             return
         self._set(cid, str(cid))
 
@@ -313,8 +323,16 @@ class TokenDataset:
             self.manifest = json.loads(mpath.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise XprepError(f"{mpath}: unreadable manifest ({e}); re-create the dataset") from None
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != FORMAT_VERSION:
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT \
+                or self.manifest.get("version") != FORMAT_VERSION:
             raise XprepError(f"{mpath}: not an {FORMAT} v{FORMAT_VERSION} manifest")
+        missing = [k for k in ("streams", "counts", "categories", "fingerprint", "tokenizer", "rejects")
+                   if k not in self.manifest]
+        missing += [f"counts.{k}" for k in ("documents", "tokens", "loss_tokens", "categories")
+                    if k not in self.manifest.get("counts", {})]
+        if missing or "tokens" not in self.manifest["streams"]:
+            raise XprepError(f"{mpath}: incomplete manifest (missing {', '.join(missing) or 'streams.tokens'}); "
+                             "re-create the dataset")
         self.tokens = IndexedReader(self.path / "tokens")
         self.loss_mask = self._optional("loss_mask")
         self.category_ids = self._optional("category_ids")

@@ -221,11 +221,12 @@ def _read_lines(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
     """Stream the JSON lines that start in [a.start, a.stop), in batches of about BATCH_BYTES."""
     with _open_lines(src) as f:
         line_no, pos = (1, 0) if a.start == 0 else _seek_line_start(f, a.start)
+        stop = a.stop if src.splittable else float("inf")  # compressed: sizes are not positions
         items: list[bytes] = []
         lines: list[int] = []
         size = 0
         for line in _iter_lines(f):
-            if pos >= a.stop:
+            if pos >= stop:
                 break
             pos += len(line) + 1
             if line.strip():

@@ -195,7 +195,7 @@ class ChatTemplate:
             start = cursor + glue[k].rindex(header) + len(header)
             cursor += len(glue[k])
             content = messages[i]["content"]
-            rendered = next((c for c in dict.fromkeys((content, content.strip(), content.lstrip("\n")))
+            rendered = next((c for c in content_forms(content)
                              if text.startswith(c, cursor) and text.startswith(glue[k + 1], cursor + len(c))),
                             None)
             if rendered is None:
@@ -233,7 +233,7 @@ class ChatTemplate:
 
     def _turn_end(self, text: str, content: str, start: int, index: int) -> int:
         """End of the turn whose content is the first occurrence (from ``start``) followed by a marker."""
-        for candidate in dict.fromkeys((content, content.strip())):
+        for candidate in content_forms(content):
             pos = text.find(candidate, start)
             while pos >= 0:
                 end = self._after_marker(text, pos + len(candidate))
@@ -250,6 +250,16 @@ class ChatTemplate:
             if text.startswith(marker, rest):
                 return rest + len(marker)
         return end
+
+
+def content_forms(content: str) -> tuple[str, ...]:
+    """How templates commonly render an assistant content: as is, trimmed, or without the
+    reasoning before ``</think>`` (Qwen3 drops it from earlier turns)."""
+    forms = [content, content.strip(), content.lstrip("\n")]
+    if "</think>" in content:
+        answer = content.split("</think>")[-1]
+        forms += [answer.lstrip("\n"), answer.strip()]
+    return tuple(dict.fromkeys(forms))
 
 
 def normalize_messages(record: dict) -> list[dict]:
@@ -274,7 +284,7 @@ def normalize_messages(record: dict) -> list[dict]:
             raise TemplateError(f"message {j}: content must be a string, got {type(content).__name__}")
         message = {"role": ROLES[role.lower()], "content": content}
         for extra in ("category", "tool_calls", "name", "reasoning_content", "tool_call_id"):
-            if extra in m:
+            if m.get(extra) is not None:  # table rows carry every column, null where absent
                 message[extra] = m[extra]
         out.append(message)
     return out

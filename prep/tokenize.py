@@ -145,6 +145,8 @@ class Processor:
                 raise BadRecord(f"invalid UTF-8 at byte {e.start}") from None
             except json.JSONDecodeError as e:
                 raise BadRecord(f"malformed JSON: {e.msg} at column {e.colno}") from None
+            except RecursionError:
+                raise BadRecord("malformed JSON: nested too deeply") from None
         else:
             record = item
         if not isinstance(record, dict):
@@ -159,11 +161,19 @@ class Processor:
                 raise BadRecord(f"field {self.options.text_field!r} is a {type(value).__name__}, expected a string")
             if not value.strip():
                 raise BadRecord("empty text")
+            _check_text(value)
             return "text", value, category
         if fmt == "chat":
-            if "messages" not in record and "conversations" not in record:
+            if record.get("messages") is None and record.get("conversations") is None:
                 raise BadRecord("missing field 'messages' (or 'conversations')")
+            if self.template is None:
+                raise BadRecord("a chat record, but the tokenizer has no chat_template: pass "
+                                "--chat-template chatml|llama3|FILE")
             messages = normalize_messages(record)
+            for m in messages:
+                _check_text(m["content"])
+                if "category" in m:
+                    m["category"] = _category_name(m["category"], "message category")
             if self.options.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
                 raise Unusable("no assistant message: nothing to train on (use --train-on all to keep it)")
             return "chat", messages, category
@@ -174,9 +184,7 @@ class Processor:
         value = record.get(field_name) if field_name else record.get("category")
         if value is None:
             return self.options.category
-        if not isinstance(value, str) or not value:
-            raise BadRecord(f"category {value!r} must be a non-empty string")
-        return value
+        return _category_name(value, "category")
 
     def _tokens(self, record: dict) -> dict:
         ids = _int_list(record, "input_ids")
@@ -288,8 +296,6 @@ class Processor:
         """
         rendered = []
         for messages, cat in chats:
-            if self.template is None:
-                raise XprepError("chat records need a chat template")
             text, spans = self.template.render_with_spans(messages)
             rendered.append((text, spans, messages, cat))
         whole_flat, whole_len = self.encoder.encode([r[0] for r in rendered], add_special_tokens=False)
@@ -352,11 +358,12 @@ class Processor:
 
 
 def _detect(record: dict, text_field: str) -> str:
-    if "messages" in record or "conversations" in record:
+    """Record kind by its fields; null fields count as absent (table rows carry every column)."""
+    if record.get("messages") is not None or record.get("conversations") is not None:
         return "chat"
-    if "input_ids" in record:
+    if record.get("input_ids") is not None:
         return "tokens"
-    if text_field in record:
+    if record.get(text_field) is not None:
         return "text"
     raise BadRecord(f"no {text_field!r}, 'messages', 'conversations' or 'input_ids' field "
                     "(set --text-field or --format)")
@@ -368,7 +375,25 @@ def _int_list(record: dict, key: str) -> np.ndarray | None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise BadRecord(f"field {key!r} must be a list of integers")
-    return np.array(value, np.int64)
+    try:
+        return np.array(value, np.int64)
+    except OverflowError:
+        raise BadRecord(f"field {key!r} holds an integer beyond int64") from None
+
+
+def _category_name(value, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise BadRecord(f"{what} {value!r} must be a non-empty string")
+    return value
+
+
+def _check_text(text: str) -> None:
+    """Reject strings no tokenizer can encode (lone UTF-16 surrogates from JSON escapes)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRecord(f"text holds a lone surrogate {text[e.start]!r} at character {e.start}") from None
 
 
 def _decode_text(raw: bytes) -> str:
@@ -463,7 +488,7 @@ def run_tokenize(config: TokenizeConfig) -> dict:
         "options": {**options.describe(), "dtype": dtype.name, "limit": config.limit},
     }
     categories = CategoryTable()
-    progress = Progress("tokenize", total_bytes=_planned_bytes(sources, plan))
+    progress = Progress("tokenize", total_bytes=_planned_bytes(sources, plan))  # None: no percentage
     used_sources: list[int] = []
     with DatasetWriter(config.output, info.vocab_size, dtype) as writer:
         pipeline = _Pipeline((info, backend, template, options), workers)
@@ -478,7 +503,7 @@ def run_tokenize(config: TokenizeConfig) -> dict:
                     used_sources.append(result.source)
                 for line, why, snippet, fatal in result.rejects:
                     _reject(writer, config if fatal else None, sources[result.source].path, line, why, snippet)
-                lut = _category_lut(categories, result.cat_keys)
+                lut = _category_lut(categories, result.cat_keys, result.cat_codes)
                 cats = lut[result.cat_codes] if result.cat_codes is not None else None
                 writer.append(result.tokens, result.lengths, result.loss_mask, cats)
                 progress.update(len(result.lengths), len(result.tokens), result.bytes_in)
@@ -506,9 +531,15 @@ def _reject(writer: DatasetWriter, config: TokenizeConfig | None, path: str, lin
     writer.reject(path, line, reason, snippet)
 
 
-def _category_lut(categories: CategoryTable, keys: list) -> np.ndarray:
+def _category_lut(categories: CategoryTable, keys: list, codes: np.ndarray | None) -> np.ndarray:
+    """Map a batch's local category codes to dataset ids, registering new names in order of first
+    appearance in the token stream (so ids never depend on how a batch was processed)."""
     lut = np.zeros(len(keys), np.uint16)
-    for code, key in enumerate(keys):
+    if codes is None or not len(codes):
+        return lut
+    present, first = np.unique(codes, return_index=True)
+    for code in present[np.argsort(first)].tolist():
+        key = keys[code]
         if key is None:
             continue
         if isinstance(key, int):
@@ -530,5 +561,8 @@ def _dtype(choice: str, vocab_size: int) -> np.dtype:
     return np.dtype(choice)
 
 
-def _planned_bytes(sources, plan) -> int:
+def _planned_bytes(sources, plan) -> int | None:
+    """Bytes the shard will read, when that is known up front (not for compressed files or tables)."""
+    if not all(sources[a.source].kind in ("lines", "text") and sources[a.source].compression is None for a in plan):
+        return None
     return sum(a.stop - a.start for a in plan)

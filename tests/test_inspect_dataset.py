@@ -202,10 +202,6 @@ def test_inspect_path_dispatches_to_dataset(dataset):
 
 
 @pytest.mark.parametrize("edit", ["only-format", "no-streams", "no-counts-tokens"])
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: prep/dataset.py TokenDataset reads manifest['streams'] / ['counts'][...] unchecked: KeyError "
-    'traceback'
-))
 def test_manifest_missing_fields_is_a_clear_error(copy, run_cli, edit):
     m = json.loads((copy / "manifest.json").read_text())
     if edit == "only-format":

@@ -96,10 +96,6 @@ def test_three_shards_and_merge_through_the_cli_on_real_text_and_chat(tmp_path, 
     assert_same_files(tmp_path / "merged", tmp_path / "single")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'bug: prep/tokenize.py Processor._encode codes chat categories (via _encode_chats) before text ones, '
-    'so ids follow batch contents, not input order; a shard split between the two records changes the ids'
-))
 def test_category_ids_follow_first_use_whatever_the_batch_holds(tmp_path, tiny_tokenizer):
     """A text record with a category followed by a chat record with another, split between two shards.
 

@@ -94,13 +94,8 @@ def test_small_chunks_do_not_change_lines(tmp_path, monkeypatch):
     assert [r[2] for r in want] == recs
 
 
-GZ_ZST_TRUNCATED = pytest.mark.xfail(
-    strict=True,
-    reason="bug: prep/sources.py _read_lines stops at `pos >= a.stop` where stop is the COMPRESSED size "
-    "(plan_shard: Assignment(i, 0, src.size)) but pos counts decompressed bytes: .gz/.zst lose records",
-)
-FORMATS = ["a.jsonl", pytest.param("b.jsonl.gz", marks=GZ_ZST_TRUNCATED),
-           pytest.param("c.jsonl.zst", marks=GZ_ZST_TRUNCATED), "d.parquet", "e.arrow", "f.arrow"]
+FORMATS = ["a.jsonl", "b.jsonl.gz",
+           "c.jsonl.zst", "d.parquet", "e.arrow", "f.arrow"]
 
 
 @pytest.fixture(scope="module")

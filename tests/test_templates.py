@@ -208,10 +208,6 @@ def test_qwen3_tool_turns(qwen3):
 
 
 @requires_shared_data
-@pytest.mark.xfail(strict=True, reason=(
-    'bug: prep/templates.py _turn_end: Qwen3 drops <think> reasoning of earlier assistant turns, the '
-    "content is not found in the render, and the record is rejected ('content does not appear')"
-))
 def test_qwen3_reasoning_in_earlier_turns_is_dropped_by_the_template(qwen3):
     """Qwen3 keeps the reasoning of the final turn only; targets are what the template renders."""
     msgs = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "<think>\nr1\n</think>\n\na1"},

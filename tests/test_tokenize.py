@@ -126,15 +126,10 @@ def format_tokenizer(tiny_tokenizer):
     return SHARED / "tokenizers/qwen3" if SHARED.is_dir() else tiny_tokenizer
 
 
-GZ_ZST_TRUNCATED = pytest.mark.xfail(
-    strict=True,
-    reason="bug: prep/sources.py _read_lines stops at `pos >= a.stop` where stop is the COMPRESSED size "
-    "(plan_shard: Assignment(i, 0, src.size)) but pos counts decompressed bytes: .gz/.zst lose records",
-)
 
 
-@pytest.mark.parametrize("name", [pytest.param("b.jsonl.gz", marks=GZ_ZST_TRUNCATED),
-                                  pytest.param("c.jsonl.zst", marks=GZ_ZST_TRUNCATED),
+@pytest.mark.parametrize("name", ["b.jsonl.gz",
+                                  "c.jsonl.zst",
                                   "d.parquet", "e.arrow", "hf", "txt"])
 def test_every_input_format_gives_the_same_tokens_as_jsonl(tmp_path, format_inputs, format_tokenizer, name):
     ref = tokenize(format_inputs / "a.jsonl", tmp_path / "ref", format_tokenizer)
@@ -146,10 +141,6 @@ def test_every_input_format_gives_the_same_tokens_as_jsonl(tmp_path, format_inpu
     validate(got, "dataset")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: prep/tokenize.py _detect tests `'messages' in record`; table rows carry every column, so a null"
-    " messages column turns text/token rows into 'empty conversation' rejects"
-))
 def test_tables_mixing_record_kinds_equal_jsonl(tmp_path, tiny_tokenizer):
     """In a Parquet table every row has every column (null where a record lacks it): a text row has
     ``messages: null``, a chat row ``text: null``. They must read as the same records as in JSON Lines."""
@@ -263,7 +254,9 @@ def test_workers_give_byte_identical_datasets_with_small_batches(tmp_path, tiny_
     recs = []
     for i, (t, c) in enumerate(zip(text_records(60), chat_records(60), strict=True)):
         recs += [{**t, "category": f"t{i % 3}"}, c if i % 4 else {**c, "category": "dialog"}]
-    recs += [{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 0], "category_ids": [2, 2, 9, 9]}, {"text": ""}]
+    # numeric ids kept verbatim, clear of the ids the names above take by first use
+    recs += [{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 0], "category_ids": [200, 200, 201, 201]},
+             {"text": ""}]
     p = write_jsonl(tmp_path / "a.jsonl", recs)
     (tmp_path / "b.jsonl.gz").write_bytes(b"corrupt")  # an unreadable file between two readable ones
     q = write_jsonl(tmp_path / "c.jsonl", text_records(30))
@@ -438,10 +431,6 @@ def test_manifests_of_every_kind_validate(tmp_path, tiny_tokenizer):
         assert json.loads((tmp_path / f"o{i}" / "manifest.json").read_text()) == m
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'bug: prep/dataset.py CategoryTable.use_numeric returns silently when the id already holds a name, so'
-    ' pre-tokenized category id 1 is counted as the named category that got id 1'
-))
 def test_named_and_numeric_categories_never_share_an_id(tmp_path, tiny_tokenizer):
     """A name (id by first use) and a pre-tokenized numeric id (kept verbatim) must not be merged silently."""
     recs = [{"text": "named text", "category": "web"}, {"input_ids": [5, 6, 7], "category_ids": [1, 1, 1]}]
@@ -458,10 +447,6 @@ def test_named_and_numeric_categories_never_share_an_id(tmp_path, tiny_tokenizer
     assert web == {"web"} and numeric == {"1"}, (web, numeric, names)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: prep/dataset.py fingerprint() hashes manifest['tokenizer'] incl. its absolute path and "
-    "chat_template.name (a FILE template's path): moving the tokenizer changes the fingerprint"
-))
 def test_fingerprint_does_not_depend_on_where_the_tokenizer_and_template_live(tmp_path, tiny_tokenizer):
     """The fingerprint covers content: the tokenizer's sha256, the template's sha256, not their paths
     (a dataset rebuilt on another machine must keep its fingerprint, or pack caches and resumes break)."""
