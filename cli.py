@@ -93,7 +93,45 @@ def merge(datasets, output):
 
 
 # ------------------------------------------------------------------------------------------- pack
-# (the `xprep pack` command goes here)
+@xprep.command()
+@click.argument("datasets", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, help="Pack cache directory (created; entries keyed inside).")
+@click.option("--method", required=True, type=click.Choice(["sequential", "multipack", "token-aware"]),
+              help="sequential: in order, next bin when full; multipack: first-fit-decreasing over groups, "
+                   "then underfull bins repacked together (densest); token-aware: in order, micro-batches "
+                   "of at most --max-tokens.")
+@click.option("--seq-len", type=int, default=None,
+              help="Bin capacity in tokens (sequential, multipack).")
+@click.option("--max-tokens", type=int, default=None, help="Token budget of a micro-batch (token-aware).")
+@click.option("--overlong", type=click.Choice(["drop", "truncate", "split"]), default=None,
+              help="Documents longer than the capacity. Default: split for sequential (pretraining text), "
+                   "drop for multipack and token-aware (SFT).")
+@click.option("--cp-size", type=int, default=1, show_default=True,
+              help="Context-parallel size C: each document counts as its length rounded up to a multiple "
+                   "of 2·C; the capacity must be a multiple of 2·C.")
+@click.option("--group-size", type=int, default=None,
+              help="multipack: documents per independently packed group [default: 100000].")
+@click.option("--balance-dp", type=int, default=None,
+              help="token-aware: arrange bins in steps over N data-parallel ranks, balancing Σ len².")
+@click.option("--dp-micro-batches", type=int, default=None,
+              help="With --balance-dp: bins per rank per balanced step [default: 16].")
+@click.option("--shuffle/--no-shuffle", default=None,
+              help="Permute documents (seeded) before packing. Default: on for token-aware, off otherwise.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --shuffle.")
+@click.option("--force", is_flag=True, help="Rebuild the entry even if the cache has it.")
+@_user_errors
+def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
+         dp_micro_batches, shuffle, seed, force):
+    """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
+    from prep.cache import PackConfig
+    from prep.cache import pack as run_pack
+    from prep.pack_report import summary_lines
+
+    config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
+                        cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
+                        dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed)
+    outcome = run_pack(list(datasets), output, config, force=force, log=lambda m: click.echo(m, err=True))
+    click.echo("\n".join(summary_lines(outcome)))
 
 
 # ---------------------------------------------------------------------------------------- inspect

@@ -1,0 +1,193 @@
+"""The pack cache: hits, misses, --force, concurrent and killed builds, edited and corrupt data."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import prep.packing
+from prep.cache import TEST_SLEEP_ENV, PackConfig, pack
+from prep.dataset import CategoryTable, DatasetWriter
+from prep.errors import XprepError
+from prep.packfile import open_packed
+
+ROOT = Path(__file__).resolve().parents[1]
+XPREP = [sys.executable, "-c", "import cli; cli.xprep()"]
+
+
+def make_dataset(path: Path, lengths, seed: int = 0, categories: bool = True, tokenizer_sha: str = "t") -> Path:
+    """A small token dataset with a category stream (ids 0..2) built with the real writer."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, np.int64)
+    tokens = rng.integers(0, 1000, int(lengths.sum()))
+    cats = rng.integers(0, 3, int(lengths.sum())).astype(np.uint8) if categories else None
+    table = CategoryTable()
+    table.id_of("chat")
+    table.id_of("code")
+    with DatasetWriter(path, vocab_size=1000) as w:
+        w.append(tokens, lengths, category_ids=cats)
+        w.finish({"tokenizer": {"path": "test", "sha256": tokenizer_sha, "vocab_size": 1000}}, table)
+    return path
+
+
+def lengths_for(seed: int, n: int = 500) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 300, n)
+
+
+@pytest.fixture
+def ds(tmp_path) -> Path:
+    return make_dataset(tmp_path / "ds", lengths_for(0))
+
+
+def cfg(**kw) -> PackConfig:
+    return PackConfig(**{"method": "multipack", "seq_len": 512, **kw})
+
+
+def forbid_packing(monkeypatch):
+    def boom(*_a, **_k):
+        raise AssertionError("packed on a cache hit")
+    monkeypatch.setattr(prep.packing, "pack_lengths", boom)
+
+
+def test_same_command_twice_is_a_hit_that_does_no_packing(tmp_path, ds, monkeypatch):
+    first = pack([ds], tmp_path / "P", cfg())
+    assert not first.hit
+    forbid_packing(monkeypatch)
+    second = pack([ds], tmp_path / "P", cfg())
+    assert second.hit and second.entry.path == first.entry.path
+    manifest = json.loads((tmp_path / "P" / "manifest.json").read_text())
+    assert manifest["format"] == "xprep-packed" and manifest["current"] == first.entry.path.name
+
+
+def test_every_option_and_dataset_order_is_a_new_entry(tmp_path, ds):
+    ds2 = make_dataset(tmp_path / "ds2", lengths_for(1))
+    variants = [cfg(), cfg(seq_len=1024), cfg(group_size=7), cfg(overlong="truncate"), cfg(cp_size=2),
+                cfg(shuffle=True), cfg(shuffle=True, seed=3), cfg(method="sequential"),
+                cfg(method="token-aware", seq_len=None, max_tokens=512)]
+    names = {pack([ds], tmp_path / "P", c).entry.path.name for c in variants}
+    names.add(pack([ds, ds2], tmp_path / "P", cfg()).entry.path.name)
+    names.add(pack([ds2, ds], tmp_path / "P", cfg()).entry.path.name)
+    assert len(names) == len(variants) + 2
+    manifest = json.loads((tmp_path / "P" / "manifest.json").read_text())
+    assert set(manifest["entries"]) == names
+
+
+def test_force_rebuilds(tmp_path, ds):
+    first = pack([ds], tmp_path / "P", cfg())
+    again = pack([ds], tmp_path / "P", cfg(), force=True)
+    assert not again.hit and again.entry.path == first.entry.path
+    assert np.array_equal(again.entry.item_doc, first.entry.item_doc)
+    assert not list((tmp_path / "P").glob(".tmp-*")) and not list((tmp_path / "P").glob(".old-*"))
+
+
+def test_edited_dataset_is_never_served_from_the_old_entry(tmp_path):
+    ds = make_dataset(tmp_path / "ds", lengths_for(0))
+    old = pack([ds], tmp_path / "P", cfg())
+    shutil.rmtree(ds)
+    lengths = lengths_for(0)
+    lengths[17] += 1  # one more token in one document
+    make_dataset(ds, lengths)
+    new = pack([ds], tmp_path / "P", cfg())
+    assert not new.hit and new.entry.key != old.entry.key
+    assert new.entry.meta["stats"]["tokens_in"] == old.entry.meta["stats"]["tokens_in"] + 1
+    assert open_packed(tmp_path / "P").key == new.entry.key
+
+
+def test_moved_dataset_is_a_hit_pointing_at_the_new_path(tmp_path, ds, monkeypatch):
+    pack([ds], tmp_path / "P", cfg())
+    moved = tmp_path / "moved"
+    shutil.move(ds, moved)
+    forbid_packing(monkeypatch)
+    outcome = pack([moved], tmp_path / "P", cfg())
+    assert outcome.hit and outcome.entry.dataset_paths == [moved.resolve()]
+
+
+def test_global_document_index_spans_datasets_in_order(tmp_path):
+    a = make_dataset(tmp_path / "a", [10, 20, 30])
+    b = make_dataset(tmp_path / "b", [40, 50], seed=1)
+    entry = pack([a, b], tmp_path / "P", cfg(method="sequential", seq_len=64)).entry
+    assert entry.item_doc.tolist() == [0, 1, 2, 3, 4]
+    assert [d["first_document"] for d in entry.meta["datasets"]] == [0, 3]
+
+
+@pytest.mark.parametrize("damage", ["garbage_json", "missing_array", "incomplete", "wrong_key"])
+def test_corrupt_entry_is_an_error_not_a_silent_rebuild(tmp_path, ds, damage, monkeypatch):
+    entry = pack([ds], tmp_path / "P", cfg()).entry
+    meta_path = entry.path / "pack.json"
+    if damage == "garbage_json":
+        meta_path.write_text("{ not json")
+    elif damage == "missing_array":
+        (entry.path / "item_len.npy").unlink()
+    else:
+        meta = json.loads(meta_path.read_text())
+        meta.update({"complete": False} if damage == "incomplete" else {"key": "0" * 64})
+        meta_path.write_text(json.dumps(meta))
+    forbid_packing(monkeypatch)
+    with pytest.raises(XprepError, match="--force"):
+        pack([ds], tmp_path / "P", cfg())
+    monkeypatch.undo()
+    assert not pack([ds], tmp_path / "P", cfg(), force=True).hit
+    assert pack([ds], tmp_path / "P", cfg()).hit
+
+
+def test_output_that_is_not_a_pack_cache_is_refused(tmp_path, ds):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(XprepError, match="is a file"):
+        pack([ds], tmp_path / "file", cfg())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(XprepError, match="not a pack cache"):
+        pack([ds], tmp_path / "other", cfg())
+    with pytest.raises(XprepError, match="not a token dataset"):
+        pack([tmp_path / "missing"], tmp_path / "P", cfg())
+    other = make_dataset(tmp_path / "other_tok", [5, 6], tokenizer_sha="u")
+    with pytest.raises(XprepError, match="different tokenizers"):
+        pack([ds, other], tmp_path / "P", cfg())
+
+
+def _pack_cmd(ds: Path, out: Path) -> list[str]:
+    return [*XPREP, "pack", str(ds), "-o", str(out), "--method", "multipack", "--seq-len", "512"]
+
+
+def _env(sleep: float | None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if sleep is not None:
+        env[TEST_SLEEP_ENV] = str(sleep)
+    return env
+
+
+def test_concurrent_identical_invocations_build_once(tmp_path, ds):
+    procs = [subprocess.Popen(_pack_cmd(ds, tmp_path / "P"), env=_env(1.5), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    firsts = sorted(out.splitlines()[0].split()[0] for out, _ in outs)
+    assert firsts == ["cache", "packed"], outs  # one built, the other waited and hit
+    assert open_packed(tmp_path / "P").meta["complete"]
+
+
+def test_killed_build_leaves_nothing_that_looks_complete(tmp_path, ds):
+    out = tmp_path / "P"
+    proc = subprocess.Popen(_pack_cmd(ds, out), env=_env(60), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not list(out.glob(".tmp-*/item_len.npy")):  # arrays written, pack.json not yet
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not [p for p in out.iterdir() if not p.name.startswith(".")]  # no entry, no manifest
+    with pytest.raises(XprepError):
+        open_packed(out)
+    rerun = subprocess.run(_pack_cmd(ds, out), env=_env(None), cwd=ROOT, capture_output=True, text=True)
+    assert rerun.returncode == 0 and rerun.stdout.startswith("packed"), rerun.stderr
+    assert open_packed(out).meta["complete"] and not list(out.glob(".tmp-*"))
