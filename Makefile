@@ -34,8 +34,10 @@ demo: $(STAMP)
 	$(VENV)/bin/xprep inspect $(DEMO)/runs/demo
 
 bench: $(STAMP)
-	$(PY) bench/tokenize.py
-	$(PY) bench/pack.py
+	$(PY) -m bench.tokenize
+	$(PY) -m bench.pack
+	$(PY) -m bench.train
+	$(PY) -m bench.parallel
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
