@@ -36,7 +36,7 @@ class SourceFile:
     """One input file and how to read it."""
 
     path: str
-    kind: str  # "lines", "text", "parquet", "arrow"
+    kind: str  # "lines", "array" (a .json holding one JSON array), "text", "parquet", "arrow"
     size: int
     mtime_ns: int
     compression: str | None = None
@@ -146,7 +146,23 @@ def _source(path: Path) -> SourceFile:
         st = path.stat()
     except OSError as e:
         raise XprepError(f"{path}: cannot read ({e.strerror})") from None
-    return SourceFile(str(path), kind, st.st_size, st.st_mtime_ns, compression)
+    source = SourceFile(str(path), kind, st.st_size, st.st_mtime_ns, compression)
+    if kind == "lines" and _first_byte(source) == b"[":
+        source = SourceFile(str(path), "array", st.st_size, st.st_mtime_ns, compression)
+    return source
+
+
+def _first_byte(src: SourceFile) -> bytes:
+    """The first non-blank byte: ``[`` marks a JSON array file rather than JSON Lines."""
+    try:
+        with _open_lines(src) as f:
+            while block := f.read(4096):
+                stripped = block.lstrip()
+                if stripped:
+                    return stripped[:1]
+    except (OSError, EOFError, ValueError):
+        pass  # unreadable: reported when read
+    return b""
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,8 @@ def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int |
 def _read_source(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
     if src.kind == "lines":
         yield from _read_lines(a, src)
+    elif src.kind == "array":
+        yield from _read_array(a.source, src)
     elif src.kind == "text":
         with open(src.path, "rb") as f:
             yield RawBatch(a.source, [f.read()], [1], "text")
@@ -250,6 +268,56 @@ def _iter_lines(f) -> Iterator[bytes]:
         yield from parts
     if carry:
         yield carry
+
+
+def _read_array(source: int, src: SourceFile) -> Iterator[RawBatch]:
+    """Stream the elements of a top-level JSON array (``[{...}, {...}]``) without loading it whole.
+
+    Elements are decoded one at a time from a sliding text window; they are numbered from 1 in
+    error messages (reported as the "line").
+    """
+    import codecs
+
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    items: list = []
+    numbers: list[int] = []
+    buf, pos, index, started, done = "", 0, 1, False, False
+    with _open_lines(src) as f:
+        while not done:
+            chunk = f.read(CHUNK)
+            buf = buf[pos:] + utf8.decode(chunk, final=not chunk)
+            pos = 0
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n,":
+                    pos += 1
+                if not started and pos < len(buf):
+                    if buf[pos] != "[":
+                        raise ValueError("not a JSON array")
+                    started, pos = True, pos + 1
+                    continue
+                if pos < len(buf) and buf[pos] == "]":
+                    done = True
+                    break
+                try:
+                    value, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as e:
+                    if chunk:
+                        break  # the element continues in the next chunk
+                    raise ValueError(f"malformed JSON array at element {index}: {e.msg}") from None
+                items.append(value)
+                numbers.append(index)
+                index += 1
+                pos = end
+                if len(items) >= BATCH_RECORDS:
+                    yield RawBatch(source, items, numbers, "rows")
+                    items, numbers = [], []
+            if not chunk:
+                break
+    if not done:
+        raise ValueError("truncated JSON array (no closing bracket)")
+    if items:
+        yield RawBatch(source, items, numbers, "rows")
 
 
 def _seek_line_start(f, start: int) -> tuple[int, int]:

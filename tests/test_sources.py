@@ -221,3 +221,27 @@ def test_source_description(tmp_path):
     assert src.describe() == {"path": str(p), "size": 14, "mtime_ns": p.stat().st_mtime_ns}
     assert src.splittable and not resolve_inputs([str(p)])[0].compression
     assert np.int64(src.size) == 14
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_json_array_file_streams_the_same_records_as_json_lines(tmp_path, monkeypatch, compress):
+    """A .json holding one top-level array is read element by element (tiny chunks force elements
+    to straddle chunk boundaries, multi-byte characters included) and never split across shards."""
+    monkeypatch.setattr(S, "CHUNK", 37)
+    recs = [{"text": f"élément {i} " * (i % 5 + 1), "n": [i, {"k": "]"}]} for i in range(200)]
+    text = json.dumps(recs, indent=1, ensure_ascii=False).encode()
+    path = tmp_path / ("a.json.gz" if compress else "a.json")
+    path.write_bytes(gzip.compress(text) if compress else text)
+    srcs = resolve_inputs([str(path)])
+    assert srcs[0].kind == "array" and not srcs[0].splittable
+    assert [item for _, _, item in records_of(srcs)] == recs
+    shards = [records_of(srcs, 3, i) for i in range(3)]
+    assert sorted(len(s) for s in shards) == [0, 0, 200]
+
+
+@pytest.mark.parametrize("body", [b'[{"text": "a"}, {"text": ', b'[{"text": "a"} {"text": "b"}', b"[1, }"])
+def test_a_broken_json_array_is_an_unreadable_file(tmp_path, body):
+    path = tmp_path / "bad.json"
+    path.write_bytes(body)
+    out = list(read_batches(resolve_inputs([str(path)]), plan_shard(resolve_inputs([str(path)]), 1, 0)))
+    assert isinstance(out[-1], tuple) and "JSON array" in out[-1][2]
