@@ -87,25 +87,20 @@ def build_text_corpus(path: Path, megabytes: float) -> int:
                 texts.append(f.read_text(encoding="utf-8"))
             except UnicodeDecodeError:
                 continue
-    lines = [json.dumps({"text": t}) + "\n" for t in texts if t.strip()]
-    target = int(megabytes * 1e6)
-    written = 0
-    with open(path, "w") as out:
-        while written < target:
-            for line in lines:
-                out.write(line)
-                written += len(line)
-                if written >= target:
-                    break
-    return written
+    return write_repeated(path, [json.dumps({"text": t}) + "\n" for t in texts if t.strip()], megabytes)
 
 
 def build_chat_corpus(path: Path, megabytes: float) -> int:
-    src = (DATA / "chat" / "chitchat.jsonl").read_text().splitlines(keepends=True)
+    lines = (DATA / "chat" / "chitchat.jsonl").read_text().splitlines(keepends=True)
+    return write_repeated(path, lines, megabytes)
+
+
+def write_repeated(path: Path, lines: list[str], megabytes: float) -> int:
+    """Write ``lines`` over and over until the file holds ``megabytes``; return the size."""
     target, written = int(megabytes * 1e6), 0
     with open(path, "w") as out:
         while written < target:
-            for line in src:
+            for line in lines:
                 out.write(line)
                 written += len(line)
                 if written >= target:
