@@ -153,7 +153,50 @@ def xtrain():
     """Train on packs written by `xprep pack`."""
 
 
-# (the `xtrain run` command goes here)
+@xtrain.command()
+@click.argument("packed", required=False)
+@click.option("--config", "config_file", default=None, help="JSON (or YAML, with PyYAML) file of config keys; "
+              "flags override it.")
+@click.option("--model", default=None, help="Preset (tiny, small, medium, 1b), a JSON model config, or hf:DIR "
+              "[default: tiny].")
+@click.option("--steps", type=int, default=None, help="Optimizer steps (exclusive with --epochs).")
+@click.option("--epochs", type=float, default=None, help="Passes over the bins [default: 1 when no --steps].")
+@click.option("--micro-batch-size", type=int, default=None, help="Bins per micro-batch per rank [default: 1].")
+@click.option("--global-batch-size", type=int, default=None,
+              help="Bins per optimizer step over all ranks [default: micro-batch × ranks, or the step "
+                   "of a pack made with --balance-dp].")
+@click.option("--sampler", type=click.Choice(["sequential", "random"]), default=None,
+              help="Bin order: Megatron sequential, or a permutation per epoch [default: sequential].")
+@click.option("--seed", type=int, default=None, help="Init and sampler seed [default: 0].")
+@click.option("--lr", type=float, default=None, help="Peak learning rate [default: 3e-4].")
+@click.option("--min-lr", type=float, default=None, help="Final learning rate of the decay [default: 0].")
+@click.option("--warmup", type=int, default=None, help="Linear warm-up steps [default: 0].")
+@click.option("--schedule", type=click.Choice(["cosine", "linear", "constant"]), default=None,
+              help="[default: cosine]")
+@click.option("--weight-decay", type=float, default=None, help="AdamW weight decay [default: 0.1].")
+@click.option("--beta1", type=float, default=None, help="[default: 0.9]")
+@click.option("--beta2", type=float, default=None, help="[default: 0.95]")
+@click.option("--grad-clip", type=float, default=None, help="Max gradient norm, 0 = off [default: 1.0].")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default=None,
+              help="auto: bf16 autocast on CUDA, fp32 on CPU [default: auto].")
+@click.option("--output", "-o", default=None, help="Run directory [default: runs/<pack directory name>].")
+@click.option("--save-every", type=int, default=None, help="Checkpoint every N steps; 0 = at the end only.")
+@click.option("--keep", type=int, default=None,
+              help="Newest checkpoints kept, plus the best by training loss [default: 2].")
+@click.option("--resume", default=None, help="auto (latest checkpoint, if any), never, or a checkpoint path "
+              "[default: auto].")
+@click.option("--log-every", type=int, default=None, help="Console line every N steps [default: 10].")
+@click.option("--verify-data/--no-verify-data", default=None,
+              help="Re-hash the dataset streams against their manifests first (catches in-place edits).")
+@_user_errors
+def run(packed, config_file, **options):
+    """Train on the current entry of the pack cache PACKED (works under torchrun too)."""
+    from train.config import resolve_config
+    from train.trainer import run as run_training
+
+    config = resolve_config(config_file, {"packed": packed, **options})
+    run_dir = run_training(config)
+    click.echo(f"run written to {run_dir}", err=True)
 
 
 if __name__ == "__main__":

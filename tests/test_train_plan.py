@@ -1,0 +1,125 @@
+"""Batch planning against real `xprep pack` entries, config files, checkpoint paths."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from trainkit import make_dataset, random_docs
+
+from prep.cache import PackConfig, pack
+from prep.errors import XprepError
+from train.config import TrainConfig, read_config_file, resolve_config
+from train.data import IGNORE, PackedDataset
+from train.samplers import build_sampler
+from train.trainer import plan_batches
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    docs = random_docs(200, 2, 90, vocab=128, seed=2)
+    make_dataset(tmp_path / "ds", docs, vocab_size=128)
+    return tmp_path / "ds", docs
+
+
+@pytest.mark.parametrize("method,opts", [("sequential", {"seq_len": 128}), ("multipack", {"seq_len": 128}),
+                                         ("token-aware", {"max_tokens": 128})])
+def test_real_packs_keep_every_document_once(dataset, tmp_path, method, opts):
+    path, docs = dataset
+    pack([path], tmp_path / "p", PackConfig(method=method, **opts))
+    ds = PackedDataset(tmp_path / "p")
+    seen = []
+    for b in range(len(ds)):
+        x = ds[b]
+        cu = x["cu_seqlens"].tolist()
+        lo, hi = int(ds.entry.bin_offsets[b]), int(ds.entry.bin_offsets[b + 1])
+        for k, doc in enumerate(ds.entry.item_doc[lo:hi].tolist()):
+            s, e = cu[k], cu[k + 1]
+            assert x["input_ids"][0, s:e].tolist() == docs[doc].tolist()
+            assert x["labels"][0, e - 1] == IGNORE
+            seen.append(doc)
+    assert sorted(seen) == list(range(len(docs)))
+
+
+def test_balanced_token_aware_pack_plan(dataset, tmp_path):
+    path, _ = dataset
+    pack([path], tmp_path / "p", PackConfig(method="token-aware", max_tokens=128, balance_dp=2, dp_micro_batches=3))
+    ds = PackedDataset(tmp_path / "p")
+    cfg = TrainConfig(packed=str(tmp_path / "p"), steps=4)
+    plan = plan_batches(cfg, len(ds), ds.entry.config, dp=2)
+    assert (plan.group, plan.global_batch_size, plan.grad_accum) == (2, 6, 3)
+    ranks = [build_sampler("sequential", len(ds), 1, r, 2, 0, plan.group) for r in range(2)]
+    for _ in range(10):
+        got = [s.next_micro_batch()[0] for s in ranks]
+        assert got[0] % 2 == 0 and got[1] == got[0] + 1  # bin b belongs to rank b % 2 (pack.json layout)
+    with pytest.raises(XprepError, match="balance-dp"):
+        build_sampler("sequential", len(ds), 1, 0, 1, 0, plan.group)
+
+
+def test_epochs_and_global_batch(dataset, tmp_path):
+    path, _ = dataset
+    pack([path], tmp_path / "p", PackConfig(method="sequential", seq_len=128))
+    n = PackedDataset(tmp_path / "p").entry.num_bins
+    plan = plan_batches(TrainConfig(packed="x", epochs=2, micro_batch_size=2, global_batch_size=8), n, {}, dp=2)
+    assert (plan.steps, plan.grad_accum) == (2 * n // 8, 2)
+    with pytest.raises(XprepError, match="not a multiple"):
+        plan_batches(TrainConfig(packed="x", steps=1, micro_batch_size=2, global_batch_size=6), n, {}, dp=2)
+
+
+def test_config_files(tmp_path, monkeypatch):
+    (tmp_path / "c.yml").write_text("micro-batch-size: 4\nsampler: random\nlr: 1e-3\n")
+    cfg = resolve_config(str(tmp_path / "c.yml"), {"packed": "p", "sampler": None, "seed": 5})
+    assert (cfg.micro_batch_size, cfg.sampler, cfg.seed, cfg.lr) == (4, "random", 5, 1e-3)
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    with pytest.raises(XprepError, match="PyYAML"):
+        read_config_file(tmp_path / "c.yml")
+    with pytest.raises(XprepError, match="no pack given"):
+        resolve_config(None, {"packed": None})
+    with pytest.raises(XprepError, match="'sampler'"):
+        TrainConfig(packed="p", sampler=3)
+    with pytest.raises(XprepError, match="not one of"):
+        TrainConfig(packed="p", schedule="exp")
+
+
+def test_resume_path_forms(tmp_path):
+    from train.checkpoint import CheckpointManager
+    from train.dist import ParallelDims
+
+    ck = tmp_path / "run" / "checkpoints"
+    (ck / "step-4").mkdir(parents=True)
+    (ck / "step-4" / "trainer.json").write_text("{}")
+    (ck / "latest").write_text("step-4\n")
+    m = CheckpointManager(tmp_path / "other", ParallelDims())
+    for form in (tmp_path / "run", ck, ck / "step-4"):
+        assert m.resolve(str(form)) == ck / "step-4"
+    assert m.resolve("auto") is None
+    with pytest.raises(XprepError, match="not a complete checkpoint"):
+        m.resolve(str(tmp_path))
+
+
+def test_flags_config_and_schema_agree(repo_root):
+    """Every flag is a config key and every config key is in schemas/train.schema.json."""
+    import json
+    from dataclasses import fields
+
+    from cli import xtrain
+
+    keys = {f.name for f in fields(TrainConfig)}
+    schema = json.loads((repo_root / "schemas" / "train.schema.json").read_text())
+    assert set(schema["properties"]) == keys
+    params = {p.name for p in xtrain.commands["run"].params} - {"config_file"}
+    assert params == keys
+
+
+def test_retention_keeps_newest_latest_and_best(tmp_path):
+    import json
+
+    from train.checkpoint import CheckpointManager
+    from train.dist import ParallelDims
+
+    m = CheckpointManager(tmp_path, ParallelDims(), keep=2)
+    for step, loss in ((1, 3.0), (2, 1.0), (3, 2.5), (4, 2.0), (5, 2.2)):
+        (m.root / f"step-{step}").mkdir(parents=True)
+        (m.root / f"step-{step}" / "trainer.json").write_text(json.dumps({"step": step, "loss": loss}))
+    m._retain("step-3")  # e.g. resumed from step-3: latest is not the newest
+    assert m.steps() == [2, 3, 4, 5]

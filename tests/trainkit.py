@@ -1,0 +1,122 @@
+"""Test helpers for the trainer: small token datasets and hand-made pack entries.
+
+Pack entries are written straight from their arrays and ``pack.json`` (prep/packfile.py layout),
+so trainer tests do not depend on the packing algorithms.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from prep.dataset import CategoryTable, DatasetWriter
+from prep.packfile import MANIFEST, PACK_FORMAT, PACK_JSON, PackEntry
+
+
+def make_dataset(out: Path, docs: list[np.ndarray], vocab_size: int = 256,
+                 loss_masks: list[np.ndarray] | None = None, cats: list[np.ndarray] | None = None,
+                 categories: list[str] | None = None, pad_id: int = 0) -> dict:
+    """Write a token dataset with one document per array; returns its manifest."""
+    with DatasetWriter(out, vocab_size) as w:
+        for i, doc in enumerate(docs):
+            w.append(np.asarray(doc), np.array([len(doc)]),
+                     loss_mask=None if loss_masks is None else np.asarray(loss_masks[i], np.uint8),
+                     category_ids=None if cats is None else np.asarray(cats[i], np.uint8))
+        table = CategoryTable(["uncategorized", *(categories or [])])
+        return w.finish({"tokenizer": {"path": "test", "vocab_size": vocab_size, "pad_id": pad_id,
+                                       "eod_id": 1}}, table)
+
+
+def sequential_bins(lengths: list[int], capacity: int) -> list[list[tuple[int, int, int]]]:
+    """Greedy order-preserving packing: bins of (doc, start, len) items; overlong docs truncated."""
+    bins, cur, used = [], [], 0
+    for d, n in enumerate(lengths):
+        n = min(n, capacity)
+        if used + n > capacity:
+            bins.append(cur)
+            cur, used = [], 0
+        cur.append((d, 0, n))
+        used += n
+    if cur:
+        bins.append(cur)
+    return bins
+
+
+def write_pack(packed: Path, datasets: list[Path], bins: list[list[tuple[int, int, int]]], capacity: int,
+               method: str = "sequential", key: str | None = None, **config) -> Path:
+    """Write a pack cache with one entry holding ``bins``; returns the cache directory."""
+    from prep.dataset import TokenDataset
+
+    items = [it for b in bins for it in b]
+    offsets = np.zeros(len(bins) + 1, np.int64)
+    np.cumsum([len(b) for b in bins], out=offsets[1:])
+    key = key or f"{method}{capacity}{len(items)}".ljust(64, "0")
+    name = f"{method}-{key[:16]}"
+    entry_dir = packed / name
+    entry_dir.mkdir(parents=True)
+    entry = PackEntry(
+        path=entry_dir, meta={},
+        bin_offsets=offsets,
+        item_doc=np.array([i[0] for i in items], np.int64),
+        item_start=np.array([i[1] for i in items], np.int64),
+        item_len=np.array([i[2] for i in items], np.int32),
+    )
+    entry.write_arrays(entry_dir)
+    meta = {
+        "format": PACK_FORMAT, "complete": True, "key": key,
+        "config": {"method": method, "capacity": capacity, **config},
+        "datasets": [{"path": str(p), "fingerprint": TokenDataset(p).fingerprint} for p in datasets],
+        "stats": {"bins": len(bins)},
+    }
+    (entry_dir / PACK_JSON).write_text(json.dumps(meta))
+    (packed / MANIFEST).write_text(json.dumps({"format": PACK_FORMAT, "current": name,
+                                               "entries": {name: {}}}))
+    return packed
+
+
+def random_docs(n: int, lo: int, hi: int, vocab: int = 256, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, vocab, int(rng.integers(lo, hi + 1)), dtype=np.int64) for _ in range(n)]
+
+
+def category_pack(root: Path, n_docs: int = 40, capacity: int = 64, seed: int = 0) -> Path:
+    """A dataset with loss masks and three categories, packed sequentially; returns the cache dir."""
+    rng = np.random.default_rng(seed)
+    docs = random_docs(n_docs, 4, 40, vocab=128, seed=seed)
+    masks = [np.concatenate([[0], rng.integers(0, 2, len(d) - 1)]) for d in docs]
+    cats = [np.full(len(d), rng.integers(0, 4)) for d in docs]
+    make_dataset(root / "ds", docs, vocab_size=128, loss_masks=masks, cats=cats, categories=["a", "b", "c"])
+    return write_pack(root / "p", [root / "ds"], sequential_bins([len(d) for d in docs], capacity), capacity)
+
+
+def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str = "sequential", seed: int = 0,
+                 lr: float = 1e-3):
+    """A Trainer over the tiny model, built without a TrainConfig (as tests should be able to)."""
+    import torch
+
+    from train.config import TrainConfig
+    from train.data import PackedDataset
+    from train.dist import ParallelDims, parallelize
+    from train.samplers import build_sampler
+    from train.trainer import Trainer, build_model, build_optimizer, build_scheduler
+
+    dims = dims or ParallelDims()
+    ds = PackedDataset(packed)
+    model, _ = build_model("tiny", ds.vocab_size, seed)
+    model = parallelize(model, dims)
+    cfg = TrainConfig(packed=str(packed), lr=lr)
+    opt = build_optimizer(model, cfg)
+    sched = build_scheduler(opt, cfg, 100)
+    smp = build_sampler(sampler, len(ds), micro, dims.dp_rank, dims.dp, seed)
+    return Trainer(model, opt, sched, ds, smp, dims, accum, torch.device("cpu"), grad_clip=1.0)
+
+
+def grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)) for k in a)

@@ -1,0 +1,184 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, retain, find, resume.
+
+```
+runs/NAME/checkpoints/
+  latest              "step-<N>"  (written atomically, after the directory it names is complete)
+  step-<N>/           DCP files for {"model", "optim"} (get_state_dict: sharding-aware)
+    trainer.json      step, scheduler, sampler, pack key, config digest   (rank 0)
+    rng-<rank>.pt     this rank's torch RNG state                          (each rank)
+```
+A checkpoint is written under ``.step-<N>.tmp`` and renamed when every rank is done, so a
+killed run never leaves a directory that looks complete. ``keep`` retention deletes the oldest
+``step-*`` but never the one ``latest`` names nor the best (lowest training loss at save time).
+Resuming on another pack entry is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from prep.errors import XprepError
+from train.dist import ParallelDims, barrier
+
+LATEST = "latest"
+TRAINER_JSON = "trainer.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointManager:
+    """Save and load the checkpoints of one run directory; every rank calls every method."""
+
+    def __init__(self, run_dir: str | Path, dims: ParallelDims, keep: int = 2):
+        self.root = Path(run_dir) / "checkpoints"
+        self.dims = dims
+        self.keep = keep
+
+    # ----------------------------------------------------------------------------------- find
+    def latest(self) -> Path | None:
+        pointer = self.root / LATEST
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text().strip()
+        if not (path / TRAINER_JSON).is_file():
+            raise XprepError(f"{pointer} names {path.name}, which is missing or incomplete; point it at "
+                             "another step-<N> directory or delete it to start over")
+        return path
+
+    def resolve(self, resume: str) -> Path | None:
+        """What ``--resume auto|never|PATH`` means for this run directory."""
+        if resume == "never":
+            if self.root.is_dir() and any(self.steps()):
+                raise XprepError(f"{self.root.parent}: already holds checkpoints and --resume never was given: "
+                                 "use --resume auto to continue, or another --output")
+            return None
+        if resume == "auto":
+            return self.latest()
+        path = Path(resume)
+        if (path / "checkpoints" / LATEST).is_file():  # a run directory
+            path = CheckpointManager(path, self.dims).latest()
+        elif (path / LATEST).is_file():  # a checkpoints directory
+            path = path / (path / LATEST).read_text().strip()
+        if path is None or not (path / TRAINER_JSON).is_file():
+            raise XprepError(f"--resume {resume}: not a complete checkpoint (no {TRAINER_JSON}); give a "
+                             "step-<N> directory, a run directory, or auto")
+        return path
+
+    def steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+    # ----------------------------------------------------------------------------------- save
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict) -> Path:
+        """Write step-<step> from every rank, then publish it and move ``latest`` (rank 0)."""
+        final = self.root / f"step-{step}"
+        tmp = self.root / f".step-{step}.tmp"
+        if self.dims.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".step-*"):  # left by a killed run
+                shutil.rmtree(stale, ignore_errors=True)
+        barrier(self.dims)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _quiet_single_process():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
+                     no_dist=not self.dims.distributed)
+        torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-{self.dims.rank}.pt")
+        barrier(self.dims)
+        if self.dims.is_main:
+            _write_json(tmp / TRAINER_JSON, {"step": step, **trainer_state})
+            _fsync_tree(tmp)
+            if final.exists():  # re-saving a step after resuming from an earlier one
+                old = self.root / f".step-{step}.old"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, final)
+            _write_text_atomic(self.root / LATEST, final.name + "\n")
+            self._retain(final.name)
+        barrier(self.dims)
+        return final
+
+    def _retain(self, latest: str) -> None:
+        """Keep the newest ``keep`` checkpoints, the one ``latest`` names and the best (lowest
+        training loss recorded at save time); delete the others."""
+        steps = self.steps()
+        kept = {f"step-{n}" for n in steps[-self.keep:]} | {latest}
+        losses = {}
+        for n in steps:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                losses[f"step-{n}"] = float(json.loads((self.root / f"step-{n}" / TRAINER_JSON).read_text())["loss"])
+        if losses:
+            kept.add(min(losses, key=losses.get))
+        for n in steps:
+            if f"step-{n}" not in kept:
+                shutil.rmtree(self.root / f"step-{n}", ignore_errors=True)
+
+    # ----------------------------------------------------------------------------------- load
+    @staticmethod
+    def read_trainer_state(path: Path) -> dict:
+        try:
+            return json.loads((path / TRAINER_JSON).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise XprepError(f"{path / TRAINER_JSON}: unreadable ({e}); resume from another checkpoint") from None
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, pack_key: str) -> dict:
+        """Restore model, optimizer and this rank's RNG from ``path``; return the trainer state."""
+        state = self.read_trainer_state(path)
+        check_same_pack(state, path, pack_key)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        with _quiet_single_process():
+            dcp.load(loaded, checkpoint_id=path, no_dist=not self.dims.distributed)
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        rng = path / f"rng-{self.dims.rank}.pt"
+        if rng.is_file():  # absent when resuming on more ranks than were saved
+            torch.set_rng_state(torch.load(rng, weights_only=True)["torch"])
+        return state
+
+
+def check_same_pack(state: dict, path: Path, pack_key: str) -> None:
+    """Refuse to resume on another pack entry: the data order would silently change."""
+    if state.get("pack_key") != pack_key:
+        raise XprepError(
+            f"{path}: this checkpoint was trained on pack {str(state.get('pack_key'))[:16]}, but this run "
+            f"reads pack {pack_key[:16]}; resume with the same pack, or start a new run with another --output")
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it 'assumes' a single process when there is no process group: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _write_json(path: Path, obj) -> None:
+    _write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())

@@ -1,0 +1,327 @@
+"""Micro-batches from a pack entry: memory-mapped streams sliced by document (DESIGN §3).
+
+A bin is a list of items (a document range each). ``PackedDataset[b]`` lays the items of bin
+``b`` side by side and pads the rest of the capacity with one dummy document; the result is the
+micro-batch of that one bin, torch tensors:
+
+    input_ids     int64 (1, capacity)  the tokens
+    labels        int64 (1, capacity)  labels[t] = input_ids[t+1] when token t+1 is a target of the
+                                       same item, else -100 (an item's last token never predicts the
+                                       next item's first; padding never has targets)
+    position_ids  int64 (1, capacity)  restart at 0 at every item and at the padding document
+    category_ids  int64 (1, capacity)  category of the *target* at t (aligned with labels; 0 elsewhere)
+    cu_seqlens    int32 (n_docs+1,)    document boundaries, padding document included
+
+``collate`` puts the bins of a micro-batch one after the other in a single row (1, M·capacity)
+with ``cu_seqlens`` over all of them: the model sees documents, never bins.
+
+A bin is filled by one compiled call (``fill_bin`` → ``fill_items`` + ``pad_bin``, numba, cached on
+disk) that copies each item's slice of the streams and writes labels, positions and categories
+in the same pass; the slow obvious reference of ``fill_items`` is ``fill_items_reference``
+(tests compare the two).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+
+from prep.dataset import TokenDataset
+from prep.errors import XprepError
+from prep.packfile import PackEntry, open_packed
+
+IGNORE = -100
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "category_ids", "cu_seqlens")
+
+
+@dataclass
+class _Source:
+    """One input dataset of the pack: its streams as flat arrays plus token offsets per document."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray  # empty when the dataset has no loss mask stream
+    category_ids: np.ndarray  # empty when the dataset has no category stream
+    offsets: np.ndarray  # int64[n_docs + 1]
+
+
+def open_datasets(entry: PackEntry, verify_data: bool = False) -> list[TokenDataset]:
+    """Open every dataset the pack was built from, refusing missing or changed ones.
+
+    A changed dataset shows as a different manifest fingerprint (re-tokenized or re-merged);
+    ``verify_data`` also re-hashes each ``.bin`` against the manifest digests, which catches an
+    in-place edit of the token files at the cost of reading them once.
+    """
+    datasets = []
+    for i, info in enumerate(entry.meta.get("datasets", [])):
+        path = Path(info["path"])
+        if not (path / "manifest.json").is_file():
+            raise XprepError(
+                f"{entry.path}: input dataset #{i} {path} is missing; restore it or re-run "
+                "`xprep tokenize` and `xprep pack`"
+            )
+        ds = TokenDataset(path)
+        if ds.fingerprint != info["fingerprint"]:
+            raise XprepError(
+                f"{entry.path}: dataset {path} changed since it was packed (fingerprint "
+                f"{ds.fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`"
+            )
+        if verify_data:
+            _verify_streams(ds)
+        datasets.append(ds)
+    if not datasets:
+        raise XprepError(f"{entry.path}/pack.json: lists no input datasets; re-run `xprep pack`")
+    return datasets
+
+
+def _verify_streams(ds: TokenDataset) -> None:
+    for name, info in ds.manifest["streams"].items():
+        digest = hashlib.sha256()
+        with open(ds.path / f"{name}.bin", "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        if digest.hexdigest() != info["bin_sha256"]:
+            raise XprepError(
+                f"{ds.path}/{name}.bin: content differs from its manifest (edited in place); "
+                "re-create the dataset and re-run `xprep pack`"
+            )
+
+
+def pad_token_id(ds: TokenDataset) -> int:
+    """The tokenizer's pad id, else its eod id, else 0 (padding is never a target anyway)."""
+    tok = ds.manifest.get("tokenizer") or {}
+    for key in ("pad_id", "eod_id", "eos_id"):
+        if isinstance(tok.get(key), int):
+            return tok[key]
+    return 0
+
+
+class PackedDataset:
+    """Map-style dataset over the bins of a pack entry; picklable (workers reopen the files)."""
+
+    def __init__(self, packed: str | Path, verify_data: bool = False):
+        self.packed = Path(packed)
+        self.verify_data = verify_data
+        self.entry = open_packed(packed)
+        self.datasets = open_datasets(self.entry, verify_data)
+        self.capacity = self.entry.capacity
+        self.pad_id = pad_token_id(self.datasets[0])
+        self._sources = [_source(ds) for ds in self.datasets]
+        self._category_names, self._category_maps = merge_categories([ds.category_names for ds in self.datasets])
+        counts = np.array([len(ds) for ds in self.datasets], np.int64)
+        self._doc_base = np.concatenate([[0], np.cumsum(counts)])
+        # Plain ndarray views of the memory maps: slicing np.memmap objects is several times slower.
+        self._bin_offsets = np.asarray(self.entry.bin_offsets).view(np.ndarray)
+        self._item_doc = np.asarray(self.entry.item_doc).view(np.ndarray)
+        self._item_start = np.asarray(self.entry.item_start).view(np.ndarray)
+        self._item_len = np.asarray(self.entry.item_len).view(np.ndarray)
+        self._check_fits()
+
+    def _check_fits(self) -> None:
+        n_docs = int(self._doc_base[-1])
+        if len(self.entry.item_doc) and int(np.max(self.entry.item_doc)) >= n_docs:
+            raise XprepError(
+                f"{self.entry.path}: refers to document {int(np.max(self.entry.item_doc))} but its datasets "
+                f"hold {n_docs}; the pack does not belong to these datasets: re-run `xprep pack`"
+            )
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    @property
+    def category_names(self) -> list[str]:
+        """Names by category id (0 = uncategorized), merged over the input datasets."""
+        return list(self._category_names)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return (self.datasets[0].manifest.get("tokenizer") or {}).get("vocab_size")
+
+    def __len__(self) -> int:
+        return self.entry.num_bins
+
+    def bin_tokens(self, bins: list[int]) -> int:
+        """Real (non-padding) tokens in these bins."""
+        return sum(int(self._item_len[self._bin_offsets[b] : self._bin_offsets[b + 1]].sum()) for b in bins)
+
+    def __getitem__(self, b: int) -> dict[str, torch.Tensor]:
+        lo, hi = int(self._bin_offsets[b]), int(self._bin_offsets[b + 1])
+        return self.assemble(self._item_doc[lo:hi], self._item_start[lo:hi], self._item_len[lo:hi])
+
+    def assemble(self, docs: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> dict[str, torch.Tensor]:
+        """The micro-batch of one bin whose items are (doc, start, len): tensors (1, capacity)."""
+        block = np.empty((4, 1, self.capacity), np.int64)
+        out = block.reshape(4, self.capacity)
+        cu = np.empty(len(docs) + 2, np.int32)
+        if len(self._sources) == 1:
+            src = self._sources[0]
+            n = fill_bin(src.tokens, src.loss_mask, src.category_ids, src.offsets, docs, starts, lens,
+                         self.pad_id, out, cu)
+        else:
+            n = self._fill_from_several(docs, starts, lens, out, cu)
+        if n < 0:
+            raise XprepError(f"{self.entry.path}: a bin holds {int(np.sum(lens))} tokens, more than its capacity "
+                             f"{self.capacity}; the pack is corrupt: re-run `xprep pack --force`")
+        ids, labels, pos, cats = torch.from_numpy(block).unbind(0)
+        return {"input_ids": ids, "labels": labels, "position_ids": pos, "category_ids": cats,
+                "cu_seqlens": torch.from_numpy(cu[:n])}
+
+    def _fill_from_several(self, docs, starts, lens, out, cu) -> int:
+        """Items from several datasets: one ``fill_items`` call per dataset, then the padding."""
+        lens = lens.astype(np.int64)
+        dst = np.cumsum(lens) - lens
+        used = int(lens.sum())
+        if used > self.capacity:
+            return -1
+        which = np.searchsorted(self._doc_base, docs, side="right") - 1
+        for k in np.unique(which).tolist():
+            sel = which == k
+            src = self._sources[k]
+            fill_items(src.tokens, src.loss_mask, src.category_ids,
+                       src.offsets[docs[sel] - self._doc_base[k]] + starts[sel], lens[sel], dst[sel], out)
+            remap = self._category_maps[k]
+            if remap is not None:  # this dataset numbers its categories differently from the first
+                at = np.concatenate([np.arange(d, d + n) for d, n in zip(dst[sel].tolist(), lens[sel].tolist(),
+                                                                           strict=True)])
+                out[3, at] = remap[out[3, at]]
+        cu[: len(dst)] = dst
+        return pad_bin(out, cu, len(dst), used, self.pad_id)
+
+    def __getstate__(self) -> dict:
+        return {"packed": self.packed, "verify_data": False}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["packed"], state["verify_data"])
+
+
+def merge_categories(tables: list[list[str | None]]) -> tuple[list[str], list[np.ndarray | None]]:
+    """One category table for several datasets: the first one's ids, then new names appended.
+
+    Returns the merged names and, per dataset, an id → merged id array (None when unchanged).
+    """
+    names = [n if n is not None else str(i) for i, n in enumerate(tables[0])] if tables else ["uncategorized"]
+    index = {n: i for i, n in enumerate(names)}
+    maps: list[np.ndarray | None] = [None]
+    for table in tables[1:]:
+        remap = np.arange(65536, dtype=np.int64)
+        remap[len(table):] = 0  # ids outside a dataset's own table are not categories
+        for i, n in enumerate(table):
+            n = n if n is not None else str(i)
+            if n not in index:
+                index[n] = len(names)
+                names.append(n)
+            remap[i] = index[n]
+        maps.append(None if all(remap[i] == i for i in range(len(table))) else remap)
+    return names, maps
+
+
+def _source(ds: TokenDataset) -> _Source:
+    return _Source(
+        tokens=ds.tokens.items,
+        loss_mask=ds.loss_mask.items if ds.loss_mask is not None else _NO_STREAM,
+        category_ids=ds.category_ids.items if ds.category_ids is not None else _NO_STREAM,
+        offsets=ds.tokens.offsets(),
+    )
+
+
+_NO_STREAM = np.zeros(0, np.uint8)
+
+
+@numba.njit(cache=True, nogil=True)
+def fill_bin(tokens, loss_mask, category_ids, offsets, docs, starts, lens, pad_id, out, cu):  # pragma: no cover
+    """Fill one bin from one dataset: items, then padding; returns the number of ``cu`` entries (-1:
+    the items overflow ``out``). Item i is tokens ``starts[i]:starts[i]+lens[i]`` of document ``docs[i]``."""
+    n = len(docs)
+    src = np.empty(n, np.int64)
+    dst = np.empty(n, np.int64)
+    used = 0
+    for i in range(n):
+        src[i] = offsets[docs[i]] + starts[i]
+        dst[i] = used
+        cu[i] = used
+        used += lens[i]
+    if used > out.shape[1]:
+        return -1
+    fill_items(tokens, loss_mask, category_ids, src, lens, dst, out)
+    return pad_bin(out, cu, n, used, pad_id)
+
+
+@numba.njit(cache=True, nogil=True)
+def pad_bin(out, cu, n_items, used, pad_id):  # pragma: no cover - compiled
+    """Close ``cu`` after ``n_items`` items of ``used`` tokens; the rest of the capacity becomes one
+    padding document (pad_id, no targets, positions from 0). Returns the number of ``cu`` entries."""
+    cap = out.shape[1]
+    cu[n_items] = used
+    if used == cap:
+        return n_items + 1
+    for t in range(used, cap):
+        out[0, t] = pad_id
+        out[1, t] = -100
+        out[2, t] = t - used
+        out[3, t] = 0
+    cu[n_items + 1] = cap
+    return n_items + 2
+
+
+@numba.njit(cache=True, nogil=True)
+def fill_items(tokens, loss_mask, category_ids, src, lens, dst, out):  # pragma: no cover - compiled
+    """Copy items into ``out`` rows (input_ids, labels, position_ids, category_ids), one pass.
+
+    Item ``i`` is ``lens[i]`` tokens of the flat streams from ``src[i]``, written at ``dst[i]``.
+    labels[t] = token t+1 when t+1 is in the same item and is a target (``loss_mask``; an empty
+    mask means every token but an item's first); category_ids[t] is that target's category
+    (0 where there is none; an empty stream means 0).
+    """
+    has_mask = len(loss_mask) > 0
+    has_cats = len(category_ids) > 0
+    for i in range(len(src)):
+        a, n, d = src[i], lens[i], dst[i]
+        for j in range(n):
+            out[0, d + j] = tokens[a + j]
+            out[2, d + j] = j
+        for j in range(n - 1):
+            if has_mask and loss_mask[a + j + 1] == 0:
+                out[1, d + j] = -100
+                out[3, d + j] = 0
+            else:
+                out[1, d + j] = tokens[a + j + 1]
+                out[3, d + j] = category_ids[a + j + 1] if has_cats else 0
+        if n > 0:
+            out[1, d + n - 1] = -100
+            out[3, d + n - 1] = 0
+
+
+def fill_items_reference(tokens, loss_mask, category_ids, src, lens, dst, out) -> None:
+    """Slow obvious version of ``fill_items``: token by token, straight from the definition."""
+    for i in range(len(src)):
+        a, n, d = int(src[i]), int(lens[i]), int(dst[i])
+        for j in range(n):
+            out[0, d + j] = tokens[a + j]
+            out[2, d + j] = j
+            nxt = j + 1
+            target = nxt < n and (len(loss_mask) == 0 or loss_mask[a + nxt] != 0)
+            out[1, d + j] = tokens[a + nxt] if target else IGNORE
+            out[3, d + j] = (category_ids[a + nxt] if len(category_ids) else 0) if target else 0
+
+
+def collate(bins: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Bins of one micro-batch side by side in one row (1, M·capacity), cu_seqlens over all of them."""
+    if len(bins) == 1:
+        return dict(bins[0])
+    out = {k: torch.cat([b[k] for b in bins], dim=1) for k in BATCH_KEYS if k != "cu_seqlens"}
+    shift, parts = 0, [torch.zeros(1, dtype=torch.int32)]
+    for b in bins:
+        parts.append(b["cu_seqlens"][1:] + shift)
+        shift += int(b["cu_seqlens"][-1])
+    out["cu_seqlens"] = torch.cat(parts)
+    return out
+
+
+def count_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Number of target tokens in a micro-batch (known before the forward)."""
+    return int((batch["labels"] != IGNORE).sum())

@@ -1,0 +1,134 @@
+"""``xprep inspect runs/NAME``: loss by category over a run (first, last, best, trend), no torch.
+
+Reads ``config.json``, ``run.json`` and ``metrics.jsonl``; draws ``loss_by_category.png`` in the
+run directory when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prep.errors import XprepError
+from prep.inspect import table
+
+PLOT = "loss_by_category.png"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl records in step order; a torn last line (killed run) is skipped."""
+    records = []
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        return records
+    for line in metrics.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return sorted(records, key=lambda r: r.get("step", 0))
+
+
+def curve_summary(steps: list[int], values: list[float]) -> dict:
+    """First, last, best (lowest) value and trend = mean of the last quarter vs the first quarter."""
+    q = max(1, len(values) // 4)
+    head, tail = sum(values[:q]) / q, sum(values[-q:]) / q
+    best = min(range(len(values)), key=values.__getitem__)
+    return {"points": len(values), "first": values[0], "last": values[-1], "best": values[best],
+            "best_step": steps[best], "trend": (tail - head) / head if head else 0.0}
+
+
+def run_report(path: str | Path) -> dict:
+    path = Path(path)
+    config = _read_json(path / "config.json")
+    info = _read_json(path / "run.json")
+    records = read_metrics(path)
+    report = {"kind": "run", "path": str(path), "config": config, "pack": info.get("pack"),
+              "plan": info.get("plan"), "steps": len(records),
+              "last_step": records[-1]["step"] if records else 0,
+              "checkpoints": _checkpoints(path)}
+    if records:
+        steps = [r["step"] for r in records]
+        report["loss"] = curve_summary(steps, [r["loss"] for r in records])
+        report["tokens"] = sum(r.get("tokens", 0) for r in records)
+        report["categories"] = {}
+        names = sorted({n for r in records for n in r.get("category_loss", {})})
+        for name in names:
+            pts = [(r["step"], r["category_loss"][name]) for r in records if name in r.get("category_loss", {})]
+            report["categories"][name] = curve_summary([s for s, _ in pts], [v for _, v in pts])
+        report["plot"] = _plot(path, records, names)
+    return report
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise XprepError(f"{path}: not valid JSON ({e})") from None
+
+
+def _checkpoints(path: Path) -> dict:
+    root = path / "checkpoints"
+    if not root.is_dir():
+        return {"latest": None, "steps": []}
+    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    steps = sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit())
+    return {"latest": latest, "steps": steps}
+
+
+def _plot(path: Path, records: list[dict], names: list[str]) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="all", color="black", lw=1.5)
+    for name in names:
+        pts = [(r["step"], r["category_loss"][name]) for r in records if name in r.get("category_loss", {})]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], label=name, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    out = path / PLOT
+    tmp = path / f".{PLOT}.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(out)
+    return str(out)
+
+
+def render_run(r: dict) -> str:
+    cfg = r.get("config") or {}
+    lines = [f"run {r['path']}"]
+    if r.get("pack"):
+        p = r["pack"]
+        lines.append(f"  pack          {p['path']}  (key {p['key'][:16]}, {p['bins']:,} bins of {p['capacity']:,})")
+    if cfg:
+        lines.append(f"  model         {cfg.get('model')}   sampler {cfg.get('sampler')}   lr {cfg.get('lr')} "
+                     f"({cfg.get('schedule')}, warm-up {cfg.get('warmup')})")
+    total = (r.get("plan") or {}).get("steps")
+    lines.append(f"  steps logged  {r['steps']:,}" + (f" / {total:,}" if total else "")
+                 + (f"   tokens {r['tokens']:,}" if "tokens" in r else ""))
+    ck = r["checkpoints"]
+    lines.append(f"  checkpoints   {', '.join(f'step-{s}' for s in ck['steps']) or 'none'}"
+                 + (f"   (latest {ck['latest']})" if ck["latest"] else ""))
+    if "loss" not in r:
+        lines.append("  no metrics yet")
+        return "\n".join(lines)
+    lines.append("")
+    rows = [_row("all", r["loss"])] + [_row(name, s) for name, s in r["categories"].items()]
+    lines += table(["category", "points", "first", "last", "best", "best step", "trend"], rows)
+    lines.append("")
+    lines.append(f"loss curves: {r['plot']}" if r.get("plot") else
+                 "loss curves: install matplotlib (pip install 'xprep[plot]') for a PNG")
+    return "\n".join(lines)
+
+
+def _row(name: str, s: dict) -> list:
+    return [name, s["points"], round(s["first"], 4), round(s["last"], 4), round(s["best"], 4), s["best_step"],
+            f"{100 * s['trend']:+.1f}%"]

@@ -1,0 +1,136 @@
+"""Which bins each rank trains on, with Megatron's semantics and exact resume.
+
+The samplers see an endless stream of *positions*: epoch ``e`` covers positions
+``[e·U, (e+1)·U)`` where ``U`` is the number of units (bins, or groups of bins for a pack
+balanced across DP ranks). Position ``p`` is unit ``order(e)[p mod U]``: the identity for
+``sequential``, a permutation seeded by ``seed + e`` for ``random``. So every unit is seen
+exactly once per epoch, and a global batch may straddle two epochs.
+
+Each step of a rank yields one micro-batch (a list of bin indices), as Megatron's
+``MegatronPretrainingSampler`` does: the next ``micro_batch_size × dp`` positions form a
+global micro-batch and rank ``r`` takes positions ``[r·M, (r+1)·M)`` of it. Within the first
+epoch the sequential order is exactly Megatron's (tests compare with its published code).
+``consumed_samples`` counts positions handed out over all ranks; it is the whole state.
+
+Token-aware packs balanced with ``--balance-dp N`` store bins in groups of ``N`` consecutive
+bins, bin ``r`` of a group meant for rank ``r``: there a unit is a group, ``micro_batch_size``
+must be 1 and ``dp`` must equal ``N``, and the random order permutes groups, never splits them.
+(The packer balances Σlen² over a whole step of N × dp_micro_batches bins: that balance holds
+exactly in sequential order; token-aware packs are shuffled at pack time already.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from prep.errors import XprepError
+
+
+class BinSampler:
+    """Micro-batches of bin indices for one data-parallel rank; endless, resumable."""
+
+    kind = "sequential"
+
+    def __init__(self, num_bins: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 seed: int = 0, group: int = 1, consumed_samples: int = 0):
+        if num_bins <= 0:
+            raise XprepError("the pack holds no bins: nothing to train on")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
+        if group > 1 and (micro_batch_size != 1 or dp_size != group):
+            raise XprepError(
+                f"this pack groups its bins for {group} data-parallel ranks (token-aware, --balance-dp "
+                f"{group}): train with {group} ranks and --micro-batch-size 1 (got {dp_size} ranks, "
+                f"micro-batch {micro_batch_size}), or repack with --balance-dp {dp_size}")
+        if num_bins % group:
+            raise XprepError(f"the pack holds {num_bins} bins, not a multiple of its DP group {group}; "
+                             "re-run `xprep pack --force`")
+        self.num_bins = num_bins
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.group = group
+        self.consumed_samples = consumed_samples
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
+
+    @property
+    def num_units(self) -> int:
+        return self.num_bins // self.group
+
+    @property
+    def micro_batch_times_dp(self) -> int:
+        return self.micro_batch_size * self.dp_size
+
+    @property
+    def epoch(self) -> float:
+        """Epochs done so far, fractional."""
+        return self.consumed_samples / self.num_bins
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Unit order of an epoch: the identity here, a permutation in ``RandomBinSampler``."""
+        return np.arange(self.num_units, dtype=np.int64)
+
+    def bins_at(self, positions: np.ndarray) -> np.ndarray:
+        """Bin index of each stream position."""
+        if self.group == 1:
+            return self._units_at(positions)
+        unit = self._units_at(positions // self.group)
+        return unit * self.group + positions % self.group
+
+    def _units_at(self, positions: np.ndarray) -> np.ndarray:
+        epochs, within = np.divmod(positions, self.num_units)
+        out = np.empty(len(positions), np.int64)
+        for e in np.unique(epochs).tolist():
+            sel = epochs == e
+            out[sel] = self._order_of(e)[within[sel]]
+        return out
+
+    def _order_of(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            self._order, self._order_epoch = self.order(epoch), epoch
+        return self._order
+
+    def next_micro_batch(self) -> list[int]:
+        """This rank's next micro-batch; advances ``consumed_samples`` by micro_batch × dp."""
+        start = self.consumed_samples + self.dp_rank * self.micro_batch_size
+        bins = self.bins_at(np.arange(start, start + self.micro_batch_size, dtype=np.int64))
+        self.consumed_samples += self.micro_batch_times_dp
+        return bins.tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield self.next_micro_batch()
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "consumed_samples": self.consumed_samples, "seed": self.seed,
+                "num_bins": self.num_bins}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where a saved sampler stopped; the data layout must be the same."""
+        if state["kind"] != self.kind or state["num_bins"] != self.num_bins:
+            raise XprepError(
+                f"the checkpoint's sampler ({state['kind']} over {state['num_bins']} bins) does not match "
+                f"this run ({self.kind} over {self.num_bins} bins): resume with the same pack and --sampler")
+        if state["seed"] != self.seed:
+            raise XprepError(f"the checkpoint was trained with --seed {state['seed']}, this run has "
+                             f"--seed {self.seed}: resume with the same seed")
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+class RandomBinSampler(BinSampler):
+    """Like ``BinSampler`` over a fresh permutation of the units each epoch (seed + epoch)."""
+
+    kind = "random"
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng(self.seed + epoch).permutation(self.num_units)
+
+
+def build_sampler(kind: str, num_bins: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                  seed: int, group: int = 1) -> BinSampler:
+    cls = {"sequential": BinSampler, "random": RandomBinSampler}[kind]
+    return cls(num_bins, micro_batch_size, dp_rank, dp_size, seed, group)
