@@ -108,10 +108,11 @@ def write_repeated(path: Path, lines: list[str], megabytes: float) -> int:
     return written
 
 
-def run(cmd: list[str], cwd: Path | None = None) -> tuple[float, float]:
+def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> tuple[float, float]:
     """Run a command to completion; return (wall seconds, peak RSS in MB of the process itself)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})})
     _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - start
     stderr = proc.stderr.read().decode()
@@ -122,9 +123,10 @@ def run(cmd: list[str], cwd: Path | None = None) -> tuple[float, float]:
     return elapsed, usage.ru_maxrss / 1024
 
 
-def xprep_tokenize(corpus: Path, out: Path, *extra: str) -> tuple[float, float]:
+def xprep_tokenize(corpus: Path, out: Path, *extra: str, cache: Path | None = None) -> tuple[float, float]:
     shutil.rmtree(out, ignore_errors=True)
-    return run([*XPREP, "tokenize", str(corpus), "-o", str(out), "--tokenizer", str(QWEN3), *extra], cwd=ROOT)
+    env = {"XPREP_CACHE_DIR": str(cache)} if cache else None
+    return run([*XPREP, "tokenize", str(corpus), "-o", str(out), "--tokenizer", str(QWEN3), *extra], ROOT, env)
 
 
 def chat_breakdown(corpus: Path, limit: int) -> dict:
@@ -171,17 +173,20 @@ def main() -> None:
         corpus = work / "corpus.jsonl"
         size = build_text_corpus(corpus, text_mb)
         print(f"text corpus: {size / 1e6:.1f} MB JSONL of real documents; Qwen3 tokenizer; {os.cpu_count()} cores")
-        ours, ours_rss = xprep_tokenize(corpus, work / "xprep")
-        # warm file cache fairness: every contender reads the same, already-cached file
-        ours, ours_rss = xprep_tokenize(corpus, work / "xprep")
+        # Cold: an empty cache of tokenizer facts, so this run loads the HF tokenizer and self-checks
+        # gigatoken against it. Warm: the verdict is memoized per tokenizer content (the usual case).
+        cold, _ = xprep_tokenize(corpus, work / "xprep", cache=work / "cache")
+        ours, ours_rss = xprep_tokenize(corpus, work / "xprep", cache=work / "cache")
         fast, fast_rss = run([sys.executable, "-c", FAST_BASELINE, str(corpus), str(QWEN3), str(work / "fast")])
         for name, t, rss in (("xprep tokenize", ours, ours_rss), ("fast baseline (gigatoken+mcore)", fast, fast_rss)):
             print(f"  {name:32s} {t:7.2f} s  {size / 1e6 / t:7.1f} MB/s  peak RSS {rss:6.0f} MB")
-        print(f"  speed-up vs fast baseline: {fast / ours:.2f}x  (target >= 1.5x)")
+        print(f"  xprep tokenize, first run with this tokenizer (HF load + self-check): {cold:.2f} s")
+        print(f"  speed-up vs fast baseline: {fast / ours:.2f}x, first run {fast / cold:.2f}x  (target >= 1.5x)")
         if not args.skip_classic:
             classic, _ = run([sys.executable, "-c", CLASSIC_BASELINE, str(corpus), str(QWEN3), str(work / "classic")])
             print(f"  classic baseline (Pool(2)+HF)  {classic:7.2f} s  {size / 1e6 / classic:7.1f} MB/s")
-            print(f"  speed-up vs classic baseline: {classic / ours:.2f}x  (target >= 10x)")
+            print(f"  speed-up vs classic baseline: {classic / ours:.2f}x, "
+                  f"first run {classic / cold:.2f}x  (target >= 10x)")
 
         big = work / "corpus4.jsonl"
         with open(big, "wb") as out:
