@@ -188,16 +188,42 @@ def xtrain():
 @click.option("--log-every", type=int, default=None, help="Console line every N steps [default: 10].")
 @click.option("--verify-data/--no-verify-data", default=None,
               help="Re-hash the dataset streams against their manifests first (catches in-place edits).")
+@click.option("--nproc-per-node", type=int, default=None,
+              help="Start this many ranks on this machine (torch's elastic launcher, as torchrun does) "
+                   "[default: this process only, or the ranks torchrun started].")
+@click.option("--dp", type=int, default=None, help="Data-parallel degree [default: processes / cp].")
+@click.option("--cp", type=int, default=None,
+              help="Context-parallel degree: documents split zigzag over C ranks; needs a pack made with "
+                   "--cp-size C [default: 1].")
+@click.option("--fsdp/--no-fsdp", default=None,
+              help="Shard parameters, gradients and optimizer state with FSDP2 over all ranks "
+                   "[default: on with more than one process].")
+@click.option("--reshard-after-forward/--no-reshard-after-forward", default=None,
+              help="FSDP2: free gathered block weights after the forward, gather again for the backward "
+                   "[default: on].")
+@click.option("--activation-checkpointing/--no-activation-checkpointing", default=None,
+              help="Recompute each block's activations in the backward [default: off].")
+@click.option("--async-save/--no-async-save", default=None,
+              help="Write checkpoints in a background thread [default: off].")
 @_user_errors
 def run(packed, config_file, **options):
     """Train on the current entry of the pack cache PACKED (works under torchrun too)."""
     from train.config import resolve_config
+    from train.launch import RanksFailed
     from train.trainer import run as run_training
 
     config = resolve_config(config_file, {"packed": packed, **options})
-    run_dir = run_training(config)
+    try:
+        run_dir = run_training(config)
+    except RanksFailed as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
     click.echo(f"run written to {run_dir}", err=True)
 
 
 if __name__ == "__main__":
+    # `python -m cli xtrain run ...` reaches xtrain; anything else is xprep.
+    if len(sys.argv) > 1 and sys.argv[1] == "xtrain":
+        sys.argv.pop(1)
+        xtrain()
     xprep()

@@ -15,6 +15,7 @@ dims = ParallelDims.from_env()
 init_distributed(dims)
 trainer = make_trainer(Path(packed), micro=micro, accum=accum, dims=dims)
 sums, n_tokens, n_targets = trainer.accumulate_gradients()
+full = grads(trainer.model)  # gathers FSDP2 shards: every rank takes part
 if dims.is_main:
-    torch.save(grads(trainer.model), out)
+    torch.save(full, out)
 shutdown(dims, 0)

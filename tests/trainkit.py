@@ -92,7 +92,7 @@ def category_pack(root: Path, n_docs: int = 40, capacity: int = 64, seed: int = 
 
 
 def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str = "sequential", seed: int = 0,
-                 lr: float = 1e-3):
+                 lr: float = 1e-3, activation_checkpointing: bool = False, reshard_after_forward: bool = True):
     """A Trainer over the tiny model, built without a TrainConfig (as tests should be able to)."""
     import torch
 
@@ -103,9 +103,9 @@ def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str =
     from train.trainer import Trainer, build_model, build_optimizer, build_scheduler
 
     dims = dims or ParallelDims()
-    ds = PackedDataset(packed)
+    ds = PackedDataset(packed, cp_size=dims.cp)
     model, _ = build_model("tiny", ds.vocab_size, seed)
-    model = parallelize(model, dims)
+    model = parallelize(model, dims, reshard_after_forward, activation_checkpointing)
     cfg = TrainConfig(packed=str(packed), lr=lr)
     opt = build_optimizer(model, cfg)
     sched = build_scheduler(opt, cfg, 100)
@@ -114,9 +114,28 @@ def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str =
 
 
 def grads(model) -> dict:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    """Every parameter's whole gradient by plain name (FSDP2 shards gathered: a collective on every rank;
+    activation checkpointing's wrapper prefix dropped)."""
+    from train.dist import full_tensor
+
+    return {n.replace("_checkpoint_wrapped_module.", ""): full_tensor(p.grad.detach()).clone()
+            for n, p in model.named_parameters() if p.grad is not None}
 
 
 def max_rel_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)) for k in a)
+
+
+def cp_pack(root: Path, cp_size: int = 2, n_docs: int = 40, capacity: int = 64, seed: int = 0) -> Path:
+    """A dataset with loss masks and three categories, packed by `xprep pack` (multipack) with
+    ``--cp-size cp_size``; returns the cache dir."""
+    from prep.cache import PackConfig, pack
+
+    rng = np.random.default_rng(seed)
+    docs = random_docs(n_docs, 3, 40, vocab=128, seed=seed)
+    masks = [np.concatenate([[0], rng.integers(0, 2, len(d) - 1)]) for d in docs]
+    cats = [np.full(len(d), rng.integers(0, 4)) for d in docs]
+    make_dataset(root / "ds", docs, vocab_size=128, loss_masks=masks, cats=cats, categories=["a", "b", "c"])
+    pack([root / "ds"], root / "p", PackConfig(method="multipack", seq_len=capacity, cp_size=cp_size))
+    return root / "p"

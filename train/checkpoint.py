@@ -8,9 +8,16 @@ runs/NAME/checkpoints/
     rng-<rank>.pt     this rank's torch RNG state                          (each rank)
 ```
 A checkpoint is written under ``.step-<N>.tmp`` and renamed when every rank is done, so a
-killed run never leaves a directory that looks complete. ``keep`` retention deletes the oldest
-``step-*`` but never the one ``latest`` names nor the best (lowest training loss at save time).
-Resuming on another pack entry is refused.
+killed run never leaves a directory that looks complete. The model and optimizer are saved
+sharded, each rank its own part, with the global layout in DCP's metadata: any other number of
+ranks, or another dp × cp split of them, loads them back (topology-independent). With
+``async_save`` the files are written by a background thread (``dcp.async_save``, over a gloo
+group of its own so its collectives never interleave with training's); the checkpoint is
+published — trainer.json, rename, ``latest`` — only when every rank has finished writing it,
+which is waited for before the next save starts and before the run ends (``finish``).
+
+``keep`` retention deletes the oldest ``step-*`` but never the one ``latest`` names nor the
+best (lowest training loss at save time). Resuming on another pack entry is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import re
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,10 +47,13 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 class CheckpointManager:
     """Save and load the checkpoints of one run directory; every rank calls every method."""
 
-    def __init__(self, run_dir: str | Path, dims: ParallelDims, keep: int = 2):
+    def __init__(self, run_dir: str | Path, dims: ParallelDims, keep: int = 2, async_save: bool = False):
         self.root = Path(run_dir) / "checkpoints"
         self.dims = dims
         self.keep = keep
+        self.async_save = async_save
+        self._pending: _PendingSave | None = None
+        self._async_group = None
 
     # ----------------------------------------------------------------------------------- find
     def latest(self) -> Path | None:
@@ -81,7 +92,12 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------------- save
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict) -> Path:
-        """Write step-<step> from every rank, then publish it and move ``latest`` (rank 0)."""
+        """Write step-<step> from every rank, then publish it and move ``latest`` (rank 0).
+
+        With ``async_save`` this returns once the state is staged (copied): the write goes on in
+        the background and ``finish`` (or the next save) publishes it.
+        """
+        self.finish()  # the previous asynchronous save first
         final = self.root / f"step-{step}"
         tmp = self.root / f".step-{step}.tmp"
         if self.dims.is_main:
@@ -90,25 +106,57 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
         barrier(self.dims)
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        no_dist = not self.dims.distributed
         with _quiet_single_process():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
-                     no_dist=not self.dims.distributed)
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist, process_group=self._group())
+            else:
+                dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
+                future = None
+        tmp.mkdir(parents=True, exist_ok=True)
         torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-{self.dims.rank}.pt")
+        self._pending = _PendingSave(step, tmp, final, {"step": step, **trainer_state}, future)
+        if not self.async_save:
+            self.finish()
+        return final
+
+    def finish(self) -> None:
+        """Wait for the pending save on every rank, then publish it (rank 0). No-op when none."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.future is not None:  # a Future, or an AsyncSaveResponse holding one
+            getattr(pending.future, "upload_completion", pending.future).result()
         barrier(self.dims)
         if self.dims.is_main:
-            _write_json(tmp / TRAINER_JSON, {"step": step, **trainer_state})
-            _fsync_tree(tmp)
-            if final.exists():  # re-saving a step after resuming from an earlier one
-                old = self.root / f".step-{step}.old"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, final)
-            _write_text_atomic(self.root / LATEST, final.name + "\n")
-            self._retain(final.name)
+            self._publish(pending)
         barrier(self.dims)
-        return final
+
+    def _publish(self, pending: _PendingSave) -> None:
+        tmp, final = pending.tmp, pending.final
+        _write_json(tmp / TRAINER_JSON, pending.trainer_state)
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step after resuming from an earlier one
+            old = self.root / f".{final.name}.old"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _write_text_atomic(self.root / LATEST, final.name + "\n")
+        self._retain(final.name)
+
+    def _group(self):
+        """A gloo group for the background writes (its own, so they never race training's collectives;
+        and async_save needs a CPU backend, which nccl is not). None on one process."""
+        if not self.dims.distributed:
+            return None
+        if self._async_group is None:
+            import torch.distributed as dist
+
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
 
     def _retain(self, latest: str) -> None:
         """Keep the newest ``keep`` checkpoints, the one ``latest`` names and the best (lowest
@@ -146,6 +194,17 @@ class CheckpointManager:
         if rng.is_file():  # absent when resuming on more ranks than were saved
             torch.set_rng_state(torch.load(rng, weights_only=True)["torch"])
         return state
+
+
+@dataclass
+class _PendingSave:
+    """A checkpoint being written: where, what rank 0 publishes with it, and the write's future."""
+
+    step: int
+    tmp: Path
+    final: Path
+    trainer_state: dict
+    future: object | None
 
 
 def check_same_pack(state: dict, path: Path, pack_key: str) -> None:

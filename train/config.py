@@ -48,12 +48,20 @@ class TrainConfig:
     resume: str = "auto"  # auto | never | PATH of a checkpoint
     log_every: int = 10
     verify_data: bool = False
+    dp: int | None = None  # None: processes / cp
+    cp: int = 1
+    fsdp: bool | None = None  # None: on when there is more than one process
+    reshard_after_forward: bool = True
+    nproc_per_node: int | None = None  # None: run in this process (or the ranks torchrun started)
+    activation_checkpointing: bool = False
+    async_save: bool = False
 
     def __post_init__(self):
         _check_type(self)
         if self.steps is not None and self.epochs is not None:
             raise XprepError(f"--steps {self.steps} and --epochs {self.epochs} both given: choose one")
-        for name in ("steps", "micro_batch_size", "global_batch_size", "log_every", "keep"):
+        for name in ("steps", "micro_batch_size", "global_batch_size", "log_every", "keep", "dp", "cp",
+                     "nproc_per_node"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise XprepError(f"--{_flag(name)} {value} must be ≥ 1")

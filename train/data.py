@@ -34,6 +34,7 @@ import torch
 from prep.dataset import TokenDataset
 from prep.errors import XprepError
 from prep.packfile import PackEntry, open_packed
+from train.cp import padded_length
 
 IGNORE = -100
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "category_ids", "cu_seqlens")
@@ -101,12 +102,20 @@ def pad_token_id(ds: TokenDataset) -> int:
 
 
 class PackedDataset:
-    """Map-style dataset over the bins of a pack entry; picklable (workers reopen the files)."""
+    """Map-style dataset over the bins of a pack entry; picklable (workers reopen the files).
 
-    def __init__(self, packed: str | Path, verify_data: bool = False):
+    With ``cp_size`` C > 1 a bin's padding document is shortened by the room context parallelism
+    needs: every document is padded to a multiple of 2·C when it is sharded (train/cp.py), and
+    a pack made with ``--cp-size C`` counted that room in its bins, so once sharded every bin is
+    exactly ``capacity`` tokens again. Packs made for another CP size are refused.
+    """
+
+    def __init__(self, packed: str | Path, verify_data: bool = False, cp_size: int = 1):
         self.packed = Path(packed)
         self.verify_data = verify_data
+        self.cp_size = cp_size
         self.entry = open_packed(packed)
+        check_cp_size(self.entry, cp_size)
         self.datasets = open_datasets(self.entry, verify_data)
         self.capacity = self.entry.capacity
         self.pad_id = pad_token_id(self.datasets[0])
@@ -167,9 +176,25 @@ class PackedDataset:
         if n < 0:
             raise XprepError(f"{self.entry.path}: a bin holds {int(np.sum(lens))} tokens, more than its capacity "
                              f"{self.capacity}; the pack is corrupt: re-run `xprep pack --force`")
+        if self.cp_size > 1:
+            block, cu, n = self._make_room_for_cp(block, cu, n, lens)
         ids, labels, pos, cats = torch.from_numpy(block).unbind(0)
         return {"input_ids": ids, "labels": labels, "position_ids": pos, "category_ids": cats,
                 "cu_seqlens": torch.from_numpy(cu[:n])}
+
+    def _make_room_for_cp(self, block: np.ndarray, cu: np.ndarray, n: int, lens: np.ndarray):
+        """Shorten the padding document so that the items padded for CP plus it fill the capacity."""
+        n_items = len(lens)
+        padded = int(padded_length(lens.astype(np.int64), self.cp_size).sum())
+        if padded > self.capacity:
+            raise XprepError(f"{self.entry.path}: a bin holds {padded} tokens once its documents are padded for "
+                             f"--cp {self.cp_size}, more than its capacity {self.capacity}; repack with "
+                             f"`xprep pack --cp-size {self.cp_size}`")
+        used = int(cu[n_items])
+        keep = used + self.capacity - padded  # real tokens + the shortened padding document
+        cu = cu.copy()
+        cu[n_items + 1] = keep
+        return block[:, :, :keep], cu, n_items + 1 + (keep > used)
 
     def _fill_from_several(self, docs, starts, lens, out, cu) -> int:
         """Items from several datasets: one ``fill_items`` call per dataset, then the padding."""
@@ -193,10 +218,26 @@ class PackedDataset:
         return pad_bin(out, cu, len(dst), used, self.pad_id)
 
     def __getstate__(self) -> dict:
-        return {"packed": self.packed, "verify_data": False}
+        return {"packed": self.packed, "verify_data": False, "cp_size": self.cp_size}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["packed"], state["verify_data"])
+        self.__init__(state["packed"], state["verify_data"], state.get("cp_size", 1))
+
+
+def check_cp_size(entry: PackEntry, cp_size: int) -> None:
+    """Refuse context parallelism over C ranks on a pack that has no room for its padding.
+
+    A pack made with ``--cp-size C'`` pads every document to a multiple of 2·C' in its bins;
+    that holds the padding of any C dividing C'.
+    """
+    if cp_size <= 1:
+        return
+    pack_cp = int(entry.config.get("cp_size") or 1)
+    if pack_cp % cp_size or entry.capacity % (2 * cp_size):
+        made = f"with --cp-size {pack_cp}" if pack_cp > 1 else "without --cp-size"
+        raise XprepError(f"--cp {cp_size}: {entry.path} was packed {made}, so its bins have no room for padding "
+                         f"every document to a multiple of 2·cp={2 * cp_size}; repack with "
+                         f"`xprep pack ... --cp-size {cp_size}`")
 
 
 def merge_categories(tables: list[list[str | None]]) -> tuple[list[str], list[np.ndarray | None]]:

@@ -1,23 +1,30 @@
 """Process group, parallel layout and how the model is spread over it.
 
-``ParallelDims`` is the one object describing the layout (degrees, this rank's coordinates, a
-lazily built device mesh). Here the layout is plain data parallel: ``parallelize`` makes the
-replicas identical and ``reduce_gradients`` *sums* gradients over DP ranks (the loss is already
-normalized by the global token count, see train/loss.py). FSDP2 and context parallel slot in
-behind the same two functions (``fully_shard`` in ``parallelize``, a no-op gradient reduction,
-``cp`` > 1 in the dims) without the trainer changing.
+``ParallelDims`` is the one object describing the layout: data-parallel × context-parallel
+degrees, this rank's coordinates, and the device mesh over (dp, cp), built lazily once the
+process group exists. Ranks are laid out dp-major: rank = dp_rank · cp + cp_rank, so the cp
+ranks of one dp rank are neighbours (on one node when cp ≤ GPUs per node).
+
+``parallelize`` spreads the model: FSDP2 ``fully_shard`` per decoder block, then the root, over
+all dp×cp ranks (context-parallel ranks hold other tokens of the same documents, so their
+gradients add up exactly like data-parallel ones). Gradient division is off and the reduction
+is a sum: the loss is already normalized by the global target count (train/loss.py). Without
+FSDP, ``reduce_gradients`` all-reduces the same sum in flat buckets.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from prep.errors import XprepError
+
+TIMEOUT_ENV = "XTRAIN_DIST_TIMEOUT"  # seconds a collective may wait for a peer [default 600]
 
 
 @dataclass
@@ -29,24 +36,41 @@ class ParallelDims:
     world_size: int = 1
     rank: int = 0
     local_rank: int = 0
-    fsdp: bool = False  # FSDP2 shards parameters and reduces gradients itself (issue 5)
-    _mesh: object = field(default=None, repr=False)
+    fsdp: bool = False  # FSDP2 shards parameters and reduces gradients itself
+    device_type: str = "cpu"
+    _meshes: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.dp < 1 or self.cp < 1:
-            raise XprepError(f"dp={self.dp}, cp={self.cp}: parallel degrees must be ≥ 1")
+            raise XprepError(f"--dp {self.dp} --cp {self.cp}: parallel degrees must be ≥ 1")
         if self.dp * self.cp != self.world_size:
-            raise XprepError(f"dp={self.dp} × cp={self.cp} != {self.world_size} processes: "
-                             "launch dp·cp processes or change --dp/--cp")
+            raise XprepError(f"--dp {self.dp} × --cp {self.cp} = {self.dp * self.cp}, but {self.world_size} "
+                             f"process(es) were launched: launch dp·cp processes (--nproc-per-node) or change "
+                             "--dp/--cp")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} not in [0, {self.world_size})")
 
     @classmethod
-    def from_env(cls, cp: int = 1) -> ParallelDims:
-        """Read torchrun's RANK/WORLD_SIZE/LOCAL_RANK (a single process without them)."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world % cp:
-            raise XprepError(f"--cp {cp} does not divide the {world} processes launched")
-        return cls(dp=world // cp, cp=cp, world_size=world, rank=int(os.environ.get("RANK", "0")),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    def from_env(cls, dp: int | None = None, cp: int = 1, fsdp: bool | None = None) -> ParallelDims:
+        """This process's layout from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (one process without them)."""
+        return cls.for_world(int(os.environ.get("WORLD_SIZE", "1")), dp, cp, fsdp,
+                             rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+    @classmethod
+    def for_world(cls, world: int, dp: int | None = None, cp: int = 1, fsdp: bool | None = None, rank: int = 0,
+                  local_rank: int = 0) -> ParallelDims:
+        """The layout of ``world`` processes: ``dp`` defaults to world / cp, ``fsdp`` to on whenever
+        there is more than one process (there is nothing to shard over one)."""
+        if cp < 1:
+            raise XprepError(f"--cp {cp} must be ≥ 1")
+        if dp is None:
+            if world % cp:
+                raise XprepError(f"--cp {cp} does not divide the {world} process(es) launched: launch a multiple "
+                                 f"of {cp} processes or change --cp")
+            dp = world // cp
+        return cls(dp=dp, cp=cp, world_size=world, rank=rank, local_rank=local_rank,
+                   fsdp=(world > 1) if fsdp is None else (fsdp and world > 1),
+                   device_type="cuda" if torch.cuda.is_available() else "cpu")
 
     @property
     def distributed(self) -> bool:
@@ -72,20 +96,33 @@ class ParallelDims:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def mesh(self, device_type: str):
-        """The (dp, cp) DeviceMesh, built on first use (needs the process group)."""
-        if self._mesh is None:
+    def mesh(self, device_type: str | None = None):
+        """The 2-D (dp, cp) DeviceMesh, built on first use (needs the process group)."""
+        if "dp,cp" not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._mesh = init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
-        return self._mesh
+            self._meshes["dp,cp"] = init_device_mesh(device_type or self.device_type, (self.dp, self.cp),
+                                                     mesh_dim_names=("dp", "cp"))
+        return self._meshes["dp,cp"]
+
+    def shard_mesh(self):
+        """The 1-D mesh over all dp×cp ranks (the (dp, cp) mesh flattened) that FSDP2 shards over."""
+        if "dp_cp" not in self._meshes:
+            self._meshes["dp_cp"] = self.mesh()["dp", "cp"]._flatten("dp_cp")
+        return self._meshes["dp_cp"]
+
+    def cp_group(self) -> dist.ProcessGroup:
+        """The process group of this rank's context-parallel peers (same dp rank)."""
+        return self.mesh()["cp"].get_group()
 
 
 def init_distributed(dims: ParallelDims) -> torch.device:
     """Start the process group when launched with several ranks; return this rank's device.
 
     nccl when CUDA is available, else gloo (the mixed "cpu:gloo,cuda:nccl" string fails on CPU
-    builds, FACTS.md).
+    builds, FACTS.md). A collective waits at most ``XTRAIN_DIST_TIMEOUT`` seconds (600) for a
+    peer, so a rank that hangs ends the job instead of blocking it for gloo's default 30 min;
+    a rank that dies is noticed sooner by the launcher, which stops the others.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", dims.local_rank)
@@ -94,21 +131,60 @@ def init_distributed(dims: ParallelDims) -> torch.device:
         device = torch.device("cpu")
     if dims.distributed and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, **({"device_id": device} if device.type == "cuda" else {}))
+        timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
+        dist.init_process_group(backend, timeout=timeout,
+                                **({"device_id": device} if device.type == "cuda" else {}))
     return device
 
 
-def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """Spread the model over the layout. Plain DP: every replica starts from rank 0's weights.
+def parallelize(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = True,
+                activation_checkpointing: bool = False) -> nn.Module:
+    """Spread the model over the layout; every rank starts from rank 0's weights.
 
-    (FSDP2 goes here when ``dims.fsdp``: ``fully_shard`` each of ``model.layers`` then the root on
-    ``dims.mesh``, gradient division off and sum reduction on every FSDPModule, FACTS.md.)
+    Activation checkpointing wraps each block (recomputed in the backward, context-parallel
+    all-gathers included) before FSDP2 sees it. Under FSDP2 each of ``model.layers`` and then
+    the root is ``fully_shard``-ed over the flattened dp×cp mesh (``dims.shard_mesh``).
     """
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
     if dims.distributed:
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
+    if dims.fsdp and dims.distributed:
+        apply_fsdp(model, dims.shard_mesh(), reshard_after_forward)
     return model
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in the backward instead of keeping them.
+
+    The wrapper adds ``_checkpoint_wrapped_module`` to parameter names; DCP's state-dict API
+    strips it, so checkpoints load with or without activation checkpointing.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.layers
+    for i, block in enumerate(layers):
+        layers[i] = checkpoint_wrapper(block)
+
+
+def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True) -> None:
+    """FSDP2 per block, then the root; gradient division off and plain-sum reduction everywhere.
+
+    Both settings are per FSDPModule, not recursive (FACTS.md): the loss is divided by the
+    global target count already, and gloo rejects the PREMUL_SUM a divide factor would use.
+    The root is not resharded after forward (the backward needs its weights at once).
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def reduce_gradients(model: nn.Module, dims: ParallelDims, bucket_bytes: int = 32 << 20) -> None:
@@ -143,11 +219,26 @@ def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a (possibly FSDP-sharded) DTensor; a collective for DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def all_reduce_sum(t: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Sum a tensor over all ranks in place (identity on one process)."""
     if dims.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def failed_in_collective(e: BaseException) -> bool:
+    """Whether ``e`` was raised inside torch.distributed (a collective, FSDP's communication, DCP)."""
+    import traceback
+
+    root = os.path.dirname(dist.__file__)
+    return any(frame.filename.startswith(root) for frame in traceback.extract_tb(e.__traceback__))
 
 
 def barrier(dims: ParallelDims) -> None:

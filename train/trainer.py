@@ -2,8 +2,9 @@
 
 ``run(config)`` is the whole of ``xtrain run``: open the data (every user error surfaces here,
 before any process group exists), start the process group, build model, optimizer, schedule,
-sampler, resume, loop, save, shut down. ``Trainer`` takes plain objects so tests can build one
-without a config.
+sampler, resume, loop, save, shut down. With ``--nproc-per-node N`` it first checks the same
+things, then starts the N ranks itself (train/launch.py) and waits for them. ``Trainer`` takes
+plain objects so tests can build one without a config.
 """
 
 from __future__ import annotations
@@ -24,12 +25,26 @@ from torch import nn
 from prep.errors import XprepError
 from train.checkpoint import CheckpointManager, check_same_pack
 from train.config import TrainConfig, validate_against_schema
+from train.cp import CPContext, shard_batch
 from train.data import PackedDataset, collate, count_targets
-from train.dist import ParallelDims, all_reduce_sum, init_distributed, parallelize, reduce_gradients, shutdown
+from train.dist import (
+    ParallelDims,
+    all_reduce_sum,
+    failed_in_collective,
+    full_tensor,
+    init_distributed,
+    parallelize,
+    reduce_gradients,
+    shutdown,
+)
+from train.launch import launch, should_launch
 from train.loss import LossSums, micro_batch_loss, step_losses
 from train.samplers import BinSampler, build_sampler
 
 KILL_AFTER_STEP_ENV = "XTRAIN_TEST_KILL_AFTER_STEP"  # tests: SIGKILL this process after step N
+FAIL_RANK_ENV = "XTRAIN_TEST_FAIL_RANK"  # tests: this rank raises at the start of step XTRAIN_TEST_FAIL_STEP
+FAIL_STEP_ENV = "XTRAIN_TEST_FAIL_STEP"  # [default 1]
+PEER_FAILURE_GRACE_S = 3.0  # a rank whose collective failed waits this long before exiting (see _report_and_exit)
 
 
 # ---------------------------------------------------------------------------------------- schedule
@@ -209,14 +224,27 @@ class Trainer:
         batches, tokens = [], 0
         for _ in range(self.grad_accum):
             bins = self.sampler.next_micro_batch()
-            tokens += self.dataset.bin_tokens(bins)
+            if self.dims.cp_rank == 0:  # the CP ranks of a DP rank read the same bins: count them once
+                tokens += self.dataset.bin_tokens(bins)
             batches.append(self.prepare_batch(collate([self.dataset[b] for b in bins])))
         return batches, tokens
 
     def prepare_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Move a micro-batch to the device. (Context parallelism shards it here: each rank then
-        counts and sums only its own tokens, and the all-reduce over dp×cp adds them up.)"""
+        """This rank's share of a micro-batch, on the device.
+
+        Under context parallelism every document is padded to a multiple of 2·cp and this rank
+        keeps chunks r and 2cp−1−r of each (train/cp.py). Each rank then counts and sums only
+        its own targets (padding never is one), and the all-reduce over dp×cp adds them up.
+        """
+        if self.dims.cp_enabled:
+            batch = shard_batch(batch, self.dims.cp_rank, self.dims.cp)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def cp_context(self, batch: dict[str, torch.Tensor]) -> CPContext | None:
+        """What the model's attention needs to see the other CP ranks' keys and values (None without CP)."""
+        if not self.dims.cp_enabled:
+            return None
+        return CPContext.from_shard(batch, self.dims.cp_group(), self.dims.cp_rank, self.dims.cp)
 
     def train_step(self) -> StepMetrics:
         t0 = time.perf_counter()
@@ -229,7 +257,7 @@ class Trainer:
         self.step += 1
         total = LossSums.from_flat(all_reduce_sum(sums.flat(), self.dims))
         loss, per_cat = step_losses(total, self.category_names)
-        return StepMetrics(self.step, loss, per_cat, float(grad_norm), lr, n_tokens, n_targets,
+        return StepMetrics(self.step, loss, per_cat, float(full_tensor(grad_norm)), lr, n_tokens, n_targets,
                            time.perf_counter() - t0, self.sampler.consumed_samples)
 
     def accumulate_gradients(self) -> tuple[LossSums, int, int]:
@@ -250,7 +278,8 @@ class Trainer:
     def forward_backward(self, batch: dict[str, torch.Tensor], n_targets: float, sums: LossSums) -> None:
         """Backpropagate Σ CE / (targets of the whole step); accumulate the channel sums."""
         with self.autocast():
-            logits = self.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
+            logits = self.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"],
+                                cp=self.cp_context(batch))
         loss, ce = micro_batch_loss(logits, batch["labels"], n_targets)
         loss.backward()
         sums.add(ce, batch["labels"], batch["category_ids"])
@@ -343,35 +372,63 @@ def _hms(seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------- run
-def run(cfg: TrainConfig, stream=None) -> Path:
-    """``xtrain run``: train per ``cfg``; returns the run directory."""
-    validate_against_schema(cfg.to_dict())
-    dims = ParallelDims.from_env()
-    dataset = PackedDataset(cfg.packed, verify_data=cfg.verify_data)
+@dataclass
+class RunSetup:
+    """What a run reads before any process group exists (so every user error surfaces first)."""
+
+    dataset: PackedDataset
+    plan: BatchPlan
+    sampler: BinSampler
+    ckpt: CheckpointManager
+    resume_from: Path | None
+
+
+def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None = None) -> RunSetup:
+    """Open the pack for this layout, plan the batches, find the checkpoint to resume, check the model."""
+    dataset = PackedDataset(cfg.packed, verify_data=cfg.verify_data if verify_data is None else verify_data,
+                            cp_size=dims.cp)
     plan = plan_batches(cfg, len(dataset), dataset.entry.config, dims.dp)
     sampler = build_sampler(cfg.sampler, len(dataset), plan.micro_batch_size, dims.dp_rank, dims.dp, cfg.seed,
                             plan.group)
-    run_dir = cfg.run_dir
-    ckpt = CheckpointManager(run_dir, dims, cfg.keep)
+    ckpt = CheckpointManager(cfg.run_dir, dims, cfg.keep, cfg.async_save)
     resume_from = ckpt.resolve(cfg.resume)
     if resume_from is not None:
         check_same_pack(ckpt.read_trainer_state(resume_from), resume_from, dataset.key)
-    vocab = dataset.vocab_size
-    if not vocab:
+    if not dataset.vocab_size:
         raise XprepError(f"{dataset.datasets[0].path}/manifest.json: no tokenizer vocab_size; re-create the dataset")
-    check_model_spec(cfg.model, vocab)
+    check_model_spec(cfg.model, dataset.vocab_size)
+    if dims.cp_enabled and cfg.model.startswith("hf:"):
+        raise XprepError(f"--cp {dims.cp} needs the built-in model (its attention runs over the CP group): "
+                         f"use a preset or a JSON model config instead of --model {cfg.model}")
+    return RunSetup(dataset, plan, sampler, ckpt, resume_from)
+
+
+def run(cfg: TrainConfig, stream=None) -> Path:
+    """``xtrain run``: train per ``cfg``; returns the run directory."""
+    validate_against_schema(cfg.to_dict())
+    if should_launch(cfg):  # check here what would fail in every rank, then start the ranks
+        prepare_run(cfg, ParallelDims.for_world(cfg.nproc_per_node, cfg.dp, cfg.cp, cfg.fsdp), verify_data=False)
+        launch(cfg)
+        return cfg.run_dir
+    dims = ParallelDims.from_env(cfg.dp, cfg.cp, cfg.fsdp)
+    setup = prepare_run(cfg, dims)
     device = init_distributed(dims)
     try:
-        _train(cfg, dims, device, dataset, sampler, plan, ckpt, resume_from, run_dir, stream)
+        _train(cfg, dims, device, setup, stream)
     except BaseException as e:
         if dims.distributed:  # report, then leave at once: peers may be blocked in a collective
             _report_and_exit(e, dims)
         raise
     shutdown(dims, 0)
-    return run_dir
+    return cfg.run_dir
 
 
 def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
+    """Print this rank's error, hand it to the launcher, and exit without waiting for the peers.
+
+    A rank whose collective failed most likely lost a peer that failed first: it waits a moment,
+    so that the launcher sees (and names) the rank that failed first, and stops this one itself.
+    """
     import traceback
 
     if isinstance(e, XprepError):
@@ -380,37 +437,51 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
     else:
         traceback.print_exc()
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
+    with contextlib.suppress(Exception):  # the launcher's error file (TORCHELASTIC_ERROR_FILE), if any
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
+    if failed_in_collective(e):
+        sys.stderr.flush()
+        time.sleep(PEER_FAILURE_GRACE_S)
     shutdown(dims, code)
 
 
-def _train(cfg, dims, device, dataset, sampler, plan, ckpt, resume_from, run_dir, stream) -> None:
+def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: RunSetup, stream) -> None:
+    dataset, plan, ckpt, run_dir = setup.dataset, setup.plan, setup.ckpt, cfg.run_dir
     model, model_config = build_model(cfg.model, dataset.vocab_size, cfg.seed)
-    model = parallelize(model.to(device), dims)
+    model = parallelize(model.to(device), dims, cfg.reshard_after_forward, cfg.activation_checkpointing)
     model.train()
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg, plan.steps)
-    trainer = Trainer(model, optimizer, scheduler, dataset, sampler, dims, plan.grad_accum, device,
+    trainer = Trainer(model, optimizer, scheduler, dataset, setup.sampler, dims, plan.grad_accum, device,
                       cfg.grad_clip, autocast_for(cfg.precision, device))
-    if resume_from is not None:
-        trainer.load_state_dict(ckpt.load(resume_from, model, optimizer, dataset.key))
+    if setup.resume_from is not None:
+        trainer.load_state_dict(ckpt.load(setup.resume_from, model, optimizer, dataset.key))
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_run_config(run_dir, cfg, plan, model_config, dataset, dims)
     log = MetricsLog(run_dir, plan.steps, cfg.log_every, dims.is_main, stream)
     log.open(trainer.step)
+    out = stream or sys.stderr
     if dims.is_main:
         n_params = sum(p.numel() for p in model.parameters())
-        (stream or sys.stderr).write(
+        layout = f"{dims.dp} DP" + (f" × {dims.cp} CP" if dims.cp_enabled else "") + (", FSDP2" if dims.fsdp else "")
+        out.write(
             f"{cfg.model} ({n_params / 1e6:,.1f}M parameters) on {len(dataset):,} bins of {dataset.capacity:,} tokens: "
             f"{plan.steps:,} steps of {plan.global_batch_size} bins (micro-batch {plan.micro_batch_size} × "
-            f"{dims.dp} DP × {plan.grad_accum} accumulation)"
+            f"{dims.dp} DP × {plan.grad_accum} accumulation; {layout})"
             + (f", resuming at step {trainer.step}" if trainer.step else "") + f" → {run_dir}\n")
     kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0"))
+    fail_rank, fail_step = int(os.environ.get(FAIL_RANK_ENV, "-1")), int(os.environ.get(FAIL_STEP_ENV, "1"))
     if trainer.step >= plan.steps and dims.is_main:
-        (stream or sys.stderr).write(f"{run_dir}: already at step {trainer.step}/{plan.steps}, nothing to do "
-                                     "(raise --steps to continue)\n")
+        out.write(f"{run_dir}: already at step {trainer.step}/{plan.steps}, nothing to do "
+                  "(raise --steps to continue)\n")
     try:
         while trainer.step < plan.steps:
+            if dims.rank == fail_rank and trainer.step + 1 == fail_step:
+                raise RuntimeError(f"{FAIL_RANK_ENV}={fail_rank}: rank {dims.rank} fails at step {fail_step} "
+                                   "(test hook)")
             metrics = trainer.train_step()
             log.write(metrics)
             last = trainer.step == plan.steps
@@ -419,6 +490,7 @@ def _train(cfg, dims, device, dataset, sampler, plan, ckpt, resume_from, run_dir
                           {**trainer.state_dict(), "pack_key": dataset.key, "loss": metrics.loss})
             if trainer.step == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.finish()  # an asynchronous save still being written
     finally:
         log.close()
 
@@ -433,6 +505,6 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
         "pack": {"path": str(dataset.entry.path), "key": dataset.key, "bins": len(dataset),
                  "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
         "categories": dataset.category_names,
-        "plan": plan.__dict__, "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp,
+        "plan": plan.__dict__, "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
         "model": model_config,
     })

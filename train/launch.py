@@ -1,0 +1,80 @@
+"""``xtrain run --nproc-per-node N``: start the N ranks on this machine, as torchrun would.
+
+The ranks are started by torch's elastic launcher (``elastic_launch``, the API behind torchrun,
+standalone rendezvous on a free local port), each as ``python -m train.launch CONFIG_JSON``
+running the same resolved config. The launcher watches them: when one rank fails, it stops the
+others at once and the launch fails with that rank's exit code (its error is on stderr already).
+Under torchrun (or any launcher that sets RANK/WORLD_SIZE) nothing is spawned: this process
+already is one of the ranks, so plain ``torchrun ... xtrain run`` and multi-node runs need no code here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+
+from prep.errors import XprepError
+from train.config import TrainConfig
+
+LAUNCHED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and by elastic_launch
+
+
+class RanksFailed(Exception):
+    """A rank of a job this process launched failed; ``exit_code`` is that rank's."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def should_launch(cfg: TrainConfig) -> bool:
+    """Spawn ranks only when asked for more than one and not already one of a launcher's ranks."""
+    return bool(cfg.nproc_per_node and cfg.nproc_per_node > 1) and not any(k in os.environ for k in LAUNCHED_ENV)
+
+
+def launch(cfg: TrainConfig) -> None:
+    """Run ``cfg`` on ``cfg.nproc_per_node`` local ranks; raise ``RanksFailed`` when one fails."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = cfg.nproc_per_node
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: N ranks must not each take every core
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn")
+    args = ("-m", "train.launch", json.dumps(cfg.to_dict()))
+    try:
+        elastic_launch(config, sys.executable)(*args)
+    except ChildFailedError as e:
+        raise _ranks_failed(e, nproc) from None
+
+
+def _ranks_failed(e, nproc: int) -> RanksFailed:
+    """One line naming the rank that failed first, how, and its error (its traceback is above)."""
+    rank, failure = e.get_first_failure()
+    if failure.exitcode < 0:
+        how, code = f"signal {failure.signal_name()}", 1
+    else:
+        how, code = f"exit code {failure.exitcode}", failure.exitcode or 1
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+    return RanksFailed(f"rank {rank} of {nproc} failed ({how})" + (f": {message.splitlines()[0]}" if message else "")
+                       + "; the other ranks were stopped", code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One rank started by ``launch``: the resolved config as JSON in argv[1]."""
+    from train.trainer import run
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        run(TrainConfig(**json.loads(argv[0])))
+    except XprepError as e:  # before the process group exists (after it, run reports and exits itself)
+        print(f"error: [rank {os.environ.get('RANK', '0')}] {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
