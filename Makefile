@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(VENV)/bin/xprep inspect $(DEMO)/dataset
 	$(VENV)/bin/xprep pack $(DEMO)/dataset -o $(DEMO)/packed --method multipack --seq-len 1024 --cp-size 2 --overlong split
 	$(VENV)/bin/xprep inspect $(DEMO)/packed
-	$(VENV)/bin/xtrain run $(DEMO)/packed --model tiny --steps 20 --micro-batch-size 1 --global-batch-size 2 --lr 3e-3 --warmup 2 \
+	$(VENV)/bin/xtrain run $(DEMO)/packed --model tiny --steps 20 --micro-batch-size 1 --global-batch-size 2 --lr 3e-3 --warmup 2 --sampler random \
 		--nproc-per-node 2 --cp 2 --output $(DEMO)/runs/demo
 	$(VENV)/bin/xprep inspect $(DEMO)/runs/demo
 
