@@ -54,7 +54,8 @@ def xprep():
 @click.option("--append-eod/--no-append-eod", default=None,
               help="Append the end-of-document token (default: on for text, off for chat and tokens).")
 @click.option("--workers", type=int, default=0, show_default=True,
-              help="Processes, one tokenizer each (0 = auto: 1 for text, all cores for chat).")
+              help="Processes, one tokenizer each (0 = auto: all cores, at most 8, with --format chat; "
+                   "else 1, gigatoken already encoding on every core).")
 @click.option("--backend", type=click.Choice(["auto", "gigatoken", "hf"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "uint16", "int32"]), default="auto", show_default=True,
               help="Token storage; auto = uint16 when vocab < 65,500.")

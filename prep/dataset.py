@@ -24,6 +24,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"
 UNCATEGORIZED = "uncategorized"
+MAX_CATEGORY = 65_535  # category ids are stored as uint16 at most
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -63,13 +64,15 @@ class CategoryTable:
     def __init__(self, names: list[str | None] | None = None):
         self.names: list[str | None] = list(names) if names else [UNCATEGORIZED]
         self._ids = {n: i for i, n in enumerate(self.names) if n is not None}
+        self._free = 1  # no id below this one is free
 
     def id_of(self, name: str) -> int:
         found = self._ids.get(name)
         if found is not None:
             return found
-        free = self.names.index(None) if None in self.names else len(self.names)
-        return self._set(free, name)
+        while self._free < len(self.names) and self.names[self._free] is not None:
+            self._free += 1
+        return self._set(self._free, name)
 
     def use_numeric(self, cid: int) -> None:
         """Reserve a verbatim numeric id from pre-tokenized data (named ``str(cid)``; 0 stays 0)."""
@@ -85,6 +88,11 @@ class CategoryTable:
         self._set(cid, str(cid))
 
     def _set(self, cid: int, name: str) -> int:
+        if cid > MAX_CATEGORY:
+            raise XprepError(
+                f"more than {MAX_CATEGORY:,} categories (at {name!r}): categories are for channel loss; "
+                "pick a coarser --category-field"
+            )
         if name in self._ids and self._ids[name] != cid:
             raise XprepError(f"category {name!r} would get two ids ({self._ids[name]} and {cid})")
         while len(self.names) <= cid:

@@ -77,9 +77,11 @@ def load_tokenizer_info(spec: str) -> TokenizerInfo:
     cfg_path = path.with_name("tokenizer_config.json")
     if cfg_path.is_file():
         try:
-            config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
+            config = json.loads(cfg_path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise XprepError(f"{cfg_path}: not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise XprepError(f"{cfg_path}: expected a JSON object, got a {type(config).__name__}")
     eos, bos, pad = (_token_str(config.get(k)) for k in ("eos_token", "bos_token", "pad_token"))
     facts = _tokenizer_facts(path, sha, [t for t in (eos, pad, *EOD_CANDIDATES) if t])
     ids = facts["ids"]
@@ -89,7 +91,10 @@ def load_tokenizer_info(spec: str) -> TokenizerInfo:
         eod_id = ids.get(eos) if eos else None
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: use "default"
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if template is not None and not isinstance(template, str):
+        raise XprepError(f"{cfg_path}: chat_template must be a string or a list of {{name, template}} objects")
     return TokenizerInfo(
         path=str(path),
         sha256=sha,
@@ -188,7 +193,7 @@ class Encoder:
         encodings = self.hf.encode_batch_fast(texts, add_special_tokens=add_special_tokens) if hasattr(
             self.hf, "encode_batch_fast") else self.hf.encode_batch(texts, add_special_tokens=add_special_tokens)
         lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
-        flat = np.fromiter((i for e in encodings for i in e.ids), np.int64, int(lengths.sum()))
+        flat = np.concatenate([np.asarray(e.ids, np.int64) for e in encodings]) if encodings else np.zeros(0, np.int64)
         return flat, lengths
 
     def offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:

@@ -158,6 +158,7 @@ class IndexedReader:
         self.pointers = np.frombuffer(idx_buf, np.int64, seq_count, off)
         off += seq_count * 8
         self.doc_index = np.frombuffer(idx_buf, np.int64, doc_count, off)
+        self._check_index(ipath, seq_count)
         size = os.path.getsize(bpath)
         implied = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if seq_count else 0
         if size != implied:
@@ -172,6 +173,16 @@ class IndexedReader:
             with open(bpath, "rb") as f:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self.items = np.frombuffer(self._mmap, self.dtype)
+
+    def _check_index(self, ipath: Path, seq_count: int) -> None:
+        """Pointers must follow from the lengths and document indices must be a partition (vectorized)."""
+        ok = bool((self.lengths >= 0).all()) and np.array_equal(
+            self.pointers, pointers_from_lengths(self.lengths, self.dtype.itemsize))
+        d = self.doc_index
+        ok = ok and len(d) > 0 and d[0] == 0 and d[-1] == seq_count and bool((np.diff(d) >= 0).all())
+        if not ok:
+            raise XprepError(f"{ipath}: inconsistent index (pointers, lengths or document indices disagree); "
+                             "the dataset is corrupt: re-create it")
 
     def __len__(self) -> int:
         return len(self.lengths)

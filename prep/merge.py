@@ -23,6 +23,7 @@ def merge_datasets(paths: list[str], output: str) -> dict:
     from prep.errors import XprepError
 
     datasets = [TokenDataset(p) for p in paths]
+    _check_shards(datasets)
     first = datasets[0].manifest
     for ds in datasets[1:]:
         for key in ("tokenizer", "chat_template", "options"):
@@ -45,6 +46,22 @@ def merge_datasets(paths: list[str], output: str) -> dict:
         manifest = {k: first[k] for k in ("tokenizer", "chat_template", "options")}
         manifest["sources"] = sources
         return writer.finish(manifest, categories)
+
+
+def _check_shards(datasets: list[TokenDataset]) -> None:
+    """Shards of one run must all be there, once each, in index order; refuse anything else."""
+    from prep.errors import XprepError
+
+    shards = [ds.manifest.get("shard") for ds in datasets]
+    if not any(shards):
+        return
+    count = next(s["count"] for s in shards if s)
+    got = [s["index"] if s else None for s in shards]
+    if any(s is None or s["count"] != count for s in shards) or got != list(range(count)):
+        raise XprepError(
+            f"shards given in index order {got} (of --num-shards {count}): pass every shard of the run "
+            f"exactly once, in order 0..{count - 1}"
+        )
 
 
 def _category_lut(ds: TokenDataset, categories: CategoryTable) -> np.ndarray | None:

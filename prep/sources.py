@@ -26,9 +26,16 @@ LINE_SUFFIXES = (".jsonl", ".json", ".ndjson")
 COMPRESSIONS = (".gz", ".zst")
 TEXT_SUFFIXES = (".txt",)
 TABLE_SUFFIXES = (".parquet", ".arrow")
+try:
+    from zstandard import ZstdError
+except ImportError:  # pragma: no cover - zstandard is a dependency
+    ZstdError = OSError
+# What reading a damaged or unreadable file raises: reported as an unreadable file, never a traceback.
+READ_ERRORS = (OSError, EOFError, ValueError, ZstdError)
 BATCH_BYTES = 4 << 20
 BATCH_RECORDS = 1024
 CHUNK = 8 << 20
+COMPRESSED_CHUNK = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -127,8 +134,19 @@ def _dir_files(directory: Path) -> list[Path]:
             f"{directory}: a DatasetDict with splits {splits}; pass one split directory, "
             f"e.g. {directory / (splits[0] if splits else 'train')}"
         )
+    outputs = {m.parent for m in directory.rglob("manifest.json") if _is_xprep_output(m)}
     return sorted(p for p in directory.rglob("*") if p.is_file() and _kind_of(p) is not None
-                  and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+                  and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+                  and not any(parent in outputs for parent in p.parents))
+
+
+def _is_xprep_output(manifest: Path) -> bool:
+    """A dataset or pack cache written by xprep (its manifest and rejects are not corpus)."""
+    try:
+        fmt = json.loads(manifest.read_bytes()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return fmt in ("xprep-dataset", "xprep-packed")
 
 
 def _hf_disk_files(directory: Path, state: Path) -> list[Path]:
@@ -160,7 +178,7 @@ def _first_byte(src: SourceFile) -> bytes:
                 stripped = block.lstrip()
                 if stripped:
                     return stripped[:1]
-    except (OSError, EOFError, ValueError):
+    except READ_ERRORS:
         pass  # unreadable: reported when read
     return b""
 
@@ -208,8 +226,8 @@ def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int |
                         batch.items, batch.lines = batch.items[:remaining], batch.lines[:remaining]
                     remaining -= len(batch.items)
                 yield batch
-        except (OSError, EOFError, ValueError) as e:
-            yield a.source, 0, f"unreadable file: {e}"
+        except READ_ERRORS as e:
+            yield a.source, 0, f"unreadable file: {e or type(e).__name__}"
 
 
 def _read_source(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
@@ -236,33 +254,43 @@ def _open_lines(src: SourceFile):
 
 
 def _read_lines(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
-    """Stream the JSON lines that start in [a.start, a.stop), in batches of about BATCH_BYTES."""
-    with _open_lines(src) as f:
-        line_no, pos = (1, 0) if a.start == 0 else _seek_line_start(f, a.start)
-        stop = a.stop if src.splittable else float("inf")  # compressed: sizes are not positions
-        items: list[bytes] = []
-        lines: list[int] = []
-        size = 0
-        for line in _iter_lines(f):
-            if pos >= stop:
-                break
-            pos += len(line) + 1
-            if line.strip():
-                items.append(line)
-                lines.append(line_no)
-                size += len(line)
-                if size >= BATCH_BYTES or len(items) >= BATCH_RECORDS:
-                    yield RawBatch(a.source, items, lines, "lines")
-                    items, lines, size = [], [], 0
-            line_no += 1
+    """Stream the JSON lines that start in [a.start, a.stop), in batches of about BATCH_BYTES.
+
+    If the file turns out damaged part-way (a truncated .gz), the complete records read so far
+    are yielded before the error propagates.
+    """
+    items: list[bytes] = []
+    lines: list[int] = []
+    try:
+        with _open_lines(src) as f:
+            line_no, pos = (1, 0) if a.start == 0 else _seek_line_start(f, a.start)
+            stop = a.stop if src.splittable else float("inf")  # compressed: sizes are not positions
+            size = 0
+            # compressed streams are read in smaller steps: a damaged one loses at most one step
+            for line in _iter_lines(f, CHUNK if src.compression is None else COMPRESSED_CHUNK):
+                if pos >= stop:
+                    break
+                pos += len(line) + 1
+                if line.strip():
+                    items.append(line)
+                    lines.append(line_no)
+                    size += len(line)
+                    if size >= BATCH_BYTES or len(items) >= BATCH_RECORDS:
+                        yield RawBatch(a.source, items, lines, "lines")
+                        items, lines, size = [], [], 0
+                line_no += 1
+    except READ_ERRORS:
         if items:
-            yield RawBatch(a.source, items, lines, "lines")
+            yield RawBatch(a.source, items[:-1], lines[:-1], "lines")  # the last line may be cut short
+        raise
+    if items:
+        yield RawBatch(a.source, items, lines, "lines")
 
 
-def _iter_lines(f) -> Iterator[bytes]:
+def _iter_lines(f, chunk_size: int) -> Iterator[bytes]:
     """Lines of a binary stream without their newline, read in large chunks."""
     carry = b""
-    while chunk := f.read(CHUNK):
+    while chunk := f.read(chunk_size):
         parts = (carry + chunk).split(b"\n")
         carry = parts.pop()
         yield from parts
@@ -302,9 +330,13 @@ def _read_array(source: int, src: SourceFile) -> Iterator[RawBatch]:
                 try:
                     value, end = decoder.raw_decode(buf, pos)
                 except json.JSONDecodeError as e:
-                    if chunk:
+                    if chunk and len(buf) - pos < CHUNK * 4:
                         break  # the element continues in the next chunk
-                    raise ValueError(f"malformed JSON array at element {index}: {e.msg}") from None
+                    if items:
+                        yield RawBatch(source, items, numbers, "rows")
+                        items, numbers = [], []
+                    raise ValueError(f"malformed JSON array at element {index}: {e.msg}; the elements "
+                                     "after it were not read") from None
                 items.append(value)
                 numbers.append(index)
                 index += 1
@@ -315,6 +347,9 @@ def _read_array(source: int, src: SourceFile) -> Iterator[RawBatch]:
             if not chunk:
                 break
     if not done:
+        if items:
+            yield RawBatch(source, items, numbers, "rows")
+            items = []
         raise ValueError("truncated JSON array (no closing bracket)")
     if items:
         yield RawBatch(source, items, numbers, "rows")

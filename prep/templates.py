@@ -43,6 +43,10 @@ ROLES = {
 }
 
 
+TEMPLATE_DATE = datetime(2024, 7, 26)  # what `strftime_now` renders: Llama 3.1's own default date_string
+MAX_RENDERED = 1 << 26  # characters a single template operation may produce (untrusted templates)
+
+
 class TemplateError(ValueError):
     """A conversation the template cannot render or whose targets cannot be located."""
 
@@ -79,7 +83,11 @@ def resolve_template(choice: str, tokenizer_template: str | None, bos: str | Non
     path = Path(choice)
     if not path.is_file():
         raise XprepError(f"--chat-template {choice}: neither auto, chatml, llama3 nor an existing Jinja file")
-    return TemplateSpec(str(path), path.read_text(), bos or "", eos)
+    try:
+        source = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise XprepError(f"--chat-template {choice}: not UTF-8 text (byte {e.start})") from None
+    return TemplateSpec(str(path), source, bos or "", eos)
 
 
 def _raise(message: str):
@@ -101,6 +109,17 @@ def _compile(source: str):
         """The immutable sandbox, with its verdicts memoized: they depend only on (type, name)."""
 
         _verdicts: dict = {}
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            """Refuse string/list repetition or powers that would exhaust memory."""
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, str | list | tuple) and isinstance(n, int) and len(seq) * n > MAX_RENDERED:
+                        raise TemplateError("chat template builds a value too large to render")
+            if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+                raise TemplateError("chat template raises a number to a huge power")
+            return super().call_binop(context, operator, left, right)
 
         def is_safe_attribute(self, obj, attr, value):
             key = (type(obj), attr)
@@ -112,11 +131,15 @@ def _compile(source: str):
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    # Templates that print today's date (Llama 3.x) would make datasets depend on the day they were
+    # built, and renders of one conversation disagree across midnight: the date is frozen.
+    env.globals["strftime_now"] = lambda fmt: TEMPLATE_DATE.strftime(fmt)
     try:
         return env.from_string(source)
     except TemplateSyntaxError as e:
         raise XprepError(f"chat template: Jinja syntax error at line {e.lineno}: {e.message}") from None
+    except Exception as e:  # constant folding at compile time runs the template's own arithmetic
+        raise XprepError(f"chat template cannot be compiled: {type(e).__name__}: {e}") from None
 
 
 class ChatTemplate:
@@ -135,7 +158,7 @@ class ChatTemplate:
                                          bos_token=self.spec.bos_token, eos_token=self.spec.eos_token or "")
         except TemplateError:
             raise
-        except (JinjaError, TypeError, AttributeError, IndexError, KeyError) as e:
+        except (JinjaError, Exception) as e:  # an untrusted template may raise anything
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
 
     def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int, int]]]:

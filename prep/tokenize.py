@@ -176,7 +176,8 @@ class Processor:
                     m["category"] = _category_name(m["category"], "message category")
             if self.options.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
                 raise Unusable("no assistant message: nothing to train on (use --train-on all to keep it)")
-            return "chat", messages, category
+            text, spans = self.template.render_with_spans(messages)  # a template error rejects this record
+            return "chat", (messages, text, spans), category
         return "tokens", self._tokens(record), category
 
     def _category(self, record: dict) -> str | None:
@@ -294,10 +295,7 @@ class Processor:
         tokens or newlines) the segment lengths give the mask. Elsewhere HF offsets map
         characters to tokens.
         """
-        rendered = []
-        for messages, cat in chats:
-            text, spans = self.template.render_with_spans(messages)
-            rendered.append((text, spans, messages, cat))
+        rendered = [(text, spans, messages, cat) for (messages, text, spans), cat in chats]
         whole_flat, whole_len = self.encoder.encode([r[0] for r in rendered], add_special_tokens=False)
         seg_texts, seg_target, seg_cat, seg_count = [], [], [], []
         for text, spans, messages, cat in rendered:
@@ -373,12 +371,16 @@ def _int_list(record: dict, key: str) -> np.ndarray | None:
     value = record.get(key)
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list):
         raise BadRecord(f"field {key!r} must be a list of integers")
     try:
-        return np.array(value, np.int64)
-    except OverflowError:
-        raise BadRecord(f"field {key!r} holds an integer beyond int64") from None
+        arr = np.asarray(value) if value else np.zeros(0, np.int64)
+    except (OverflowError, ValueError):
+        raise BadRecord(f"field {key!r} must be a list of integers (within int64)") from None
+    # bools, floats, nested lists, strings and ints beyond int64 (object arrays) all fail here
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.dtype == np.uint64:
+        raise BadRecord(f"field {key!r} must be a list of integers (within int64)")
+    return arr.astype(np.int64, copy=False)
 
 
 def _category_name(value, what: str) -> str:

@@ -1,0 +1,133 @@
+"""Damaged, hostile or surprising input to xprep: one clear error or a clean skip, never stale output."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+
+import numpy as np
+import pytest
+from prepkit import chat_records, read_jsonl, text_records, tokenize, write_jsonl
+
+from prep import dataset as D
+from prep.cache import PackConfig, pack
+from prep.dataset import CategoryTable, TokenDataset
+from prep.errors import XprepError
+from prep.indexed import HEADER
+from prep.merge import merge_datasets
+
+
+def test_pack_refuses_a_dataset_whose_index_was_edited_in_place(tmp_path, tiny_tokenizer):
+    """The cache key stands on the manifest's fingerprint: an edit behind its back must not be served."""
+    tokenize(write_jsonl(tmp_path / "a.jsonl", text_records(30)), tmp_path / "ds", tiny_tokenizer)
+    config = PackConfig(method="sequential", seq_len=256)
+    pack([str(tmp_path / "ds")], str(tmp_path / "packed"), config)
+    idx = tmp_path / "ds" / "tokens.idx"
+    raw = bytearray(idx.read_bytes())
+    lengths = np.frombuffer(raw, np.int32, 2, HEADER.size).copy()
+    lengths += [3, -3]  # same total, so the .bin size still matches
+    raw[HEADER.size:HEADER.size + 8] = lengths.tobytes()
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(XprepError, match="edited in place"):
+        pack([str(tmp_path / "ds")], str(tmp_path / "packed"), config)
+
+
+def test_an_index_whose_pointers_disagree_with_its_lengths_does_not_open(tmp_path, tiny_tokenizer):
+    tokenize(write_jsonl(tmp_path / "a.jsonl", text_records(5)), tmp_path / "ds", tiny_tokenizer)
+    idx = tmp_path / "ds" / "tokens.idx"
+    raw = bytearray(idx.read_bytes())
+    lengths = np.frombuffer(raw, np.int32, 2, HEADER.size).copy()
+    raw[HEADER.size:HEADER.size + 8] = (lengths + np.array([2, -2], np.int32)).tobytes()
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(XprepError, match="inconsistent index"):
+        TokenDataset(tmp_path / "ds")
+
+
+def test_templates_that_print_the_date_give_the_same_dataset_every_day(tmp_path, tiny_tokenizer, monkeypatch):
+    import prep.templates as T
+
+    template = tmp_path / "dated.jinja"
+    template.write_text(
+        "{% set today = strftime_now('%d %b %Y %H:%M:%S.%f') %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if loop.first %}{{ today }} {% endif %}"
+        "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    src = write_jsonl(tmp_path / "c.jsonl", chat_records(4))
+    a = tokenize(src, tmp_path / "a", tiny_tokenizer, chat_template=str(template))
+    monkeypatch.setattr(T, "TEMPLATE_DATE", T.TEMPLATE_DATE)  # the frozen date is the only clock
+    b = tokenize(src, tmp_path / "b", tiny_tokenizer, chat_template=str(template))
+    assert a["fingerprint"] == b["fingerprint"]
+
+
+@pytest.mark.parametrize("body", ["{{ 10 // (messages[0]['content'] | length - messages[0]['content'] | length) }}",
+                                  "{% set x = 'ab' * (messages | length) * 2000000000 %}{{ x }}"],
+                         ids=["zero-division", "huge-string"])
+def test_a_hostile_template_rejects_records_instead_of_crashing(tmp_path, tiny_tokenizer, body):
+    template = tmp_path / "bad.jinja"
+    template.write_text(body)
+    src = write_jsonl(tmp_path / "c.jsonl", chat_records(2))
+    m = tokenize(src, tmp_path / "o", tiny_tokenizer, chat_template=str(template), on_error="skip")
+    assert m["rejects"]["count"] == 2
+    assert all("chat template" in r["reason"] for r in read_jsonl(tmp_path / "o" / "rejects.jsonl"))
+
+
+def test_a_template_that_fails_to_compile_is_one_clear_error(tmp_path, tiny_tokenizer):
+    template = tmp_path / "bad.jinja"
+    template.write_text("{% set x = 'a' * 3000000000 %}{{ x }}")
+    with pytest.raises(XprepError, match="chat template"):
+        tokenize(write_jsonl(tmp_path / "c.jsonl", chat_records(2)), tmp_path / "o", tiny_tokenizer,
+                 chat_template=str(template))
+
+
+@pytest.mark.parametrize("config", [b"[]", b'{"chat_template": 5}', b"\xff\xfe{}"])
+def test_a_malformed_tokenizer_config_is_one_clear_error(tmp_path, tiny_tokenizer, config):
+    tok = tmp_path / "tok"
+    shutil.copytree(tiny_tokenizer, tok)
+    (tok / "tokenizer_config.json").write_bytes(config)
+    with pytest.raises(XprepError, match="tokenizer_config.json"):
+        tokenize(write_jsonl(tmp_path / "a.jsonl", text_records(2)), tmp_path / "o", tok)
+
+
+def test_a_truncated_gzip_keeps_its_complete_records_under_skip(tmp_path, tiny_tokenizer):
+    lines = "".join(json.dumps(r) + "\n" for r in text_records(2000) * 20).encode()  # ~2 MB
+    data = gzip.compress(lines)
+    (tmp_path / "t.jsonl.gz").write_bytes(data[: len(data) * 2 // 3])
+    m = tokenize(tmp_path / "t.jsonl.gz", tmp_path / "o", tiny_tokenizer, on_error="skip")
+    assert m["rejects"]["count"] == 1 and "unreadable file" in m["rejects"]["by_reason"].__repr__()
+    assert 10_000 < m["counts"]["documents"] < 40_000
+
+
+def test_a_directory_holding_an_earlier_output_is_not_read_as_corpus(tmp_path, tiny_tokenizer):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_jsonl(corpus / "a.jsonl", text_records(5))
+    first = tokenize(corpus, corpus / "out1", tiny_tokenizer)
+    second = tokenize(corpus, corpus / "out2", tiny_tokenizer)
+    assert first["counts"] == second["counts"]
+
+
+def test_merge_refuses_missing_repeated_or_shuffled_shards(tmp_path, tiny_tokenizer):
+    src = write_jsonl(tmp_path / "a.jsonl", text_records(60))
+    shards = []
+    for i in range(3):
+        tokenize(src, tmp_path / f"s{i}", tiny_tokenizer, num_shards=3, shard_index=i)
+        shards.append(str(tmp_path / f"s{i}"))
+    for order in ([0, 2], [0, 1, 1, 2], [1, 0, 2]):
+        with pytest.raises(XprepError, match="every shard"):
+            merge_datasets([shards[i] for i in order], str(tmp_path / f"m{''.join(map(str, order))}"))
+    merge_datasets(shards, str(tmp_path / "m"))
+
+
+def test_categories_beyond_the_uint16_range_are_refused(monkeypatch):
+    monkeypatch.setattr(D, "MAX_CATEGORY", 3)
+    table = CategoryTable()
+    assert [table.id_of(n) for n in "abc"] == [1, 2, 3]
+    with pytest.raises(XprepError, match="coarser"):
+        table.id_of("d")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63])
+def test_a_seed_outside_the_kernel_range_is_refused(seed):
+    with pytest.raises(XprepError, match="--seed"):
+        PackConfig(method="token-aware", max_tokens=256, seed=seed)
