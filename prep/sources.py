@@ -246,11 +246,47 @@ def _open_lines(src: SourceFile):
     if src.compression == ".gz":
         return gzip.open(src.path, "rb")
     if src.compression == ".zst":
+        return io.BufferedReader(_ZstdReader(src.path), CHUNK)
+    return open(src.path, "rb")
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompress a .zst file frame after frame; a file that ends inside a frame raises EOFError
+    (zstandard's stream_reader would silently return the truncated data)."""
+
+    def __init__(self, path: str):
         import zstandard
 
-        raw = open(src.path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), CHUNK)
-    return open(src.path, "rb")
+        self._zstd = zstandard
+        self._raw = open(path, "rb")
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+        self._pending = b""
+        self._started = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            data = self._raw.read(1 << 20)
+            if not data:
+                if self._started and not self._frame.eof:
+                    raise EOFError("truncated .zst file (it ends inside a frame)")
+                return 0
+            while data:
+                if self._frame.eof:  # concatenated frames: start the next one
+                    self._frame = self._zstd.ZstdDecompressor().decompressobj()
+                self._started = True
+                self._pending += self._frame.decompress(data)
+                data = self._frame.unused_data if self._frame.eof else b""
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def _read_lines(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:

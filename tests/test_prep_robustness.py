@@ -131,3 +131,18 @@ def test_categories_beyond_the_uint16_range_are_refused(monkeypatch):
 def test_a_seed_outside_the_kernel_range_is_refused(seed):
     with pytest.raises(XprepError, match="--seed"):
         PackConfig(method="token-aware", max_tokens=256, seed=seed)
+
+
+def test_a_truncated_zst_is_reported_and_keeps_its_complete_records(tmp_path, tiny_tokenizer):
+    import zstandard
+
+    lines = "".join(json.dumps(r) + "\n" for r in text_records(2000) * 20).encode()
+    half = len(lines) // 2
+    frames = zstandard.ZstdCompressor().compress(lines[:half]) + zstandard.ZstdCompressor().compress(lines[half:])
+    (tmp_path / "whole.jsonl.zst").write_bytes(frames)  # two concatenated frames read as one stream
+    whole = tokenize(tmp_path / "whole.jsonl.zst", tmp_path / "w", tiny_tokenizer)
+    assert whole["counts"]["documents"] == 40_000
+    (tmp_path / "cut.jsonl.zst").write_bytes(frames[: len(frames) * 3 // 4])
+    m = tokenize(tmp_path / "cut.jsonl.zst", tmp_path / "o", tiny_tokenizer, on_error="skip")
+    assert m["rejects"]["by_reason"] == {"unreadable file": 1}
+    assert 15_000 < m["counts"]["documents"] < 40_000
