@@ -124,7 +124,14 @@ class Counts:
     per_category: dict[int, list[int]] = field(default_factory=dict)  # id -> [tokens, targets]
 
     def add(self, lengths: np.ndarray, loss_mask: np.ndarray | None, cats: np.ndarray | None) -> None:
+        """Count a batch. Targets are what training uses: a document's first token never counts,
+        even where a pre-tokenized record's (verbatim) loss mask marks it."""
         n_tok = int(lengths.sum())
+        if loss_mask is not None:
+            starts = _starts(lengths)
+            if loss_mask[starts].any():
+                loss_mask = loss_mask.copy()
+                loss_mask[starts] = 0
         self.documents += len(lengths)
         self.tokens += n_tok
         loss = n_tok - int(np.count_nonzero(lengths)) if loss_mask is None else int(np.count_nonzero(loss_mask))
@@ -147,10 +154,15 @@ class Counts:
         entry[1] += targets
 
 
-def _first_token_bincount(cats: np.ndarray, lengths: np.ndarray, size: int) -> np.ndarray:
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    """Offset of the first token of each non-empty document in the flat stream."""
     starts = np.zeros(len(lengths), np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
-    return np.bincount(cats[starts[lengths > 0]], minlength=size)
+    return starts[lengths > 0]
+
+
+def _first_token_bincount(cats: np.ndarray, lengths: np.ndarray, size: int) -> np.ndarray:
+    return np.bincount(cats[_starts(lengths)], minlength=size)
 
 
 class DatasetWriter:
@@ -291,9 +303,7 @@ class DatasetWriter:
 
 def _default_loss_mask(lengths: np.ndarray) -> np.ndarray:
     mask = np.ones(int(lengths.sum()), np.uint8)
-    starts = np.zeros(len(lengths), np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    mask[starts[lengths > 0]] = 0
+    mask[_starts(lengths)] = 0
     return mask
 
 

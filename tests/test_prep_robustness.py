@@ -146,3 +146,11 @@ def test_a_truncated_zst_is_reported_and_keeps_its_complete_records(tmp_path, ti
     m = tokenize(tmp_path / "cut.jsonl.zst", tmp_path / "o", tiny_tokenizer, on_error="skip")
     assert m["rejects"]["by_reason"] == {"unreadable file": 1}
     assert 15_000 < m["counts"]["documents"] < 40_000
+
+
+def test_target_counts_never_include_a_documents_first_token(tmp_path, tiny_tokenizer):
+    """Pre-tokenized masks are stored verbatim, but counts say what training uses (labels are shifted)."""
+    recs = [{"input_ids": [5, 6, 7, 8], "loss_mask": [1, 1, 0, 1], "category_ids": [3, 3, 3, 3]}]
+    m = tokenize(write_jsonl(tmp_path / "a.jsonl", recs), tmp_path / "o", tiny_tokenizer)
+    assert TokenDataset(tmp_path / "o").loss_mask[0].tolist() == [1, 1, 0, 1]
+    assert m["counts"]["loss_tokens"] == 2 and m["counts"]["categories"]["3"]["loss_tokens"] == 2
