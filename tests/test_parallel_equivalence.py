@@ -60,6 +60,10 @@ def test_loss_and_gradients_agree_across_layouts(packed, tmp_path):
     for layout, got in results.items():
         assert abs(got["loss"] - ref["loss"]) <= TOL * ref["loss"], layout
         assert max_rel_diff(got["grads"], ref["grads"]) <= TOL, layout
+    # FSDP2 reduce-scatters once per step (after the last micro-batch), not once per micro-batch
+    once = results["2,1,1"]["reduce_scatters"]
+    assert once > 0 and results["2,1,2"]["reduce_scatters"] == results["2,1,2,keep"]["reduce_scatters"] == once
+    assert results["1,2,2,ac"]["reduce_scatters"] == results["1,2,1"]["reduce_scatters"] == once
 
 
 def test_cp_bins_fill_their_capacity_once_sharded(packed):

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from trainkit import cp_pack
 
-from train.trainer import FAIL_RANK_ENV, FAIL_STEP_ENV
+from cli import xtrain as xtrain_cli
+from train.trainer import FAIL_RANK_ENV, FAIL_STEP_ENV, KILL_AFTER_STEP_ENV, KILL_RANK_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 XTRAIN = Path(sys.executable).with_name("xtrain")
@@ -112,3 +114,32 @@ def test_a_dying_rank_ends_the_job(runs, tmp_path, launcher):
         assert last.startswith("error: rank 1 of 2 failed (exit code 1): RuntimeError: XTRAIN_TEST_FAIL_RANK"), last
     else:
         assert "rank      : 1 (local_rank: 1)" in proc.stderr.split("Root Cause")[-1]
+
+
+def test_resume_on_one_process_keeps_the_global_batch(tmp_path):
+    """The default global batch (micro × dp = 2 on 2 ranks) is the checkpoint's, not 1 × 1 on one process."""
+    packed = cp_pack(tmp_path)
+    args = [str(packed), "--micro-batch-size", "1", "--log-every", "100", "--output", str(tmp_path / "run")]
+    dp2 = xtrain(*args, *DP2, "--steps", "2")
+    assert dp2.returncode == 0, dp2.stderr
+    one = CliRunner().invoke(xtrain_cli, ["run", *args, "--steps", "4"])  # in this process: 1 DP rank
+    assert one.exit_code == 0, one.output
+    assert [r["consumed_samples"] for r in metrics(tmp_path / "run")] == [2, 4, 6, 8]
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-4" / "trainer.json").read_text())
+    assert (state["global_batch_size"], state["micro_batch_size"]) == (2, 1)
+    other = CliRunner().invoke(xtrain_cli, ["run", *args, "--steps", "6", "--global-batch-size", "4"])
+    assert other.exit_code == 2 and "global batch of 2 bins" in other.stderr, other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1, other.stderr
+
+
+def test_a_sigkilled_rank_ends_the_job(tmp_path):
+    packed = cp_pack(tmp_path)
+    args = [str(packed), "--steps", "50", "--micro-batch-size", "1", "--log-every", "100", *DP2,
+            "--output", str(tmp_path / "run")]
+    t0 = time.monotonic()
+    proc = xtrain(*args, env={KILL_AFTER_STEP_ENV: "2", KILL_RANK_ENV: "1"}, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode not in (0, None), proc.stderr
+    assert elapsed < 60, f"{elapsed:.0f} s"  # start-up included; a hang would wait for the gloo timeout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1 of 2 failed (signal SIGKILL)"), last

@@ -60,3 +60,28 @@ def test_category_zero_and_empty_categories_left_out():
     loss, per_cat = step_losses(sums, ["uncategorized", "a", "b", "c"])
     assert per_cat == {"b": 2.5}
     assert loss == 2.0
+
+
+def test_document_bounds_are_read_once_per_forward(tmp_path):
+    """No host read of cu_seqlens per layer (on a GPU each one waits for the device): one per forward,
+    and the trainer keeps cu_seqlens on the CPU, so even that one does not wait."""
+    reads = []
+
+    class Counting(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("tolist", "item", "__int__"):
+                reads.append(func.__name__)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    trainer = make_trainer(category_pack(tmp_path), micro=2, accum=1)
+    batches, _, targets = trainer.next_micro_batches()
+    batch = batches[0]
+    assert batch["cu_seqlens"].device.type == "cpu" and targets == int((batch["labels"] != IGNORE).sum())
+    assert len(trainer.model.layers) > 1
+    cu = batch["cu_seqlens"].as_subclass(Counting)
+    with torch.no_grad():
+        counted = trainer.model(batch["input_ids"], batch["position_ids"], cu)
+        plain = trainer.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
+    assert reads == ["tolist"]
+    torch.testing.assert_close(counted.as_subclass(torch.Tensor), plain, rtol=0, atol=0)

@@ -81,6 +81,26 @@ def test_config_files(tmp_path, monkeypatch):
         TrainConfig(packed="p", schedule="exp")
 
 
+
+def test_a_flag_replaces_the_run_length_of_the_config_file(tmp_path):
+    (tmp_path / "c.json").write_text('{"epochs": 1, "lr": 0.001}')
+    cfg = resolve_config(str(tmp_path / "c.json"), {"packed": "p", "steps": 2})
+    assert (cfg.steps, cfg.epochs, cfg.lr) == (2, None, 1e-3)
+    (tmp_path / "c.json").write_text('{"steps": 5}')
+    cfg = resolve_config(str(tmp_path / "c.json"), {"packed": "p", "epochs": 2.0})
+    assert (cfg.steps, cfg.epochs) == (None, 2.0)
+    with pytest.raises(XprepError, match="choose one"):
+        resolve_config(None, {"packed": "p", "steps": 2, "epochs": 1.0})
+
+
+def test_token_aware_packs_take_one_bin_per_micro_batch(dataset, tmp_path):
+    path, _ = dataset
+    pack([path], tmp_path / "p", PackConfig(method="token-aware", max_tokens=128))
+    ds = PackedDataset(tmp_path / "p")
+    assert plan_batches(TrainConfig(packed="x", steps=1), len(ds), ds.entry.config, dp=1).micro_batch_size == 1
+    with pytest.raises(XprepError, match="token-aware"):
+        plan_batches(TrainConfig(packed="x", steps=1, micro_batch_size=2), len(ds), ds.entry.config, dp=1)
+
 def test_resume_path_forms(tmp_path):
     from train.checkpoint import CheckpointManager
     from train.dist import ParallelDims
@@ -123,3 +143,46 @@ def test_retention_keeps_newest_latest_and_best(tmp_path):
         (m.root / f"step-{step}" / "trainer.json").write_text(json.dumps({"step": step, "loss": loss}))
     m._retain("step-3")  # e.g. resumed from step-3: latest is not the newest
     assert m.steps() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("latest_is_resaved", [True, False])
+def test_resaving_a_step_keeps_latest_loadable(tmp_path, monkeypatch, latest_is_resaved):
+    """Re-saving step-N (after resuming from an earlier step): `latest` names a complete checkpoint
+    after every rename, copy and delete of the publication."""
+    import os
+    import shutil
+
+    import torch
+
+    from train.checkpoint import LATEST, CheckpointManager
+    from train.dist import ParallelDims
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    m = CheckpointManager(tmp_path, ParallelDims(), keep=5)
+    m.save(1, model, opt, {"loss": 1.0})
+    m.save(2, model, opt, {"loss": 1.0})
+    if not latest_is_resaved:
+        (m.root / LATEST).write_text("step-1\n")  # resumed from step-1 with step-2 ahead of it
+
+    def check():
+        path = m.latest()
+        assert path is not None and (path / ".metadata").is_file() and (path / "trainer.json").is_file()
+
+    seen = []
+    for mod, name in ((os, "replace"), (shutil, "rmtree")):
+        real = getattr(mod, name)
+
+        def wrapped(*a, _real=real, **k):
+            check()
+            out = _real(*a, **k)
+            check()
+            seen.append(1)
+            return out
+        monkeypatch.setattr(mod, name, wrapped)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    m.save(2, model, opt, {"loss": 0.5})
+    monkeypatch.undo()
+    assert seen and m.latest().name == "step-2" and m.read_trainer_state(m.latest())["loss"] == 0.5
+    assert sorted(p.name for p in m.root.iterdir()) == ["latest", "step-1", "step-2"]

@@ -148,3 +148,27 @@ def test_hf_model(packed, tmp_path):
                                          "--output", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
     assert len(metrics(tmp_path / "run")) == 2
+
+
+def test_resume_applies_the_new_optimizer_settings(packed, tmp_path):
+    """The run does what config.json says, not what the checkpoint's optimizer and schedule held."""
+    run = tmp_path / "run"
+    base = [str(packed), "--schedule", "constant", "--output", str(run), "--log-every", "100"]
+    first = CliRunner().invoke(xtrain, ["run", *base, "--steps", "2", "--lr", "1e-3", "--weight-decay", "0.1"])
+    assert first.exit_code == 0, first.output
+    again = CliRunner().invoke(xtrain, ["run", *base, "--steps", "4", "--lr", "2e-3", "--weight-decay", "0.0"])
+    assert again.exit_code == 0, again.output
+    assert [r["lr"] for r in metrics(run)] == [1e-3, 1e-3, 2e-3, 2e-3]
+    line = [x for x in again.stderr.splitlines() if "other hyperparameters" in x]
+    assert len(line) == 1 and "lr 0.001 → 0.002" in line[0] and "weight_decay 0.1 → 0.0" in line[0], again.stderr
+    state = json.loads((run / "checkpoints" / "step-4" / "trainer.json").read_text())
+    assert state["scheduler"]["base_lrs"][0] == 2e-3 and state["hparams"]["weight_decay"] == 0.0
+
+
+def test_resume_with_another_model_is_refused(packed, tmp_path):
+    run = tmp_path / "run"
+    assert CliRunner().invoke(xtrain, ["run", str(packed), "--steps", "1", "--output", str(run)]).exit_code == 0
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 192}))
+    message = user_error(str(packed), "--steps", "2", "--output", str(run), "--model", str(model))
+    assert "another model" in message and "n_layers 2 → 3" in message, message

@@ -105,3 +105,11 @@ def test_balanced_pack_needs_matching_dp():
         BinSampler(12, 1, 0, 1, group=2)
     with pytest.raises(XprepError, match="micro-batch"):
         BinSampler(12, 2, 0, 2, group=2)
+
+
+def test_random_seeds_do_not_collide_across_epochs():
+    """Seed 0's epoch 1 is not seed 1's epoch 0 (the order was once seeded by seed + epoch)."""
+    assert not np.array_equal(RandomBinSampler(30, 1, seed=0).order(1), RandomBinSampler(30, 1, seed=1).order(0))
+    old = {"kind": "random", "consumed_samples": 4, "seed": 0, "num_bins": 30}  # a checkpoint of the old order
+    with pytest.raises(XprepError, match="old order"):
+        RandomBinSampler(30, 1).load_state_dict(old)

@@ -53,17 +53,20 @@ def sdpa_per_document(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], scale:
 
 
 def varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float | None = None
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float | None = None,
+    bounds: list[int] | None = None,
 ) -> Tensor:
     """Causal attention within each document of a packed sequence: q (T, H, D), k/v (T, Hkv, D) -> (T, H, D).
 
     `cu_seqlens` is int32 `[n_docs + 1]` starting at 0 and ending at T; `max_seqlen` is the longest
     document (only the flash kernel needs it). Queries never see keys of another document.
+    `bounds` are the cu_seqlens as Python ints when the caller has them (read once per forward,
+    not per layer: reading a device tensor waits for the device).
     """
     if flash_varlen_usable(q):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=scale)
-    return sdpa_per_document(q, k, v, cu_seqlens.tolist(), scale)
+    return sdpa_per_document(q, k, v, cu_seqlens.tolist() if bounds is None else bounds, scale)
 
 
 def lower_right_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:

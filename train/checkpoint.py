@@ -4,7 +4,7 @@
 runs/NAME/checkpoints/
   latest              "step-<N>"  (written atomically, after the directory it names is complete)
   step-<N>/           DCP files for {"model", "optim"} (get_state_dict: sharding-aware)
-    trainer.json      step, scheduler, sampler, pack key, config digest   (rank 0)
+    trainer.json      step, scheduler, sampler, pack key, batch sizes, model config, hparams (rank 0)
     rng-<rank>.pt     this rank's torch RNG state                          (each rank)
 ```
 A checkpoint is written under ``.step-<N>.tmp`` and renamed when every rank is done, so a
@@ -102,8 +102,9 @@ class CheckpointManager:
         tmp = self.root / f".step-{step}.tmp"
         if self.dims.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".step-*"):  # left by a killed run
-                shutil.rmtree(stale, ignore_errors=True)
+            for stale in self.root.glob(".step-*"):  # left by a killed run (not one `latest` still names)
+                if stale.name != self._latest_name():
+                    shutil.rmtree(stale, ignore_errors=True)
         barrier(self.dims)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -134,18 +135,35 @@ class CheckpointManager:
         barrier(self.dims)
 
     def _publish(self, pending: _PendingSave) -> None:
+        """Rename the finished checkpoint into place and point ``latest`` at it.
+
+        Re-saving a step that exists (after resuming from an earlier one) replaces it; ``latest``
+        names a complete checkpoint at every instant: when it names the step being replaced, it
+        first moves to a hard-linked copy of that step, and back once the new one is in place.
+        """
         tmp, final = pending.tmp, pending.final
         _write_json(tmp / TRAINER_JSON, pending.trainer_state)
         _fsync_tree(tmp)
-        if final.exists():  # re-saving a step after resuming from an earlier one
+        if final.exists():
             old = self.root / f".{final.name}.old"
-            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+            if self._latest_name() == final.name:
+                shutil.copytree(final, old, copy_function=_link_or_copy)
+                _write_text_atomic(self.root / LATEST, old.name + "\n")
+                shutil.rmtree(final)
+            else:
+                os.replace(final, old)
             os.replace(tmp, final)
+            _write_text_atomic(self.root / LATEST, final.name + "\n")
             shutil.rmtree(old)
         else:
             os.replace(tmp, final)
-        _write_text_atomic(self.root / LATEST, final.name + "\n")
+            _write_text_atomic(self.root / LATEST, final.name + "\n")
         self._retain(final.name)
+
+    def _latest_name(self) -> str | None:
+        pointer = self.root / LATEST
+        return pointer.read_text().strip() if pointer.is_file() else None
 
     def _group(self):
         """A gloo group for the background writes (its own, so they never race training's collectives;
@@ -215,6 +233,22 @@ def check_same_pack(state: dict, path: Path, pack_key: str) -> None:
             f"reads pack {pack_key[:16]}; resume with the same pack, or start a new run with another --output")
 
 
+_NOT_MODEL_SHAPE = {"hf", "transformers_version"}  # where a Hugging Face model was read from, not what it is
+
+
+def check_same_model(state: dict, path: Path, model_config: dict) -> None:
+    """Refuse to resume another model (other shapes would fail inside DCP with a traceback)."""
+    saved = state.get("model")
+    if saved is None:  # a checkpoint from before the model config was saved
+        return
+    differ = sorted(k for k in saved.keys() | model_config.keys()
+                    if saved.get(k) != model_config.get(k) and k not in _NOT_MODEL_SHAPE and not k.startswith("_"))
+    if differ:
+        what = ", ".join(f"{k} {saved.get(k)!r} → {model_config.get(k)!r}" for k in differ)
+        raise XprepError(f"{path}: this checkpoint holds another model ({what}); resume with the same --model, "
+                         "or start a new run with another --output")
+
+
 @contextlib.contextmanager
 def _quiet_single_process():
     """DCP warns that it 'assumes' a single process when there is no process group: that is the intent."""
@@ -234,6 +268,13 @@ def _write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(src, dst)
 
 
 def _fsync_tree(path: Path) -> None:

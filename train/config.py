@@ -159,6 +159,9 @@ def resolve_config(file: str | None, overrides: dict) -> TrainConfig:
             raise XprepError(f"--config {file}: unknown key {key!r}"
                              + (f" (did you mean {hint[0]!r}?)" if hint else f"; keys: {', '.join(sorted(known))}"))
     values = {k: _yaml_float(k, v) for k, v in values.items()}
+    for flag, other in (("steps", "epochs"), ("epochs", "steps")):  # a flag's run length replaces the file's
+        if overrides.get(flag) is not None:
+            values.pop(other, None)
     values.update({k: v for k, v in overrides.items() if v is not None})
     if not values.get("packed"):
         raise XprepError("no pack given: pass PACKED or set `packed` in --config")

@@ -296,7 +296,7 @@ class Transformer(nn.Module):
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} != input_ids {tuple(input_ids.shape)}")
         cos, sin = rope_cos_sin(position_ids[0], self.cfg.head_dim, self.cfg.rope_theta)  # (T, D)
-        attend = self._attention_fn(cu_seqlens, cp, max_seqlen)
+        attend = self._attention_fn(cu_seqlens, cp, max_seqlen, input_ids.device)
         h = self.tok_embeddings(input_ids[0])  # (T, dim)
         for layer in self.layers:
             h = layer(h, cos, sin, attend)
@@ -306,10 +306,17 @@ class Transformer(nn.Module):
         return logits.float()  # (1, T, V)
 
     @staticmethod
-    def _attention_fn(cu_seqlens: Tensor, cp: ContextParallel | None, max_seqlen: int | None) -> AttentionFn:
-        """The attention kernel every layer of this forward uses (decided once, not per layer)."""
+    def _attention_fn(cu_seqlens: Tensor, cp: ContextParallel | None, max_seqlen: int | None,
+                      device: torch.device) -> AttentionFn:
+        """The attention kernel every layer of this forward uses (decided once, not per layer).
+
+        The document bounds are read to Python ints, and cu_seqlens moved to the device, once
+        per forward: the trainer keeps cu_seqlens on the CPU, so neither waits for the device.
+        """
         if cp is not None and cp.size > 1:
             return cp.attention
+        bounds = cu_seqlens.tolist()  # one host read per forward (none when cu_seqlens is on the CPU)
         if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
-        return lambda q, k, v: varlen_attention(q, k, v, cu_seqlens, max_seqlen)
+            max_seqlen = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=0)
+        cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+        return lambda q, k, v: varlen_attention(q, k, v, cu, max_seqlen, bounds=bounds)

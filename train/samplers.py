@@ -3,7 +3,8 @@
 The samplers see an endless stream of *positions*: epoch ``e`` covers positions
 ``[e·U, (e+1)·U)`` where ``U`` is the number of units (bins, or groups of bins for a pack
 balanced across DP ranks). Position ``p`` is unit ``order(e)[p mod U]``: the identity for
-``sequential``, a permutation seeded by ``seed + e`` for ``random``. So every unit is seen
+``sequential``, a permutation seeded by ``[seed, e]`` for ``random``
+(so seed 0's epoch 1 is not seed 1's epoch 0). So every unit is seen
 exactly once per epoch, and a global batch may straddle two epochs.
 
 Each step of a rank yields one micro-batch (a list of bin indices), as Megatron's
@@ -111,6 +112,11 @@ class BinSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where a saved sampler stopped; the data layout must be the same."""
+        if state["kind"] == "random" and self.kind == RandomBinSampler.kind:
+            raise XprepError(
+                "the checkpoint's random sampler is the old order (seeded by seed + epoch), which this "
+                "version no longer produces: resuming would change the data order; start a new run "
+                "(another --output or --resume never), or resume with the xtrain that wrote it")
         if state["kind"] != self.kind or state["num_bins"] != self.num_bins:
             raise XprepError(
                 f"the checkpoint's sampler ({state['kind']} over {state['num_bins']} bins) does not match "
@@ -122,12 +128,16 @@ class BinSampler:
 
 
 class RandomBinSampler(BinSampler):
-    """Like ``BinSampler`` over a fresh permutation of the units each epoch (seed + epoch)."""
+    """Like ``BinSampler`` over a fresh permutation of the units each epoch, seeded by (seed, epoch).
 
-    kind = "random"
+    ``kind`` names the order's version: checkpoints of the old ``random`` order (seeded by
+    seed + epoch) are refused rather than resumed on another order.
+    """
+
+    kind = "random-v2"
 
     def order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng(self.seed + epoch).permutation(self.num_units)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_units)
 
 
 def build_sampler(kind: str, num_bins: int, micro_batch_size: int, dp_rank: int, dp_size: int,

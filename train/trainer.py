@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from prep.errors import XprepError
-from train.checkpoint import CheckpointManager, check_same_pack
+from train.checkpoint import CheckpointManager, check_same_model, check_same_pack
 from train.config import TrainConfig, validate_against_schema
 from train.cp import CPContext, shard_batch
 from train.data import PackedDataset, collate, count_targets
@@ -42,8 +42,10 @@ from train.loss import LossSums, micro_batch_loss, step_losses
 from train.samplers import BinSampler, build_sampler
 
 KILL_AFTER_STEP_ENV = "XTRAIN_TEST_KILL_AFTER_STEP"  # tests: SIGKILL this process after step N
+KILL_RANK_ENV = "XTRAIN_TEST_KILL_RANK"  # [default: every rank] only this rank is SIGKILLed
 FAIL_RANK_ENV = "XTRAIN_TEST_FAIL_RANK"  # tests: this rank raises at the start of step XTRAIN_TEST_FAIL_STEP
 FAIL_STEP_ENV = "XTRAIN_TEST_FAIL_STEP"  # [default 1]
+CPU_KEYS = ("cu_seqlens", "cu_seqlens_padded")  # batch keys that stay on the CPU (read as Python ints)
 PEER_FAILURE_GRACE_S = 3.0  # a rank whose collective failed waits this long before exiting (see _report_and_exit)
 
 
@@ -79,16 +81,29 @@ class BatchPlan:
     steps: int
 
 
-def plan_batches(cfg: TrainConfig, num_bins: int, pack_config: dict, dp: int) -> BatchPlan:
-    """Check the batch options against the pack and the number of DP ranks."""
+def plan_batches(cfg: TrainConfig, num_bins: int, pack_config: dict, dp: int,
+                 saved_global: int | None = None) -> BatchPlan:
+    """Check the batch options against the pack and the number of DP ranks.
+
+    ``saved_global`` is the global batch of the checkpoint being resumed: it is the default (the
+    micro × dp default would change with the layout), and another explicit one is refused.
+    """
     group = int(pack_config.get("balance_dp") or 1)
     micro = cfg.micro_batch_size
+    if pack_config.get("method") == "token-aware" and micro != 1:  # a bin is sized to be one micro-batch
+        raise XprepError(f"--micro-batch-size {micro}: a token-aware pack's bin is one whole micro-batch "
+                         "(its token budget); use --micro-batch-size 1 and raise --global-batch-size "
+                         "for more bins per step")
     if group > 1:
         per_rank = int(pack_config.get("dp_micro_batches") or 1)
         default_global = group * per_rank
     else:
         default_global = micro * dp
-    global_ = cfg.global_batch_size or default_global
+    if saved_global is not None and cfg.global_batch_size not in (None, saved_global):
+        raise XprepError(f"--global-batch-size {cfg.global_batch_size}: the checkpoint being resumed was trained "
+                         f"with a global batch of {saved_global} bins; resume with {saved_global} (or leave the "
+                         "option out), or start a new run with another --output")
+    global_ = cfg.global_batch_size or saved_global or default_global
     if global_ % (micro * dp):
         raise XprepError(
             f"--global-batch-size {global_} is not a multiple of micro-batch {micro} × {dp} DP ranks "
@@ -138,8 +153,8 @@ def build_model(spec: str, vocab_size: int, seed: int) -> tuple[nn.Module, dict]
     return model, cfg.to_dict()
 
 
-def check_model_spec(spec: str, vocab_size: int) -> None:
-    """Fail early (before any process group) on a model that cannot be built."""
+def check_model_spec(spec: str, vocab_size: int) -> dict | None:
+    """Fail early (before any process group) on a model that cannot be built; the built-in model's config."""
     if spec.startswith("hf:"):
         directory = spec[3:]
         if not (Path(directory) / "config.json").is_file():
@@ -149,10 +164,10 @@ def check_model_spec(spec: str, vocab_size: int) -> None:
             import transformers  # noqa: F401
         except ImportError:
             raise XprepError("--model hf:DIR needs transformers: pip install 'xprep[hf]'") from None
-        return
+        return None
     from train.model import load_model_config
 
-    load_model_config(spec, vocab_size)
+    return load_model_config(spec, vocab_size).to_dict()
 
 
 def _build_hf(directory: str, vocab_size: int) -> tuple[nn.Module, dict]:
@@ -183,6 +198,38 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
     ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
     return torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule(cfg.schedule, cfg.warmup, total_steps, ratio))
+
+
+HPARAMS = ("lr", "min_lr", "weight_decay", "beta1", "beta2")
+
+
+def _hparams(cfg: TrainConfig) -> dict:
+    return {k: getattr(cfg, k) for k in HPARAMS}
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer, scheduler) -> list[dict]:
+    """Per param group, what the config set: base lr, weight decay, betas (taken before a checkpoint loads)."""
+    return [{"initial_lr": base, "weight_decay": g["weight_decay"], "betas": tuple(g["betas"])}
+            for g, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True)]
+
+
+def restore_optimizer_settings(optimizer: torch.optim.Optimizer, scheduler, wanted: list[dict],
+                               saved: dict | None, cfg: TrainConfig) -> list[str]:
+    """Put the config's settings back after a checkpoint loaded its own; name those that differed.
+
+    Loading restores the checkpoint's weight decay and betas (optimizer state) and base lrs
+    (scheduler state); the run must do what its config.json says. Returns "name old → new" items.
+    """
+    if saved is None:  # a checkpoint from before hparams were saved: read them off the optimizer
+        g = optimizer.param_groups[0]
+        saved = {"lr": scheduler.base_lrs[0], "weight_decay": g["weight_decay"], "beta1": g["betas"][0],
+                 "beta2": g["betas"][1]}
+    for i, (group, want) in enumerate(zip(optimizer.param_groups, wanted, strict=True)):
+        group.update(want)
+        scheduler.base_lrs[i] = want["initial_lr"]
+        group["lr"] = want["initial_lr"] * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    return [f"{k} {saved[k]} → {getattr(cfg, k)}" for k in HPARAMS if k in saved and saved[k] != getattr(cfg, k)]
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -219,18 +266,23 @@ class Trainer:
         self.category_names = category_names if category_names is not None else dataset.category_names
         self.step = 0
 
-    def next_micro_batches(self) -> tuple[list[dict[str, torch.Tensor]], int]:
-        """This rank's micro-batches of the next step, ready for the model, and their real tokens."""
-        batches, tokens = [], 0
+    def next_micro_batches(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
+        """This rank's micro-batches of the next step, ready for the model; its real tokens and targets.
+
+        Targets are counted on the CPU, before the batch moves (no device sync in the step).
+        """
+        batches, tokens, targets = [], 0, 0
         for _ in range(self.grad_accum):
             bins = self.sampler.next_micro_batch()
             if self.dims.cp_rank == 0:  # the CP ranks of a DP rank read the same bins: count them once
                 tokens += self.dataset.bin_tokens(bins)
-            batches.append(self.prepare_batch(collate([self.dataset[b] for b in bins])))
-        return batches, tokens
+            batch = self.shard_batch(collate([self.dataset[b] for b in bins]))
+            targets += count_targets(batch)
+            batches.append(self.to_device(batch))
+        return batches, tokens, targets
 
-    def prepare_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's share of a micro-batch, on the device.
+    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's share of a micro-batch (on the CPU).
 
         Under context parallelism every document is padded to a multiple of 2·cp and this rank
         keeps chunks r and 2cp−1−r of each (train/cp.py). Each rank then counts and sums only
@@ -238,7 +290,12 @@ class Trainer:
         """
         if self.dims.cp_enabled:
             batch = shard_batch(batch, self.dims.cp_rank, self.dims.cp)
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return batch
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors the model computes with, on the device; the document boundaries stay on the
+        CPU, where attention reads them as Python ints once per micro-batch (no device sync)."""
+        return {k: v if k in CPU_KEYS else v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def cp_context(self, batch: dict[str, torch.Tensor]) -> CPContext | None:
         """What the model's attention needs to see the other CP ranks' keys and values (None without CP)."""
@@ -265,12 +322,13 @@ class Trainer:
 
         Returns this rank's loss sums and the step's global token and target counts.
         """
-        batches, tokens = self.next_micro_batches()
-        counts = torch.tensor([sum(count_targets(b) for b in batches), tokens], dtype=torch.float64,
-                              device=self.device)
+        batches, tokens, targets = self.next_micro_batches()
+        counts = torch.tensor([targets, tokens], dtype=torch.float64, device=self.device)
         n_targets, n_tokens = all_reduce_sum(counts, self.dims).tolist()  # before any forward
         sums = LossSums.zeros(len(self.category_names), self.device)
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            if self.dims.fsdp:  # FSDP2 reduce-scatters once, after the step's last backward
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
             self.forward_backward(batch, n_targets, sums)
         reduce_gradients(self.model, self.dims)
         return sums, int(n_tokens), int(n_targets)
@@ -387,16 +445,19 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     """Open the pack for this layout, plan the batches, find the checkpoint to resume, check the model."""
     dataset = PackedDataset(cfg.packed, verify_data=cfg.verify_data if verify_data is None else verify_data,
                             cp_size=dims.cp)
-    plan = plan_batches(cfg, len(dataset), dataset.entry.config, dims.dp)
-    sampler = build_sampler(cfg.sampler, len(dataset), plan.micro_batch_size, dims.dp_rank, dims.dp, cfg.seed,
-                            plan.group)
     ckpt = CheckpointManager(cfg.run_dir, dims, cfg.keep, cfg.async_save)
     resume_from = ckpt.resolve(cfg.resume)
+    saved = ckpt.read_trainer_state(resume_from) if resume_from is not None else {}
     if resume_from is not None:
-        check_same_pack(ckpt.read_trainer_state(resume_from), resume_from, dataset.key)
+        check_same_pack(saved, resume_from, dataset.key)
+    plan = plan_batches(cfg, len(dataset), dataset.entry.config, dims.dp, saved.get("global_batch_size"))
+    sampler = build_sampler(cfg.sampler, len(dataset), plan.micro_batch_size, dims.dp_rank, dims.dp, cfg.seed,
+                            plan.group)
     if not dataset.vocab_size:
         raise XprepError(f"{dataset.datasets[0].path}/manifest.json: no tokenizer vocab_size; re-create the dataset")
-    check_model_spec(cfg.model, dataset.vocab_size)
+    model_config = check_model_spec(cfg.model, dataset.vocab_size)
+    if resume_from is not None and model_config is not None:
+        check_same_model(saved, resume_from, model_config)
     if dims.cp_enabled and cfg.model.startswith("hf:"):
         raise XprepError(f"--cp {dims.cp} needs the built-in model (its attention runs over the CP group): "
                          f"use a preset or a JSON model config instead of --model {cfg.model}")
@@ -457,7 +518,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     trainer = Trainer(model, optimizer, scheduler, dataset, setup.sampler, dims, plan.grad_accum, device,
                       cfg.grad_clip, autocast_for(cfg.precision, device))
     if setup.resume_from is not None:
-        trainer.load_state_dict(ckpt.load(setup.resume_from, model, optimizer, dataset.key))
+        _resume(cfg, setup, trainer, model_config, dims.is_main, stream or sys.stderr)
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_run_config(run_dir, cfg, plan, model_config, dataset, dims)
@@ -473,6 +534,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
             f"{dims.dp} DP × {plan.grad_accum} accumulation; {layout})"
             + (f", resuming at step {trainer.step}" if trainer.step else "") + f" → {run_dir}\n")
     kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0"))
+    if os.environ.get(KILL_RANK_ENV, str(dims.rank)) != str(dims.rank):
+        kill_after = 0
     fail_rank, fail_step = int(os.environ.get(FAIL_RANK_ENV, "-1")), int(os.environ.get(FAIL_STEP_ENV, "1"))
     if trainer.step >= plan.steps and dims.is_main:
         out.write(f"{run_dir}: already at step {trainer.step}/{plan.steps}, nothing to do "
@@ -487,12 +550,26 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
             last = trainer.step == plan.steps
             if last or (cfg.save_every and trainer.step % cfg.save_every == 0):
                 ckpt.save(trainer.step, model, optimizer,
-                          {**trainer.state_dict(), "pack_key": dataset.key, "loss": metrics.loss})
+                          {**trainer.state_dict(), "pack_key": dataset.key, "loss": metrics.loss,
+                           "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
+                           "model": model_config, "hparams": _hparams(cfg)})
             if trainer.step == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
         ckpt.finish()  # an asynchronous save still being written
     finally:
         log.close()
+
+
+def _resume(cfg: TrainConfig, setup: RunSetup, trainer: Trainer, model_config: dict, is_main: bool, out) -> None:
+    """Load the checkpoint into the trainer, then re-apply this config's optimizer settings (and say which differ)."""
+    path = setup.resume_from
+    check_same_model(setup.ckpt.read_trainer_state(path), path, model_config)
+    wanted = optimizer_settings(trainer.optimizer, trainer.scheduler)  # what this config asks for
+    state = setup.ckpt.load(path, trainer.model, trainer.optimizer, setup.dataset.key)
+    trainer.load_state_dict(state)
+    changed = restore_optimizer_settings(trainer.optimizer, trainer.scheduler, wanted, state.get("hparams"), cfg)
+    if changed and is_main:
+        out.write("resuming with other hyperparameters than the checkpoint's: " + ", ".join(changed) + "\n")
 
 
 def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_config: dict,
