@@ -15,7 +15,6 @@ import glob
 import gzip
 import io
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -440,6 +439,3 @@ def _arrow_batches(path: str, pa):
             mm.seek(0)
             yield from ipc.open_stream(mm)
 
-
-def file_is_readable(path: str) -> bool:
-    return os.access(path, os.R_OK)

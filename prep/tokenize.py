@@ -130,7 +130,7 @@ class Processor:
             except TemplateError as e:
                 rejects.append((line, f"bad chat record: {e}", _snippet(item), True))
         out = self._encode(batch.source, docs)
-        out.rejects = rejects + out.rejects
+        out.rejects = rejects
         out.bytes_in = sum(len(i) for i in batch.items) if batch.kind != "rows" else 0
         return out
 
@@ -220,7 +220,6 @@ class Processor:
         need_mask = any(kind != "text" for kind, _, _ in docs)
         need_cat = any(cat is not None for _, _, cat in docs) or any(
             kind == "tokens" and p["category_ids"] is not None for kind, p, _ in docs)
-        rejects: list = []
         # Text documents of the batch are encoded in one call; chat ones through their segments.
         order = []
         texts = [p for kind, p, _ in docs if kind == "text"]
@@ -273,7 +272,6 @@ class Processor:
             loss_mask=np.concatenate(parts_mask) if need_mask and parts_mask else None,
             cat_codes=np.concatenate(parts_cat) if need_cat and parts_cat else None,
             cat_keys=keys,
-            rejects=rejects,
         )
 
     def _text_batch(self, source, flat, lengths, cats, need_cat, code, keys) -> Encoded:
@@ -491,7 +489,6 @@ def run_tokenize(config: TokenizeConfig) -> dict:
     }
     categories = CategoryTable()
     progress = Progress("tokenize", total_bytes=_planned_bytes(sources, plan))  # None: no percentage
-    used_sources: list[int] = []
     with DatasetWriter(config.output, info.vocab_size, dtype) as writer:
         pipeline = _Pipeline((info, backend, template, options), workers)
         ok = False
@@ -501,8 +498,6 @@ def run_tokenize(config: TokenizeConfig) -> dict:
                     src, line, reason_ = result
                     _reject(writer, config, sources[src].path, line, reason_, None)
                     continue
-                if not used_sources or used_sources[-1] != result.source:
-                    used_sources.append(result.source)
                 for line, why, snippet, fatal in result.rejects:
                     _reject(writer, config if fatal else None, sources[result.source].path, line, why, snippet)
                 lut = _category_lut(categories, result.cat_keys, result.cat_codes)
