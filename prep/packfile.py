@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prep.dataset import FORMAT as DATASET_FORMAT
 from prep.errors import XprepError
 
 PACK_FORMAT = "xprep-packed"
@@ -95,16 +96,47 @@ class PackEntry:
 
 
 def open_packed(packed: str | Path) -> PackEntry:
-    """Open the current entry of a pack cache directory (or an entry directory itself)."""
+    """Open the current entry of a pack cache directory (or an entry directory itself).
+
+    What a user may give instead (a token dataset, a missing or unrelated directory) is named as what it
+    is, with the command that makes a pack cache, rather than reported as a missing or corrupt manifest.
+    """
     packed = Path(packed)
     if (packed / PACK_JSON).is_file():
         return PackEntry.open(packed)
+    _check_pack_cache(packed)
     manifest_path = packed / MANIFEST
-    if not manifest_path.is_file():
-        raise XprepError(f"{packed}: not a pack cache (no {MANIFEST}); run `xprep pack` first")
     try:
         manifest = json.loads(manifest_path.read_text())
         current = manifest["current"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise XprepError(f"{manifest_path}: corrupt ({e}); re-run `xprep pack`") from None
     return PackEntry.open(packed / current)
+
+
+def _check_pack_cache(path: Path) -> None:
+    make = "`xprep pack DATASET -o PACKED --method ...`"
+    if not path.exists():
+        raise XprepError(f"{path}: no such directory, so not a pack cache; give the directory {make} wrote")
+    if not path.is_dir():
+        raise XprepError(f"{path}: is a file, not a pack cache directory; give the directory {make} wrote")
+    fmt = _manifest_format(path / MANIFEST)
+    if fmt == DATASET_FORMAT or (fmt is None and (path / "tokens.idx").is_file()):
+        raise XprepError(f"{path}: is a token dataset (written by `xprep tokenize`), not a pack cache; pack it "
+                         f"first with `xprep pack {path} -o PACKED --method multipack --seq-len N` (see "
+                         "`xprep pack --help` for the other methods), then train with `xtrain run PACKED`")
+    if not (path / MANIFEST).is_file():
+        raise XprepError(f"{path}: not a pack cache (no {MANIFEST}); give the directory {make} wrote, "
+                         "or run that first")
+    if fmt not in (None, PACK_FORMAT):
+        raise XprepError(f"{path / MANIFEST}: a {fmt!r} manifest, not a pack cache's ({PACK_FORMAT!r}); give "
+                         f"the directory {make} wrote")
+
+
+def _manifest_format(path: Path) -> str | None:
+    """The ``format`` a manifest.json declares; None when there is none or it is unreadable (reported later)."""
+    try:
+        fmt = json.loads(path.read_text()).get("format")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return fmt if isinstance(fmt, str) else None

@@ -4,7 +4,7 @@
 runs/NAME/checkpoints/
   latest              "step-<N>"  (written atomically, after the directory it names is complete)
   step-<N>/           DCP files for {"model", "optim"} (get_state_dict: sharding-aware)
-    trainer.json      step, scheduler, sampler, pack key, batch sizes, model config, hparams (rank 0)
+    trainer.json      step, scheduler (+ schedule shape), sampler, pack key, batch sizes, model, hparams (rank 0)
     rng-<rank>.pt     this rank's torch RNG state                          (each rank)
 ```
 A checkpoint is written under ``.step-<N>.tmp`` and renamed when every rank is done, so a

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from prep.errors import XprepError
+from prep.io import check_output_dir
+from prep.packfile import MANIFEST
 from train.checkpoint import CheckpointManager, check_same_model, check_same_pack
 from train.config import TrainConfig, validate_against_schema
 from train.cp import CPContext, shard_batch
@@ -67,6 +69,12 @@ class LRSchedule:
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         decay = 0.5 * (1 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1 - progress
         return self.min_ratio + (1 - self.min_ratio) * decay
+
+    def shape(self) -> tuple:
+        """What the multipliers depend on: two schedules of the same shape give the same lr at every step."""
+        if self.kind == "constant":
+            return self.kind, self.warmup
+        return self.kind, self.warmup, self.total, self.min_ratio
 
 
 # ---------------------------------------------------------------------------------------- plan
@@ -196,8 +204,17 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
-    ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule(cfg.schedule, cfg.warmup, total_steps, ratio))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule(cfg.schedule, cfg.warmup, total_steps,
+                                                                   _min_ratio(cfg)))
+
+
+def _min_ratio(cfg: TrainConfig) -> float:
+    return cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
+
+
+def schedule_settings(cfg: TrainConfig, total_steps: int) -> dict:
+    """The schedule's shape as a checkpoint records it (the base and final lr are in its hparams)."""
+    return {"schedule": cfg.schedule, "warmup": cfg.warmup, "steps": total_steps}
 
 
 HPARAMS = ("lr", "min_lr", "weight_decay", "beta1", "beta2")
@@ -230,6 +247,31 @@ def restore_optimizer_settings(optimizer: torch.optim.Optimizer, scheduler, want
         group["lr"] = want["initial_lr"] * scheduler.lr_lambdas[i](scheduler.last_epoch)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
     return [f"{k} {saved[k]} → {getattr(cfg, k)}" for k in HPARAMS if k in saved and saved[k] != getattr(cfg, k)]
+
+
+def schedule_change(scheduler, saved: dict | None, cfg: TrainConfig, total_steps: int) -> str | None:
+    """Say how this config's schedule differs from the checkpoint's, and what that does to the next step's lr.
+
+    The schedule follows the config (``Trainer.state_dict``): resuming with another --steps, --warmup or
+    --schedule silently bends the lr curve from the next step on. Both lrs shown use this config's --lr and
+    --min-lr (a change of those is named apart). None when nothing changes any lr (e.g. a constant schedule
+    made longer) or the checkpoint predates recording the schedule.
+    """
+    if not saved:
+        return None
+    now = schedule_settings(cfg, total_steps)
+    old = {**now, **{k: saved[k] for k in now if k in saved}}
+    before = LRSchedule(old["schedule"], old["warmup"], old["steps"], _min_ratio(cfg))
+    after = scheduler.lr_lambdas[0]
+    if before.shape() == after.shape():
+        return None
+    what = ", ".join(f"{k} {old[k]} → {now[k]}" for k in now if old[k] != now[k])
+    note = f"{what}: the learning-rate schedule is recomputed for {total_steps} steps"
+    step = scheduler.last_epoch
+    if step < total_steps:
+        base = scheduler.base_lrs[0]
+        note += f" (step {step + 1} lr {base * after(step):.2e} instead of {base * before(step):.2e})"
+    return note
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -344,7 +386,8 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Counters, sampler and schedule position. The schedule's shape (warm-up, length) is not
-        saved: it follows the config, so a resumed run may be extended with a larger --steps."""
+        restored: it follows the config, so a resumed run may be extended with a larger --steps (the
+        checkpoint records it apart, ``schedule_settings``, so that a resume can say what changed)."""
         scheduler = self.scheduler.state_dict()
         scheduler["lr_lambdas"] = [None] * len(scheduler["lr_lambdas"])
         return {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": scheduler}
@@ -442,7 +485,9 @@ class RunSetup:
 
 
 def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None = None) -> RunSetup:
-    """Open the pack for this layout, plan the batches, find the checkpoint to resume, check the model."""
+    """Check the run directory, open the pack for this layout, plan the batches, find the checkpoint to
+    resume, check the model. The run directory may hold an earlier run (resume), but must be one."""
+    check_output_dir(cfg.run_dir, option="--output", allow_nonempty=True)
     dataset = PackedDataset(cfg.packed, verify_data=cfg.verify_data if verify_data is None else verify_data,
                             cp_size=dims.cp)
     ckpt = CheckpointManager(cfg.run_dir, dims, cfg.keep, cfg.async_save)
@@ -526,6 +571,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     log.open(trainer.step)
     out = stream or sys.stderr
     if dims.is_main:
+        out.write(_pack_line(dataset) + "\n")
         n_params = sum(p.numel() for p in model.parameters())
         layout = f"{dims.dp} DP" + (f" × {dims.cp} CP" if dims.cp_enabled else "") + (", FSDP2" if dims.fsdp else "")
         out.write(
@@ -552,7 +598,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                 ckpt.save(trainer.step, model, optimizer,
                           {**trainer.state_dict(), "pack_key": dataset.key, "loss": metrics.loss,
                            "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
-                           "model": model_config, "hparams": _hparams(cfg)})
+                           "model": model_config, "hparams": _hparams(cfg),
+                           "schedule": schedule_settings(cfg, plan.steps)})
             if trainer.step == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
         ckpt.finish()  # an asynchronous save still being written
@@ -568,8 +615,17 @@ def _resume(cfg: TrainConfig, setup: RunSetup, trainer: Trainer, model_config: d
     state = setup.ckpt.load(path, trainer.model, trainer.optimizer, setup.dataset.key)
     trainer.load_state_dict(state)
     changed = restore_optimizer_settings(trainer.optimizer, trainer.scheduler, wanted, state.get("hparams"), cfg)
+    schedule = schedule_change(trainer.scheduler, state.get("schedule"), cfg, setup.plan.steps)
+    changed += [schedule] if schedule else []
     if changed and is_main:
         out.write("resuming with other hyperparameters than the checkpoint's: " + ", ".join(changed) + "\n")
+
+
+def _pack_line(dataset: PackedDataset) -> str:
+    """Which pack entry the run reads, and why that one: the cache's current entry, or the one given."""
+    entry = dataset.entry.path
+    origin = "given directly" if entry == dataset.packed else f"current in {dataset.packed / MANIFEST}"
+    return f"training on {entry} (entry {entry.name}, {origin})"
 
 
 def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_config: dict,
@@ -579,8 +635,8 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
 
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
     write_json_atomic(run_dir / "run.json", {
-        "pack": {"path": str(dataset.entry.path), "key": dataset.key, "bins": len(dataset),
-                 "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
+        "pack": {"path": str(dataset.entry.path), "entry": dataset.entry.path.name, "key": dataset.key,
+                 "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
         "categories": dataset.category_names,
         "plan": plan.__dict__, "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
         "model": model_config,
