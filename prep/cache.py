@@ -17,6 +17,7 @@ An entry that exists but does not open is reported as corrupt, never silently re
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -33,6 +34,7 @@ import numpy as np
 
 from prep.dataset import canonical_json, write_json_atomic
 from prep.errors import XprepError
+from prep.io import check_output_dir
 from prep.packfile import MANIFEST, PACK_FORMAT, PACK_JSON, PackEntry
 
 PACK_VERSION = 1  # bump when the same options and data would pack differently
@@ -122,7 +124,7 @@ class PackConfig:
         if self.cp_size < 1:
             raise XprepError(f"--cp-size {self.cp_size} must be ≥ 1")
         if self.capacity % self.align:
-            opt = "--max-tokens" if self.method == "token-aware" else "--seq-len"
+            opt = self.capacity_option
             fix = self.capacity + self.align - self.capacity % self.align
             raise XprepError(
                 f"{opt} {self.capacity} is not a multiple of 2·cp={self.align}: use {opt} {fix} "
@@ -132,6 +134,10 @@ class PackConfig:
     @property
     def capacity(self) -> int | None:
         return self.max_tokens if self.method == "token-aware" else self.seq_len
+
+    @property
+    def capacity_option(self) -> str:
+        return "--max-tokens" if self.method == "token-aware" else "--seq-len"
 
     @property
     def align(self) -> int:
@@ -233,37 +239,57 @@ class PackOutcome:
 
 
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
-         log: Callable[[str], None] | None = None) -> PackOutcome:
-    """Return the cache entry for these datasets and options, building it unless it exists."""
+         log: Callable[[str], None] | None = None, allow_empty: bool = False) -> PackOutcome:
+    """Return the cache entry for these datasets and options, building it unless it exists.
+
+    A pack of 0 bins (no documents, or all empty or dropped) is refused before anything is published,
+    hit or build, unless ``allow_empty``: training on it would do nothing, silently.
+    """
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
+    new_root = not Path(output).exists()
     root = _prepare_root(Path(output))
-    inputs = read_fingerprints(datasets)
-    key = cache_key(config, inputs)
-    name = entry_name(config, key)
-    entry = None if force else _open_existing(root / name, key)
-    hit = entry is not None
-    if not hit:
-        entry, hit = _build_once(root, name, key, inputs, config, force, log)
+    try:
+        inputs = read_fingerprints(datasets)
+        key = cache_key(config, inputs)
+        name = entry_name(config, key)
+        entry = None if force else _open_existing(root / name, key)
+        hit = entry is not None
+        if not hit:
+            entry, hit = _build_once(root, name, key, inputs, config, force, allow_empty, log)
+        check_not_empty(entry.meta["stats"], config, allow_empty)  # a hit on an entry made with --allow-empty
+    except BaseException:
+        if new_root:
+            _remove_if_only_locks(root)
+        raise
     entry = _refresh_paths(root, entry, inputs)
     _set_current(root, entry)
     return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0)
 
 
+def _remove_if_only_locks(root: Path) -> None:
+    """Undo a cache directory this command created and failed to fill (unless another command now uses it)."""
+    with contextlib.suppress(OSError):
+        children = list(root.iterdir())
+        if all(p.name.startswith(".") and p.name.endswith(".lock") for p in children):
+            for lock in children:
+                lock.unlink()
+            root.rmdir()
+
+
 def _build_once(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig, force: bool,
-                log: Callable[[str], None]) -> tuple[PackEntry, bool]:
+                allow_empty: bool, log: Callable[[str], None]) -> tuple[PackEntry, bool]:
     """Build under the entry's lock; whoever waited for a builder finds its entry (a hit)."""
     with _locked(root / f".{name}.lock", log, f"another `xprep pack` is building {name}: waiting"):
         entry = None if force else _open_existing(root / name, key)
         if entry is not None:
             return entry, True
-        return _build(root, name, key, inputs, config), False
+        return _build(root, name, key, inputs, config, allow_empty), False
 
 
 def _prepare_root(root: Path) -> Path:
-    """The cache directory: created if needed, refused if it is something else."""
-    if root.exists() and not root.is_dir():
-        raise XprepError(f"-o {root}: is a file, not a pack cache directory; choose another -o")
+    """The cache directory: created if needed, refused if it is something else or cannot be made."""
+    check_output_dir(root, option="-o", allow_nonempty=True)  # a cache accumulates entries
     manifest = root / MANIFEST
     if manifest.is_file():
         try:
@@ -308,8 +334,28 @@ def _locked(path: Path, log: Callable[[str], None], busy_message: str) -> Iterat
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool) -> None:
+    """Refuse a pack of 0 bins, saying why it is empty and what to change."""
+    if stats["bins"] or allow_empty:
+        return
+    n, empty, dropped = stats["documents_in"], stats["empty_documents"], stats["dropped_documents"]
+    opt = f"{config.capacity_option} {config.capacity}"
+    if n == 0:
+        why, fix = "the input has no documents", "check the DATASET arguments (`xprep inspect DATASET`)"
+    elif empty == n:
+        why, fix = f"all {n:,} documents are empty", "re-tokenize with the right --text-field or --format"
+    elif empty == 0:
+        why, fix = (f"all {n:,} documents are longer than {opt} (--overlong drop)",
+                    f"raise {config.capacity_option} or use --overlong split|truncate")
+    else:
+        why, fix = (f"{empty:,} of {n:,} documents are empty and the other {dropped:,} are longer than {opt} "
+                    "(--overlong drop)", f"raise {config.capacity_option} or use --overlong split|truncate")
+    raise XprepError(f"the pack would have 0 bins: {why}; {fix}, or pass --allow-empty to publish an empty pack")
+
+
 # ------------------------------------------------------------------------------------------- build
-def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig) -> PackEntry:
+def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig,
+           allow_empty: bool = False) -> PackEntry:
     """Pack into a fresh temp directory and publish it by rename (the caller holds the lock)."""
     for stale in [*root.glob(f".tmp-{name}-*"), *root.glob(f".old-{name}-*")]:  # from killed builds
         shutil.rmtree(stale, ignore_errors=True)
@@ -321,6 +367,7 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
 
         t0 = time.perf_counter()
         packed = pack_lengths(lengths, config)
+        check_not_empty(packed.stats, config, allow_empty)
         meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
                 "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
                 "layout": layout_of(config), "stats": packed.stats,

@@ -7,17 +7,20 @@ documents, truncated tails), so only removed tokens are ever read.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
 from prep.errors import XprepError
 from prep.inspect import length_stats, table
-from prep.packfile import PackEntry, open_packed
+from prep.packfile import MANIFEST, PACK_JSON, PackEntry, open_packed
 
 
 def pack_report(path: str | Path) -> dict:
-    """JSON-able report on the current entry of a pack cache (or an entry directory)."""
+    """JSON-able report on the current entry of a pack cache (or an entry directory), with the list
+    of every entry in the cache (``None`` for an entry directory)."""
+    entries = cache_entries(Path(path))
     entry = open_packed(path)
     stats = entry.meta["stats"]
     offsets = np.asarray(entry.bin_offsets)
@@ -52,6 +55,8 @@ def pack_report(path: str | Path) -> dict:
         "dp_balance": stats.get("dp_balance"),
         "pack_seconds": entry.meta.get("pack_seconds"),
         "created": entry.meta.get("created"),
+        "current": entry.path.name,
+        "entries": entries,
     }
 
 
@@ -117,10 +122,74 @@ def _named_counts(ds) -> list[tuple[str | None, int]]:
             for cid, name in enumerate(ds.category_names)]
 
 
+# ----------------------------------------------------------------------------------------- entries
+def cache_entries(root: Path) -> list[dict] | None:
+    """Every entry of a pack cache (those in manifest.json and those on disk), oldest first, from their
+    pack.json alone; ``current`` marks the one ``xtrain run`` trains on. ``None`` if ``root`` is no cache."""
+    manifest_path = root / MANIFEST
+    if (root / PACK_JSON).is_file() or not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        current, listed = manifest.get("current"), manifest.get("entries") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise XprepError(f"{manifest_path}: corrupt ({e}); re-run `xprep pack`") from None
+    names = set(listed) | {p.name for p in root.iterdir() if not p.name.startswith(".") and (p / PACK_JSON).is_file()}
+    rows = [_entry_row(root / name, name == current) for name in names]
+    return sorted(rows, key=lambda e: (e.get("created") or "", e["name"]))
+
+
+def _entry_row(path: Path, current: bool) -> dict:
+    row = {"name": path.name, "current": current}
+    try:
+        meta = json.loads((path / PACK_JSON).read_text())
+        c, s = meta["config"], meta["stats"]
+    except FileNotFoundError:
+        problem = "no pack.json: damaged, re-run its `xprep pack` with --force" if path.is_dir() else \
+            "listed in manifest.json but its directory is gone"
+        return {**row, "status": "missing", "problem": problem}
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return {**row, "status": "corrupt", "problem": "unreadable pack.json: re-run its `xprep pack` with --force"}
+    options = {k: c.get(k) for k in ("method", "capacity", "overlong", "cp_size", "shuffle", "seed",
+                                     "group_size", "balance_dp", "dp_micro_batches")}
+    return {**row, "status": "ok", **options, "options": pack_flags(c), "bins": s["bins"], "fill": s["fill"],
+            "documents_in": s["documents_in"],
+            "documents_kept": s["documents_in"] - s["dropped_documents"] - s["empty_documents"],
+            "tokens_in": s["tokens_in"], "tokens": s["tokens"], "created": meta.get("created"),
+            "datasets": [d.get("path") for d in meta.get("datasets", [])]}
+
+
+def pack_flags(c: dict) -> str:
+    """The ``xprep pack`` options that made an entry: re-running with them makes it current (a hit)."""
+    capacity = "--max-tokens" if c["method"] == "token-aware" else "--seq-len"
+    shuffle = f"--shuffle --seed {c['seed']}" if c.get("shuffle") else "--no-shuffle"
+    flags = [f"--method {c['method']}", f"{capacity} {c['capacity']}", f"--overlong {c['overlong']}",
+             f"--cp-size {c.get('cp_size', 1)}", shuffle]
+    if c["method"] == "multipack":
+        flags.append(f"--group-size {c['group_size']}")
+    if c.get("balance_dp"):
+        flags.append(f"--balance-dp {c['balance_dp']} --dp-micro-batches {c['dp_micro_batches']}")
+    return " ".join(flags)
+
+
+def render_entries(r: dict) -> list[str]:
+    entries = r.get("entries")
+    if not entries:
+        return []
+    rows = [["*" if e["current"] else "", e["name"], "-", "-", "-", "-", e["problem"]] if e["status"] != "ok" else
+            ["*" if e["current"] else "", e["name"], e["bins"], f"{e['fill']:.2%}",
+             f"{e['documents_kept']:,}/{e['documents_in']:,}", e["created"] or "-", e["options"]]
+            for e in entries]
+    head = (f"pack cache {Path(r['path']).parent}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}; "
+            "* = current, the one `xtrain run` trains on (re-run an entry's `xprep pack` options to make it current)")
+    lines = table(["", "entry", "bins", "fill", "documents kept", "created", "options"], rows, align="llrrrll")
+    return [head, *(line.rstrip() for line in lines), ""]
+
+
 # ------------------------------------------------------------------------------------------ render
 def render_pack(r: dict) -> str:
     c = r["config"]
-    lines = [
+    lines = [*render_entries(r),
         f"pack {r['path']}  (key {r['key'][:16]}, {c['method']}, capacity {r['capacity']:,}"
         + (f", cp {c['cp_size']}" if c.get("cp_size", 1) > 1 else "") + ")",
         f"  layout        {r['layout']}",
@@ -175,20 +244,65 @@ def dp_line(b: dict) -> str:
 
 
 def summary_lines(outcome) -> list[str]:
-    """What ``xprep pack`` prints: hit or build, then the figures a user checks first."""
+    """What ``xprep pack`` prints on stdout: hit or build with documents kept vs removed, then the
+    figures a user checks first. Warnings go to stderr: see ``warning_lines``."""
     entry = outcome.entry
     s = entry.meta["stats"]
+    kept = kept_phrase(s, entry.capacity)
     if outcome.hit:
-        head = f"cache hit: {entry.path} (no packing done, {outcome.seconds:.2f} s)"
+        head = (f"cache hit: {entry.path} (no packing done, {outcome.seconds:.2f} s): {kept} in {s['bins']:,} bins "
+                f"of {entry.capacity:,}")
     else:
-        head = (f"packed {s['documents_in']:,} documents ({s['tokens_in']:,} tokens) into {s['bins']:,} bins "
-                f"of {entry.capacity:,} in {entry.meta['pack_seconds']:.2f} s → {entry.path}")
+        head = (f"packed {kept} into {s['bins']:,} bins of {entry.capacity:,} in {entry.meta['pack_seconds']:.2f} s "
+                f"→ {entry.path}")
     lines = [head,
              f"  fill {s['fill']:.4%}, lower bound {s['lower_bound_bins']:,} bins "
              f"(gap +{s['gap_to_lower_bound']:.3%}), padding {s['padding_tokens']:,} tokens",
              "  " + overlong_line(s, entry.capacity, entry.config["overlong"])]
     if s.get("dp_balance"):
         lines.append("  " + dp_line(s["dp_balance"]))
-    if s["items"] == 0:
-        lines.append("  warning: no document was packed (all empty or over capacity); check --seq-len/--max-tokens")
     return lines
+
+
+def kept_phrase(s: dict, capacity: int) -> str:
+    """'412 of 500 documents (54,004 of 78,448 tokens; dropped 88 documents (24,444 tokens) longer than 256)'."""
+    n_in, tokens_in, tokens = s["documents_in"], s["tokens_in"], s["tokens"]
+    kept = n_in - s["dropped_documents"] - s["empty_documents"]
+    docs = f"all {_docs(n_in)}" if kept == n_in and n_in else f"{kept:,} of {_docs(n_in)}"
+    toks = f"{tokens:,} tokens" if tokens == tokens_in else f"{tokens:,} of {tokens_in:,} tokens"
+    notes = []
+    if s["dropped_documents"]:
+        notes.append(f"dropped {_docs(s['dropped_documents'])} ({s['dropped_tokens']:,} tokens) "
+                     f"longer than {capacity:,}")
+    if s["truncated_documents"]:
+        notes.append(f"truncated {_docs(s['truncated_documents'])} ({s['truncated_tokens']:,} tokens cut)")
+    if s["split_documents"]:
+        notes.append(f"split {_docs(s['split_documents'])} longer than {capacity:,} "
+                     f"into {s['split_pieces']:,} pieces")
+    if s["empty_documents"]:
+        notes.append(f"skipped {s['empty_documents']:,} empty")
+    return f"{docs} ({'; '.join([toks, *notes])})"
+
+
+def _docs(n: int) -> str:
+    return f"{n:,} document" if n == 1 else f"{n:,} documents"
+
+
+LOUD_TOKEN_SHARE = 0.01  # removing more than this share of the tokens earns a warning
+
+
+def warning_lines(entry) -> list[str]:
+    """What ``xprep pack`` prints on stderr: an empty pack, or more than 1 % of the tokens removed."""
+    s, config = entry.meta["stats"], entry.config
+    if s["bins"] == 0:
+        return ["warning: the pack has 0 bins (--allow-empty): there is nothing to train on"]
+    removed = s["tokens_in"] - s["tokens"]
+    if not s["tokens_in"] or removed / s["tokens_in"] <= LOUD_TOKEN_SHARE:
+        return []
+    option = "--max-tokens" if config["method"] == "token-aware" else "--seq-len"
+    if config["overlong"] == "drop":
+        how, fix = "dropped as overlong", f"raise {option} or use --overlong split|truncate"
+    else:
+        how, fix = "cut by --overlong truncate", f"raise {option} or use --overlong split"
+    return [f"warning: {100 * removed / s['tokens_in']:.1f} % of tokens ({removed:,} of {s['tokens_in']:,}) "
+            f"{how}: {fix}"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import click
 import pytest
 from click.testing import CliRunner
 from test_pack_cache import lengths_for, make_dataset
@@ -16,6 +17,14 @@ def run(*args: str):
     return CliRunner().invoke(cli.xprep, list(map(str, args)), catch_exceptions=False)
 
 
+def one_line_error(result) -> str:
+    """Exit 2, nothing on stdout, one ``error: ...`` line on stderr, no traceback; returns the line."""
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert result.stdout == "" and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
 @pytest.fixture
 def ds(tmp_path):
     return make_dataset(tmp_path / "ds", lengths_for(0))
@@ -25,7 +34,8 @@ def test_pack_prints_stats_then_hit(tmp_path, ds):
     args = ["pack", ds, "-o", tmp_path / "P", "--method", "multipack", "--seq-len", 256]
     first = run(*args)
     assert first.exit_code == 0, first.output
-    assert first.output.startswith("packed 500 documents")
+    assert first.stdout.startswith("packed 412 of 500 documents (54,004 of 78,448 tokens; dropped 88 documents "
+                                   "(24,444 tokens) longer than 256)")
     assert "dropped 88 (24,444 tokens)" in first.output and "truncated 0" in first.output and "split 0" in first.output
     second = run(*args)
     assert second.exit_code == 0 and second.output.startswith("cache hit:")
@@ -99,3 +109,118 @@ def test_inspect_still_reports_when_the_datasets_are_gone(tmp_path, ds):
     shutil.rmtree(ds)
     result = run("inspect", out)
     assert result.exit_code == 0 and "categories: input dataset unavailable" in result.output
+
+
+# -- issue 9: what a new user hit -------------------------------------------------------------------------------
+@pytest.mark.parametrize("under", [False, True])
+def test_output_that_is_or_is_under_a_file_is_one_line_exit_2(tmp_path, ds, under):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    out = afile / "sub" if under else afile
+    line = one_line_error(CliRunner().invoke(cli.xprep, ["pack", str(ds), "-o", str(out), "--method",
+                                                         "multipack", "--seq-len", "256"]))
+    assert f"-o {out}" in line and "is a file" in line, line
+    assert afile.read_text() == "keep me"
+
+
+def cache_state(out):
+    """Every file of a pack cache except lock files (which a refused pack may leave), with its bytes."""
+    if not out.exists():
+        return None
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and not p.name.endswith(".lock")}
+
+
+@pytest.mark.parametrize("lengths, extra, reason", [
+    ([], [], "no documents"),
+    ([0, 0], [], "all 2 documents are empty"),
+    ([300, 400, 500], ["--overlong", "drop"], "all 3 documents are longer than --seq-len 256"),
+])
+def test_a_pack_with_no_bins_is_refused_unless_allow_empty(tmp_path, ds, lengths, extra, reason):
+    empty = make_dataset(tmp_path / "empty", lengths)
+    out = tmp_path / "P"
+    args = ["pack", empty, "-o", out, "--method", "multipack", "--seq-len", 256, *extra]
+    fresh = CliRunner().invoke(cli.xprep, list(map(str, args)))
+    line = one_line_error(fresh)
+    assert "0 bins" in line and reason in line and "--allow-empty" in line, line
+    assert not out.exists()  # the cache directory this command created is removed again
+    assert run("pack", ds, "-o", out, "--method", "sequential", "--seq-len", 256).exit_code == 0
+    before = cache_state(out)
+    one_line_error(CliRunner().invoke(cli.xprep, list(map(str, args))))
+    assert cache_state(out) == before  # nothing published, manifest.json untouched
+    allowed = run(*args, "--allow-empty")
+    assert allowed.exit_code == 0, allowed.output
+    assert " 0 bins" in allowed.stdout and "warning: the pack has 0 bins" in allowed.stderr
+    assert json.loads(run("inspect", out, "--json").stdout)["bins"] == 0
+    hit = CliRunner().invoke(cli.xprep, list(map(str, args)))  # the empty entry now exists: still refused
+    assert "--allow-empty" in one_line_error(hit)
+
+
+def test_summary_says_kept_and_dropped_and_warns_when_over_one_percent(tmp_path, ds):
+    out = tmp_path / "P"
+    result = run("pack", ds, "-o", out, "--method", "multipack", "--seq-len", 256)
+    first = result.stdout.splitlines()[0]
+    assert "412 of 500 documents" in first and "54,004 of 78,448 tokens" in first, first
+    assert "dropped 88 documents (24,444 tokens) longer than 256" in first, first
+    warning = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warning == ["warning: 31.2 % of tokens (24,444 of 78,448) dropped as overlong: raise --seq-len "
+                       "or use --overlong split|truncate"], result.stderr
+    hit = run("pack", ds, "-o", out, "--method", "multipack", "--seq-len", 256)
+    assert "412 of 500 documents" in hit.stdout.splitlines()[0] and warning[0] in hit.stderr
+    cut = run("pack", ds, "-o", out, "--method", "sequential", "--seq-len", 256, "--overlong", "truncate")
+    assert "truncated 88 documents (1,916 tokens cut)" in cut.stdout.splitlines()[0], cut.stdout
+    assert "2.4 % of tokens (1,916 of 78,448) cut by --overlong truncate: raise --seq-len or use --overlong " \
+           "split" in cut.stderr
+    kept = run("pack", ds, "-o", out, "--method", "sequential", "--seq-len", 256, "--overlong", "split")
+    assert kept.stdout.startswith("packed all 500 documents (78,448 tokens; split 88 documents longer than 256 ")
+    assert kept.stderr == ""
+
+
+def test_a_few_dropped_tokens_do_not_warn(tmp_path):
+    ds = make_dataset(tmp_path / "ds", [100] * 399 + [300])  # 0.75 % of the tokens dropped
+    result = run("pack", ds, "-o", tmp_path / "P", "--method", "multipack", "--seq-len", 256)
+    first = result.stdout.splitlines()[0]
+    assert "399 of 400 documents" in first and "dropped 1 document (300 tokens)" in first, first
+    assert "warning" not in result.stderr
+
+
+def test_inspect_lists_every_entry_and_marks_the_current_one(tmp_path, ds):
+    out = tmp_path / "P"
+    assert run("pack", ds, "-o", out, "--method", "multipack", "--seq-len", 256).exit_code == 0
+    assert run("pack", ds, "-o", out, "--method", "token-aware", "--max-tokens", 512, "--balance-dp", 2,
+               "--seed", 7).exit_code == 0
+    last = run("pack", ds, "-o", out, "--method", "sequential", "--seq-len", 512, "--cp-size", 2)
+    current = json.loads((out / "manifest.json").read_text())["current"]
+    report = json.loads(run("inspect", out, "--json").stdout)
+    assert report["current"] == current and report["path"] == str(out / current)
+    entries = {e["name"]: e for e in report["entries"]}
+    assert len(entries) == 3 and [e["name"] for e in report["entries"] if e["current"]] == [current]
+    seq = entries[current]
+    assert (seq["method"], seq["capacity"], seq["overlong"], seq["cp_size"], seq["shuffle"]) == (
+        "sequential", 512, "split", 2, False)
+    assert seq["bins"] == report["bins"] and seq["fill"] == pytest.approx(report["fill"])
+    ta = next(e for e in entries.values() if e["method"] == "token-aware")
+    assert (ta["capacity"], ta["overlong"], ta["shuffle"], ta["seed"], ta["balance_dp"],
+            ta["dp_micro_batches"]) == (512, "drop", True, 7, 2, 16)
+    assert ta["options"] == ("--method token-aware --max-tokens 512 --overlong drop --cp-size 1 --shuffle "
+                             "--seed 7 --balance-dp 2 --dp-micro-batches 16")
+    mp = next(e for e in entries.values() if e["method"] == "multipack")
+    assert mp["group_size"] == 100_000 and mp["documents_kept"] == 412 and mp["documents_in"] == 500
+    text = run("inspect", out).stdout
+    rows = [line for line in text.splitlines() if any(name in line for name in entries)]
+    marked = [line for line in rows if line.startswith("*")]
+    assert len(marked) == 1 and current in marked[0] and "--method sequential --seq-len 512" in marked[0], text
+    assert any(ta["options"] in line for line in rows) and "current" in text
+    assert last.exit_code == 0 and f"pack {out / current}" in text  # the detailed report is the current one's
+
+
+def test_every_pack_and_inspect_option_has_help():
+    for name in ("pack", "inspect"):
+        command = cli.xprep.commands[name]
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help and len(param.help) > 10, (name, param.name)
+    assert "--allow-empty" in run("pack", "--help").stdout
+    helps = run("inspect", "--help").stdout
+    for flag in ("--sample", "--seed", "--over", "--plot"):
+        assert flag in helps, flag

@@ -1,18 +1,21 @@
 """``xprep inspect runs/NAME``: loss by category over a run (first, last, best, trend), no torch.
 
-Reads ``config.json``, ``run.json`` and ``metrics.jsonl``; draws ``loss_by_category.png`` in the
-run directory when matplotlib is installed.
+Reads ``config.json``, ``run.json`` and ``metrics.jsonl``, and writes nothing: the loss curves are
+drawn (with matplotlib) only into the file ``--plot FILE`` names.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from prep.errors import XprepError
 from prep.inspect import table
 
-PLOT = "loss_by_category.png"
+PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
+PLOT_FORMATS = {"": "png", ".png": "png", ".pdf": "pdf", ".svg": "svg"}
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -38,15 +41,19 @@ def curve_summary(steps: list[int], values: list[float]) -> dict:
             "best_step": steps[best], "trend": (tail - head) / head if head else 0.0}
 
 
-def run_report(path: str | Path) -> dict:
+def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
+    """JSON-able report on a run directory; with ``plot``, the loss curves are drawn into that file."""
     path = Path(path)
+    target = check_plot_target(plot) if plot is not None else None  # before any work
     config = _read_json(path / "config.json")
     info = _read_json(path / "run.json")
     records = read_metrics(path)
     report = {"kind": "run", "path": str(path), "config": config, "pack": info.get("pack"),
               "plan": info.get("plan"), "steps": len(records),
               "last_step": records[-1]["step"] if records else 0,
-              "checkpoints": _checkpoints(path)}
+              "checkpoints": _checkpoints(path), "plot": None}
+    if target is not None and not records:
+        raise XprepError(f"--plot {plot}: {path} has no metrics yet (no metrics.jsonl records); nothing to draw")
     if records:
         steps = [r["step"] for r in records]
         report["loss"] = curve_summary(steps, [r["loss"] for r in records])
@@ -56,7 +63,8 @@ def run_report(path: str | Path) -> dict:
         for name in names:
             pts = [(r["step"], r["category_loss"][name]) for r in records if name in r.get("category_loss", {})]
             report["categories"][name] = curve_summary([s for s, _ in pts], [v for _, v in pts])
-        report["plot"] = _plot(path, records, names)
+        if target is not None:
+            report["plot"] = draw_plot(target, records, names)
     return report
 
 
@@ -78,14 +86,39 @@ def _checkpoints(path: Path) -> dict:
     return {"latest": latest, "steps": steps}
 
 
-def _plot(path: Path, records: list[dict], names: list[str]) -> str | None:
+def check_plot_target(plot: str | Path) -> Path:
+    """Fail before any work unless matplotlib imports and ``plot`` names a file that can be written."""
+    out, shown = Path(plot), f"--plot {plot}"
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
-        return None
+        raise XprepError(f"{shown}: drawing needs matplotlib, which is not installed: pip install matplotlib "
+                         "(or pip install 'xprep[plot]')") from None
+    if out.is_dir():
+        raise XprepError(f"{shown}: is a directory; name the image file, e.g. --plot {out / PLOT}")
+    if out.suffix.lower() not in PLOT_FORMATS:
+        raise XprepError(f"{shown}: unknown image type {out.suffix!r}; name a .png, .pdf or .svg file")
+    parent = out.parent
+    if not parent.exists():
+        raise XprepError(f"{shown}: directory {parent} does not exist; create it or choose another --plot")
+    if not parent.is_dir():
+        raise XprepError(f"{shown}: {parent} is not a directory; choose another --plot")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".xprep-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise XprepError(f"{shown}: cannot write in {parent} ({e.strerror}); choose another --plot") from None
+    return out
+
+
+def draw_plot(out: Path, records: list[dict], names: list[str]) -> str:
+    """Loss over steps, overall and per category, written atomically to ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="all", color="black", lw=1.5)
     for name in names:
@@ -94,11 +127,15 @@ def _plot(path: Path, records: list[dict], names: list[str]) -> str | None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
-    out = path / PLOT
-    tmp = path / f".{PLOT}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
+    try:
+        fig.savefig(tmp, dpi=100, format=PLOT_FORMATS[out.suffix.lower()])
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise XprepError(f"--plot {out}: cannot write it ({e.strerror}); choose another --plot") from None
+    finally:
+        plt.close(fig)
     return str(out)
 
 
@@ -124,8 +161,8 @@ def render_run(r: dict) -> str:
     rows = [_row("all", r["loss"])] + [_row(name, s) for name, s in r["categories"].items()]
     lines += table(["category", "points", "first", "last", "best", "best step", "trend"], rows)
     lines.append("")
-    lines.append(f"loss curves: {r['plot']}" if r.get("plot") else
-                 "loss curves: install matplotlib (pip install 'xprep[plot]') for a PNG")
+    lines.append(f"loss curves: drawn into {r['plot']}" if r.get("plot") else
+                 "loss curves: not drawn; add --plot FILE to draw them (needs matplotlib)")
     return "\n".join(lines)
 
 
