@@ -54,19 +54,39 @@ def xprep():
 @click.option("--append-eod/--no-append-eod", default=None,
               help="Append the end-of-document token (default: on for text, off for chat and tokens).")
 @click.option("--workers", type=int, default=0, show_default=True,
-              help="Processes, one tokenizer each (0 = auto: all cores, at most 8, with --format chat; "
-                   "else 1, gigatoken already encoding on every core).")
-@click.option("--backend", type=click.Choice(["auto", "gigatoken", "hf"]), default="auto", show_default=True)
+              help="Processes, one tokenizer each (0 = auto: all cores, at most 8, for chat data (--format "
+                   "chat, or auto when the first record is a conversation); else 1, gigatoken already encoding "
+                   "on every core).")
+@click.option("--backend", type=click.Choice(["auto", "gigatoken", "hf"]), default="auto", show_default=True,
+              help="Encoder: auto = gigatoken where its self-check against HF tokenizers passes, else HF "
+                   "tokenizers; gigatoken = fail instead of falling back; hf = HF tokenizers (the reference).")
 @click.option("--dtype", type=click.Choice(["auto", "uint16", "int32"]), default="auto", show_default=True,
               help="Token storage; auto = uint16 when vocab < 65,500.")
-@click.option("--num-shards", type=int, default=1, show_default=True)
-@click.option("--shard-index", type=int, default=0, show_default=True)
+@click.option("--num-shards", type=int, default=1, show_default=True,
+              help="Split the input bytes into N contiguous shards (one job each, e.g. a Slurm array); "
+                   "`xprep merge` joins their outputs.")
+@click.option("--shard-index", type=int, default=0, show_default=True,
+              help="Which shard (0 … N-1) this run tokenizes.")
 @click.option("--on-error", type=click.Choice(["fail", "skip"]), default="fail", show_default=True,
               help="fail: stop at the first bad record; skip: write it to rejects.jsonl and go on.")
 @click.option("--limit", type=int, default=None, help="Read at most N records.")
+@click.option("--eod-token", default=None,
+              help="End-of-document token [default: the tokenizer_config.json eos_token, else a usual one "
+                   "found in the vocabulary, said on the console].")
+@click.option("--bos-token", default=None,
+              help="BOS token that chat templates render as bos_token ('' for none) [default: the "
+                   "tokenizer_config.json bos_token, else a usual one found in the vocabulary].")
+@click.option("--role-map", default=None,
+              help="Extra chat roles as FROM=TO,... with TO one of system, user, assistant, tool "
+                   "(e.g. chatgpt=assistant; common ShareGPT names are known already).")
+@click.option("--allow-empty", is_flag=True,
+              help="Publish a dataset even when no document (or no target token) is left.")
+@click.option("--progress-every", type=float, default=30.0, show_default=True,
+              help="Seconds between progress lines when stderr is not a terminal (logs, Slurm); 0 = none.")
 @_user_errors
 def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on, category,
-             category_field, append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit):
+             category_field, append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit,
+             eod_token, bos_token, role_map, allow_empty, progress_every):
     """Tokenize INPUT files/dirs/globs into a Megatron-compatible token dataset."""
     from prep.tokenize import TokenizeConfig, run_tokenize
 
@@ -74,7 +94,8 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
         inputs=list(inputs), output=output, tokenizer=tokenizer, format=fmt, text_field=text_field,
         chat_template=chat_template, train_on=train_on, category=category, category_field=category_field,
         append_eod=append_eod, workers=workers, backend=backend, dtype=dtype, num_shards=num_shards,
-        shard_index=shard_index, on_error=on_error, limit=limit,
+        shard_index=shard_index, on_error=on_error, limit=limit, eod_token=eod_token, bos_token=bos_token,
+        role_map=role_map, allow_empty=allow_empty, progress_every=progress_every,
     )
     run_tokenize(config)
 
@@ -120,32 +141,50 @@ def merge(datasets, output):
               help="Permute documents (seeded) before packing. Default: on for token-aware, off otherwise.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --shuffle.")
 @click.option("--force", is_flag=True, help="Rebuild the entry even if the cache has it.")
+@click.option("--allow-empty", is_flag=True,
+              help="Publish a pack of 0 bins (no documents, or all empty or dropped) instead of failing.")
 @_user_errors
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
-         dp_micro_batches, shuffle, seed, force):
+         dp_micro_batches, shuffle, seed, force, allow_empty):
     """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
     from prep.cache import PackConfig
     from prep.cache import pack as run_pack
-    from prep.pack_report import summary_lines
+    from prep.pack_report import summary_lines, warning_lines
 
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
                         cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
                         dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed)
-    outcome = run_pack(list(datasets), output, config, force=force, log=lambda m: click.echo(m, err=True))
+    outcome = run_pack(list(datasets), output, config, force=force, allow_empty=allow_empty,
+                       log=lambda m: click.echo(m, err=True))
     click.echo("\n".join(summary_lines(outcome)))
+    for line in warning_lines(outcome.entry):
+        click.echo(line, err=True)
 
 
 # ---------------------------------------------------------------------------------------- inspect
 @xprep.command()
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of tables.")
+@click.option("--sample", type=int, default=None, metavar="N",
+              help="Token dataset: print N documents decoded with the dataset's tokenizer, target tokens "
+                   "marked (colour on a terminal, [[...]] otherwise) and category names shown; the first N "
+                   "unless --seed.")
+@click.option("--seed", type=int, default=None,
+              help="With --sample: draw the N documents at random with this seed instead of taking the first N.")
+@click.option("--over", default=None, metavar="L1,L2,...",
+              help="Token dataset: count the documents (and tokens) longer than each length, e.g. 2048,4096,8192 "
+                   "[default: powers of two from 1024 up to the longest document].")
+@click.option("--plot", default=None, metavar="FILE",
+              help="Run directory: draw the loss curves (overall and per category) into FILE (.png, .pdf or "
+                   ".svg; needs matplotlib). Without it nothing is written.")
 @_user_errors
-def inspect(path, as_json):
-    """Report on a token dataset, a pack cache, or a training run directory."""
-    from prep.inspect import inspect_path
+def inspect(path, as_json, sample, seed, over, plot):
+    """Report on a token dataset, a pack cache (every entry, then the current one), or a run directory."""
+    from prep.inspect import InspectOptions, inspect_path
 
-    report, text = inspect_path(path)
-    click.echo(json.dumps(report, indent=2) if as_json else text)
+    options = InspectOptions(sample=sample, seed=seed, over=over, plot=plot)
+    report, text = inspect_path(path, options, color=not as_json and sys.stdout.isatty())
+    click.echo(json.dumps(report, indent=2, ensure_ascii=False) if as_json else text)
 
 
 # ----------------------------------------------------------------------------------------- xtrain

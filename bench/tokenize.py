@@ -203,6 +203,11 @@ def main() -> None:
         chat_t, chat_rss = xprep_tokenize(chat, work / "chat", "--on-error", "skip")
         manifest = json.loads((work / "chat" / "manifest.json").read_text())
         n_conv = manifest["counts"]["documents"]
+        # What --workers 0 (auto) picks for chat, against one worker and every core, in the same run.
+        by_workers = {n: xprep_tokenize(chat, work / f"chat-{n}", "--on-error", "skip", "--workers", str(n))[0]
+                      for n in (1, os.cpu_count() or 1)}
+        print("chat workers: " + ", ".join(f"{n} → {t:.2f} s" for n, t in by_workers.items())
+              + f"; auto ({chat_t:.2f} s) is {by_workers[1] / chat_t:.2f}x one worker")
         parts = chat_breakdown(chat, 2000 if args.quick else 20000)
         share = parts["render_s"] / (parts["render_s"] + parts["encode_s"])
         print(f"chat: {chat_size / 1e6:.1f} MB chitchat (Qwen3 template), {n_conv:,} conversations kept "

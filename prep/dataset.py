@@ -18,6 +18,7 @@ import numpy as np
 
 from prep.errors import XprepError
 from prep.indexed import BinWriter, IndexedReader
+from prep.io import check_output_dir
 
 FORMAT = "xprep-dataset"
 FORMAT_VERSION = 1
@@ -173,9 +174,7 @@ class DatasetWriter:
     """
 
     def __init__(self, out: str | Path, vocab_size: int, dtype: np.dtype | None = None):
-        self.out = Path(out)
-        if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
-            raise XprepError(f"{self.out}: already exists and is not empty; remove it or choose another -o")
+        self.out = check_output_dir(out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(self.out)
         self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
@@ -244,16 +243,21 @@ class DatasetWriter:
         stream.writer = BinWriter(self.tmp / stream.name, stream.dtype)
         stream.writer.append(data.astype(np.uint16), old.lengths())
 
-    def reject(self, source: str, line: int, reason: str, record: str | None = None) -> None:
-        """Record a skipped input record in ``rejects.jsonl`` with its reason."""
+    def reject(self, source: str, line: int, reason: str, record: str | None = None, kind: str | None = None
+               ) -> None:
+        """Record a skipped input record in ``rejects.jsonl`` with its reason.
+
+        ``kind`` is the class of problem the manifest counts rejects by ("unknown role 'bing'",
+        "empty conversation", ...); by default the reason up to its first colon.
+        """
         if self._rejects is None:
             self._rejects = open(self.tmp / "rejects.jsonl", "w")
-        entry = {"source": source, "line": line, "reason": reason}
+        kind = kind or reason.split(":")[0]
+        entry = {"source": source, "line": line, "kind": kind, "reason": reason}
         if record is not None:
             entry["record"] = record[:500]
         self._rejects.write(json.dumps(entry, ensure_ascii=False) + "\n")
         self.reject_count += 1
-        kind = reason.split(":")[0]
         self.reject_reasons[kind] = self.reject_reasons.get(kind, 0) + 1
 
     def finish(self, manifest: dict, categories: CategoryTable) -> dict:

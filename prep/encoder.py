@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -36,6 +36,13 @@ SELF_CHECK_SAMPLE = [
     "",
 ]
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+# End-of-turn markers of common chat templates: looked up with the other special tokens, so a chat
+# dataset whose tokenizer config names no eos_token can end documents the way its template ends turns.
+END_OF_TURN_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>",
+                          "<|endoftext|>")
+MIN_SAMPLE_IDS = 8  # distinct ids the built-in sample must encode to: fewer means an (almost) empty vocabulary
+FACTS_VERSION = 2  # bump when _tokenizer_facts computes something new
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,36 @@ class TokenizerInfo:
     chat_template: str | None  # from tokenizer_config.json
     prefix: tuple[int, ...] = ()  # ids the post-processor puts before / after every text
     suffix: tuple[int, ...] = ()
+    eod_from: str = "tokenizer_config.json"  # where eos_token/eod_id came from (see special_tokens)
+    bos_from: str = "tokenizer_config.json"
+    known_ids: dict[str, int | None] = field(default_factory=dict)  # ids of the special tokens looked up
 
     def describe(self) -> dict:
         return {"path": self.path, "sha256": self.sha256, "vocab_size": self.vocab_size,
                 "eod_id": self.eod_id, "pad_id": self.pad_id}
+
+    def special_tokens(self) -> dict:
+        """End-of-document and BOS tokens with where each came from (the manifest's ``special_tokens``)."""
+        bos_id = self.known_ids.get(self.bos_token) if self.bos_token else None
+        return {"eod": {"token": self.eos_token, "id": self.eod_id, "from": self.eod_from},
+                "bos": {"token": self.bos_token, "id": bos_id, "from": self.bos_from}}
+
+    def defaults_used(self, chat: bool) -> list[str]:
+        """One line per special token taken from a default rather than the tokenizer's config.
+
+        BOS only matters to chat templates (text gets the post-processor's own special tokens).
+        """
+        lines = []
+        if self.eod_from.startswith("default"):
+            lines.append(f"end-of-document token {self.eos_token!r} (id {self.eod_id}) is a {self.eod_from}; "
+                         "pass --eod-token TOKEN to choose another")
+        if chat and self.bos_from.startswith("default"):
+            lines.append(f"BOS token {self.bos_token!r} is a {self.bos_from}; pass --bos-token TOKEN "
+                         "(or --bos-token '' for none) to choose another")
+        return lines
+
+    def with_eod(self, token: str, source: str) -> TokenizerInfo:
+        return replace(self, eos_token=token, eod_id=self.known_ids[token], eod_from=source)
 
 
 def _token_str(value) -> str | None:
@@ -64,31 +97,38 @@ def _token_str(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def load_tokenizer_info(spec: str) -> TokenizerInfo:
-    """Resolve ``--tokenizer`` (a tokenizer.json or a directory holding one) and read its config."""
+def load_tokenizer_info(spec: str, eod_token: str | None = None, bos_token: str | None = None) -> TokenizerInfo:
+    """Resolve ``--tokenizer`` (a tokenizer.json or a directory holding one) and read its config.
+
+    ``eod_token``/``bos_token`` (``--eod-token``/``--bos-token``) override the config's eos/bos; where
+    neither names one, the first of the usual candidates found in the vocabulary is taken, and
+    ``eod_from``/``bos_from`` say so.
+    """
     path = Path(spec)
+    if not path.exists():
+        raise XprepError(f"--tokenizer {spec}: no such file or directory; pass a tokenizer.json or the "
+                         "directory holding it")
     if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise XprepError(f"--tokenizer {spec}: the directory holds no tokenizer.json; pass a tokenizer.json "
+                             "or the directory holding it")
         path = path / "tokenizer.json"
-    if not path.is_file():
-        raise XprepError(f"--tokenizer {spec}: no tokenizer.json there; pass the file or its directory")
     path = path.resolve()
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    config = {}
     cfg_path = path.with_name("tokenizer_config.json")
-    if cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise XprepError(f"{cfg_path}: not valid JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise XprepError(f"{cfg_path}: expected a JSON object, got a {type(config).__name__}")
+    config = _read_config(cfg_path)
     eos, bos, pad = (_token_str(config.get(k)) for k in ("eos_token", "bos_token", "pad_token"))
-    facts = _tokenizer_facts(path, sha, [t for t in (eos, pad, *EOD_CANDIDATES) if t])
+    named = [t for t in (eod_token, bos_token, eos, bos, pad) if t]
+    facts = _tokenizer_facts(path, sha, list(dict.fromkeys(
+        [*named, *EOD_CANDIDATES, *BOS_CANDIDATES, *END_OF_TURN_CANDIDATES])))
     ids = facts["ids"]
-    eod_id = ids.get(eos) if eos else None
-    if eod_id is None:
-        eos = next((t for t in EOD_CANDIDATES if ids.get(t) is not None), None)
-        eod_id = ids.get(eos) if eos else None
+    _check_encodes_text(path, facts)
+    eos, eod_from = _pick_special(ids, eod_token, "--eod-token", eos, "eos_token", cfg_path, EOD_CANDIDATES)
+    if bos_token is None and "bos_token" in config:  # the config names it, possibly as null: no BOS
+        bos_token, bos_from = bos, "tokenizer_config.json"
+    else:
+        bos_token, bos_from = _pick_special(ids, bos_token, "--bos-token", bos, "bos_token", cfg_path,
+                                            BOS_CANDIDATES)
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: use "default"
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
@@ -99,14 +139,58 @@ def load_tokenizer_info(spec: str) -> TokenizerInfo:
         path=str(path),
         sha256=sha,
         vocab_size=facts["vocab_size"],
-        eod_id=eod_id,
+        eod_id=ids.get(eos) if eos else None,
         pad_id=ids.get(pad) if pad else None,
-        bos_token=bos,
+        bos_token=bos_token or None,
         eos_token=eos,
         chat_template=template,
         prefix=tuple(facts["prefix"]),
         suffix=tuple(facts["suffix"]),
+        eod_from=eod_from,
+        bos_from=bos_from,
+        known_ids=ids,
     )
+
+
+def _read_config(cfg_path: Path) -> dict:
+    if not cfg_path.is_file():
+        return {}
+    try:
+        config = json.loads(cfg_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise XprepError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise XprepError(f"{cfg_path}: expected a JSON object, got a {type(config).__name__}")
+    return config
+
+
+def _pick_special(ids: dict, flag_value: str | None, flag: str, configured: str | None, key: str, cfg_path: Path,
+                  candidates: tuple[str, ...]) -> tuple[str | None, str]:
+    """(token, where it came from): the flag, else the config's ``key``, else the first candidate in the vocabulary."""
+    if flag_value is not None:
+        if flag_value and ids.get(flag_value) is None:
+            raise XprepError(f"{flag} {flag_value}: not a token of this tokenizer's vocabulary; pass a special token "
+                             "it has (e.g. one of its added tokens)")
+        return flag_value or None, flag
+    if configured and ids.get(configured) is not None:
+        return configured, "tokenizer_config.json"
+    found = next((t for t in candidates if ids.get(t) is not None), None)
+    if configured:
+        why = f"{cfg_path.name}'s {key} {configured!r} is not in the vocabulary"
+    elif cfg_path.is_file():
+        why = f"{cfg_path.name} names no {key}"
+    else:
+        why = f"there is no {cfg_path.name} beside the tokenizer"
+    return found, f"default ({why})"
+
+
+def _check_encodes_text(path: Path, facts: dict) -> None:
+    """Refuse a tokenizer that turns text into (almost) nothing: e.g. an empty vocabulary, or only an unknown token."""
+    distinct, chars = facts["sample_distinct_ids"], facts["sample_chars"]
+    if distinct < MIN_SAMPLE_IDS:
+        raise XprepError(f"{path}: this tokenizer cannot encode text: {chars:,} characters of varied sample text "
+                         f"become {facts['sample_ids']:,} ids of which {distinct} distinct (an empty or almost "
+                         "empty vocabulary?); check the file or pass another --tokenizer")
 
 
 def cache_dir() -> Path:
@@ -146,14 +230,19 @@ def _tokenizer_facts(path: Path, sha: str, tokens: list[str]) -> dict:
         with_special = hf.encode("x").ids
         plain = hf.encode("x", add_special_tokens=False).ids
         at = _find(with_special, plain)
+        sample = "\n".join(SELF_CHECK_SAMPLE)
+        sample_ids = hf.encode(sample, add_special_tokens=False).ids
         return {
             "vocab_size": hf.get_vocab_size(with_added_tokens=True),
             "ids": {t: hf.token_to_id(t) for t in tokens},
             "prefix": with_special[:at],
             "suffix": with_special[at + len(plain):],
+            "sample_chars": len(sample),
+            "sample_ids": len(sample_ids),
+            "sample_distinct_ids": len(set(sample_ids)),
         }
 
-    key = hashlib.sha256(("\0".join([sha, *tokens])).encode()).hexdigest()[:40]
+    key = hashlib.sha256(("\0".join([f"v{FACTS_VERSION}", sha, *tokens])).encode()).hexdigest()[:40]
     return _cached(f"tokenizer-{key}.json", compute)
 
 

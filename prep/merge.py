@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
+from prep.io import check_output_dir
 
 SLICE_TOKENS = 16 << 20
 
@@ -22,11 +23,12 @@ def merge_datasets(paths: list[str], output: str) -> dict:
     """Merge ``paths`` in order into ``output``; returns the merged manifest."""
     from prep.errors import XprepError
 
+    check_output_dir(output)
     datasets = [TokenDataset(p) for p in paths]
     _check_shards(datasets)
     first = datasets[0].manifest
     for ds in datasets[1:]:
-        for key in ("tokenizer", "chat_template", "options"):
+        for key in ("tokenizer", "special_tokens", "chat_template", "options"):
             if ds.manifest.get(key) != first.get(key):
                 raise XprepError(
                     f"{ds.path}: its {key} differs from {datasets[0].path}'s; only datasets made with the "
@@ -43,7 +45,7 @@ def merge_datasets(paths: list[str], output: str) -> dict:
             for src in ds.manifest.get("sources", []):
                 if not sources or sources[-1]["path"] != src["path"]:
                     sources.append(src)
-        manifest = {k: first[k] for k in ("tokenizer", "chat_template", "options")}
+        manifest = {k: first[k] for k in ("tokenizer", "special_tokens", "chat_template", "options") if k in first}
         manifest["sources"] = sources
         return writer.finish(manifest, categories)
 
@@ -101,4 +103,4 @@ def _copy_rejects(ds: TokenDataset, writer: DatasetWriter) -> None:
     with open(path) as f:
         for line in f:
             r = json.loads(line)
-            writer.reject(r["source"], r["line"], r["reason"], r.get("record"))
+            writer.reject(r["source"], r["line"], r["reason"], r.get("record"), r.get("kind"))

@@ -38,9 +38,12 @@ BUILTIN_TEMPLATES = {
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>", "<|endoftext|>")
 ROLES = {
     "system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
-    "human": "user", "gpt": "assistant", "model": "assistant", "bot": "assistant",
+    "human": "user", "prompter": "user", "gpt": "assistant", "model": "assistant", "bot": "assistant",
+    # ShareGPT dumps name the assistant after the product that answered
+    "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "claude": "assistant", "gemini": "assistant",
     "function": "tool", "observation": "tool", "ipython": "tool", "developer": "system",
 }
+CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 
 
 TEMPLATE_DATE = datetime(2024, 7, 26)  # what `strftime_now` renders: Llama 3.1's own default date_string
@@ -48,7 +51,14 @@ MAX_RENDERED = 1 << 26  # characters a single template operation may produce (un
 
 
 class TemplateError(ValueError):
-    """A conversation the template cannot render or whose targets cannot be located."""
+    """A conversation the template cannot render or whose targets cannot be located.
+
+    ``kind`` names the class of problem (what rejects are counted by), the message the instance.
+    """
+
+    def __init__(self, message: str, kind: str = "chat template failed"):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -179,6 +189,17 @@ class ChatTemplate:
             spans = self._spans_by_prefixes(text, messages, assistants)
         return text, spans
 
+    def end_of_turn(self) -> str | None:
+        """The marker this template puts right after an assistant turn's content (e.g. ``<|eot_id|>``), if any."""
+        probe = [{"role": "user", "content": "\ue000"}, {"role": "assistant", "content": "\ue001"}]
+        try:
+            text = self.render(probe)
+        except TemplateError:
+            return None
+        _, found, after = text.partition("\ue001")
+        after = after.lstrip(" \t\r\n")
+        return next((m for m in self._markers if found and after.startswith(m)), None)
+
     @property
     def generation_prompt(self) -> str:
         """What ``add_generation_prompt`` appends after a user turn (e.g. the assistant header)."""
@@ -263,7 +284,8 @@ class ChatTemplate:
                 if end > pos + len(candidate) or not candidate:
                     return end
                 pos = text.find(candidate, pos + 1)
-        raise TemplateError(f"assistant message {index}: its content does not appear in the rendered template")
+        raise TemplateError(f"assistant message {index}: its content does not appear in the rendered template",
+                            "assistant turn not found")
 
     def _after_marker(self, text: str, end: int) -> int:
         rest = len(text) - len(text[end:].lstrip(" \t\r\n"))
@@ -285,27 +307,67 @@ def content_forms(content: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(forms))
 
 
-def normalize_messages(record: dict) -> list[dict]:
-    """OpenAI ``messages`` or ShareGPT ``conversations`` → [{"role", "content", ...}], validated."""
-    if "messages" in record:
-        raw, role_key, content_key = record["messages"], "role", "content"
-    else:
-        raw, role_key, content_key = record["conversations"], "from", "value"
-    if not isinstance(raw, list) or not raw:
-        raise TemplateError("empty conversation: expected a non-empty list of messages")
+def parse_role_map(spec: str | None) -> dict[str, str]:
+    """``--role-map from=to,...`` → {from (lower case): canonical role}, checked."""
+    if not spec:
+        return {}
+    out = {}
+    for pair in spec.split(","):
+        name, sep, role = (part.strip() for part in pair.partition("="))
+        if not sep or not name or role.lower() not in CANONICAL_ROLES:
+            raise XprepError(f"--role-map {spec}: {pair.strip()!r} is not FROM=TO with TO one of "
+                             f"{', '.join(CANONICAL_ROLES)} (e.g. --role-map chatgpt=assistant,person=user)")
+        out[name.lower()] = role.lower()
+    return out
+
+
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type, with its article: 'a string', 'an object', ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, dict):
+        return "an object"
+    return "an array" if isinstance(value, list | tuple) else f"a {type(value).__name__}"
+
+
+def normalize_messages(record: dict, role_map: dict[str, str] | None = None) -> list[dict]:
+    """OpenAI ``messages`` or ShareGPT ``conversations`` → [{"role", "content", ...}], validated.
+
+    Roles are matched case-insensitively against ``role_map`` (``--role-map``), then ``ROLES``.
+    """
+    key = "messages" if record.get("messages") is not None or "conversations" not in record else "conversations"
+    raw = record.get(key)
+    role_key, content_key = ("role", "content") if key == "messages" else ("from", "value")
+    if raw is None:
+        if key not in record:
+            raise TemplateError("missing field 'messages' (or 'conversations')", "missing field")
+        raise TemplateError(f"field {key!r} is null, expected a list of messages", "null field")
+    if not isinstance(raw, list):
+        raise TemplateError(f"field {key!r} is {json_type(raw)}, expected a list of messages", "bad type")
+    if not raw:
+        raise TemplateError(f"empty conversation: field {key!r} is an empty list", "empty conversation")
+    roles = {**ROLES, **(role_map or {})}
     out = []
     for j, m in enumerate(raw):
         if not isinstance(m, dict):
-            raise TemplateError(f"message {j} is not an object")
+            raise TemplateError(f"message {j} is {json_type(m)}, not an object", "bad message")
         role = m.get(role_key, m.get("role"))
         content = m.get(content_key, m.get("content"))
-        if not isinstance(role, str) or role.lower() not in ROLES:
-            raise TemplateError(f"message {j}: unknown role {role!r} (known: {', '.join(sorted(ROLES))})")
+        if not isinstance(role, str) or role.lower() not in roles:
+            raise TemplateError(f"message {j}: unknown role {role!r} (known: {', '.join(sorted(roles))}; "
+                                "map others with --role-map NAME=assistant|user|system|tool)",
+                                f"unknown role {role!r}")
         if content is None:
             content = ""
         if not isinstance(content, str):
-            raise TemplateError(f"message {j}: content must be a string, got {type(content).__name__}")
-        message = {"role": ROLES[role.lower()], "content": content}
+            raise TemplateError(f"message {j}: content must be a string, got {type(content).__name__}", "bad message")
+        message = {"role": roles[role.lower()], "content": content}
         for extra in ("category", "tool_calls", "name", "reasoning_content", "tool_call_id"):
             if m.get(extra) is not None:  # table rows carry every column, null where absent
                 message[extra] = m[extra]

@@ -114,8 +114,8 @@ def test_existing_output_is_refused_unless_empty(tmp_path):
     with pytest.raises(XprepError, match="already exists and is not empty"):
         DatasetWriter(tmp_path / "full", 100)
     assert (tmp_path / "full" / "x").read_text() == "keep me"
-    (tmp_path / "file").write_text("")
-    with pytest.raises(XprepError, match="already exists"):
+    (tmp_path / "file").write_text("")  # an empty file is still not a directory
+    with pytest.raises(XprepError, match="exists and is a file, not a directory"):
         DatasetWriter(tmp_path / "file", 100)
     (tmp_path / "empty").mkdir()
     build(tmp_path / "empty", [([np.array([1])], None, None)])
@@ -140,7 +140,8 @@ def test_rejects_are_written_and_counted(tmp_path):
         m = w.finish(BASE, CategoryTable())
     assert m["rejects"] == {"count": 2, "by_reason": {"empty text": 1, "malformed JSON": 1}, "file": "rejects.jsonl"}
     lines = [json.loads(s) for s in (tmp_path / "d" / "rejects.jsonl").read_text().splitlines()]
-    assert lines[0] == {"source": "a.jsonl", "line": 3, "reason": "malformed JSON: Expecting value", "record": "{bad"}
+    assert lines[0] == {"source": "a.jsonl", "line": 3, "kind": "malformed JSON",
+                        "reason": "malformed JSON: Expecting value", "record": "{bad"}
     assert len(lines[1]["record"]) == 500
 
 

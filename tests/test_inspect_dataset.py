@@ -52,8 +52,7 @@ def test_json_report_counts_equal_the_streams(dataset, run_cli):
     assert r["categories"] == expected
     assert set(expected) == {"uncategorized", "prose", "dialog", "answers"}
     assert expected["answers"]["tokens"] == expected["answers"]["loss_tokens"] > 0  # only targets are 'answers'
-    assert r["rejects"] == {"count": 2, "by_reason": {"empty text": 1, "field 'text' is a int, expected a string": 1},
-                            "file": "rejects.jsonl"}
+    assert r["rejects"] == {"count": 2, "by_reason": {"bad type": 1, "empty text": 1}, "file": "rejects.jsonl"}
     lengths = ds.lengths
     p = r["lengths"]["percentiles"]
     assert p["p0"] == lengths.min() and p["p100"] == lengths.max()

@@ -54,8 +54,12 @@ def test_sharegpt_roles_are_mapped():
 
 @pytest.mark.parametrize("record, match", [
     ({"messages": []}, "empty conversation"),
-    ({"messages": "hi"}, "empty conversation"),
-    ({"messages": ["hi"]}, "message 0 is not an object"),
+    ({"messages": "hi"}, "field 'messages' is a string, expected a list of messages"),
+    ({"conversations": {"a": 1}}, "field 'conversations' is an object, expected a list of messages"),
+    ({"conversations": 42}, "field 'conversations' is a number, expected a list of messages"),
+    ({"conversations": None}, "field 'conversations' is null, expected a list of messages"),
+    ({"text": "x"}, r"missing field 'messages' \(or 'conversations'\)"),
+    ({"messages": ["hi"]}, "message 0 is a string, not an object"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown role 'wizard'"),
     ({"messages": [{"content": "x"}]}, "unknown role None"),
     ({"messages": [{"role": "user", "content": ["x"]}]}, "content must be a string, got list"),

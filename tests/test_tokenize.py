@@ -500,7 +500,8 @@ def test_post_processor_tokens_are_added_like_hf(tmp_path, tiny_tokenizer, backe
     assert all(ids[0] == bos and ids[-2] == eos for ids in tokens_of(tmp_path / "o"))
 
 
-def test_progress_draws_on_a_terminal_only(monkeypatch):
+def test_progress_on_a_terminal_and_in_logs(monkeypatch):
+    """A terminal gets a line redrawn in place, with an ETA; a log gets a plain line per interval, or none."""
     import io
 
     from prep import progress as P
@@ -509,14 +510,22 @@ def test_progress_draws_on_a_terminal_only(monkeypatch):
         def isatty(self):
             return True
 
-    clock = iter(range(100))
-    monkeypatch.setattr(P.time, "perf_counter", lambda: float(next(clock)))
-    tty, pipe = Tty(), io.StringIO()
-    for stream in (tty, pipe):
-        bar = P.Progress("tokenize", total_bytes=1000, stream=stream)
-        bar.update(10, 2000, 500)
+    now = [0.0]
+    monkeypatch.setattr(P.time, "perf_counter", lambda: now[0])
+
+    def feed(stream, interval=30.0):
+        now[0] = 0.0
+        bar = P.Progress("tokenize", total_bytes=1000, stream=stream, interval=interval)
+        for t in (10, 20, 40, 50):  # 100 bytes a step: 30 s in, 40 % done
+            now[0] = float(t)
+            bar.update(10, 2000, 100)
         bar.close()
-    assert pipe.getvalue() == ""
-    out = tty.getvalue()
-    assert out.startswith("\rtokenize  50.0%  10 docs") and "2,000 tokens" in out and "MB/s" in out
-    assert out.endswith("\n")
+        return stream.getvalue()
+
+    out = feed(Tty())
+    assert out.startswith("\rtokenize  10.0%  10 docs") and "2,000 tokens" in out and "MB/s" in out
+    assert "ETA 1m15s" in out and out.endswith("\n")  # at 50 s, 40 % done: 75 s to go
+    log = feed(io.StringIO()).splitlines()
+    assert len(log) == 1 and "\r" not in log[0]  # only t=40 is 30 s past the last line
+    assert log[0].startswith("tokenize  30.0%  30 docs") and "ETA 1m33s" in log[0] and "[0m40s elapsed]" in log[0]
+    assert feed(io.StringIO(), interval=0) == ""

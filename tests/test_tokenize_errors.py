@@ -59,14 +59,14 @@ CASES = [
     ("missing-field-chat", b'{"text": "x"}\n', ["--format", "chat"], "missing field 'messages' (or 'conversations')"),
     ("missing-field-tokens", b'{"text": "x"}\n', ["--format", "tokens"], "missing field 'input_ids'"),
     ("no-known-field", b'{"body": "x"}\n', [], "no 'text', 'messages', 'conversations' or 'input_ids' field"),
-    ("wrong-type", b'{"text": 5}\n', [], "field 'text' is a int, expected a string"),
+    ("wrong-type", b'{"text": 5}\n', [], "field 'text' is a number, expected a string"),
     ("wrong-type-content", b'{"messages": [{"role": "user", "content": {"a": 1}}]}\n', [],
-     "bad chat record: message 0: content must be a string, got dict"),
+     "message 0: content must be a string, got dict"),
     ("wrong-type-category", b'{"text": "x", "category": 5}\n', [], "category 5 must be a non-empty string"),
     ("empty-text", b'{"text": " \\n "}\n', [], "empty text"),
     ("unknown-role", b'{"messages": [{"role": "wizard", "content": "hi"}]}\n', [],
-     "bad chat record: message 0: unknown role 'wizard'"),
-    ("empty-conversation", b'{"messages": []}\n', [], "bad chat record: empty conversation"),
+     "message 0: unknown role 'wizard'"),
+    ("empty-conversation", b'{"messages": []}\n', [], "empty conversation: field 'messages' is an empty list"),
     ("ids-outside-vocab", b'{"input_ids": [1, 600]}\n', [], "input_ids outside [0, 600)"),
     ("ids-not-ints", b'{"input_ids": [1, "2"]}\n', [], "field 'input_ids' must be a list of integers"),
     ("mask-length", b'{"input_ids": [1, 2], "loss_mask": [1]}\n', [], "loss_mask must hold 2 integers in [0, 1]"),
@@ -229,9 +229,9 @@ def user_error(tmp_path, *args) -> str:
 def test_wrong_tokenizer_paths(tmp_path, tiny_tokenizer):
     src = write_jsonl(tmp_path / "a.jsonl", text_records(2))
     err = user_error(tmp_path, src, "-o", tmp_path / "o", "--tokenizer", tmp_path / "nope")
-    assert f"--tokenizer {tmp_path / 'nope'}: no tokenizer.json there" in err
+    assert f"--tokenizer {tmp_path / 'nope'}: no such file or directory" in err
     (tmp_path / "emptydir").mkdir()
-    assert "no tokenizer.json there" in user_error(tmp_path, src, "-o", tmp_path / "o", "--tokenizer",
+    assert "the directory holds no tokenizer.json" in user_error(tmp_path, src, "-o", tmp_path / "o", "--tokenizer",
                                                    tmp_path / "emptydir")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "tokenizer.json").write_text('{"not": "a tokenizer"}')
