@@ -1,7 +1,15 @@
-"""File-system plumbing shared by every command: checking an output path before any work starts."""
+"""File-system plumbing shared by every command, written once.
+
+- ``check_output_dir``: an output path that cannot be used is one clear error before any work;
+- ``write_atomic`` / ``write_json_atomic``: a file appears whole or not at all (temp in the same
+  directory, fsync, rename, fsync of the directory), so a crash never leaves half a file;
+- ``fsync_tree`` / ``fsync_dir``: make a directory built in a temp place durable before it is renamed;
+- ``read_json``: a JSON file, or one clear error naming the file, the problem and the fix.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -41,3 +49,68 @@ def _probe(directory: Path, shown: str, option: str) -> None:
     except OSError as e:
         reason = e.strerror or type(e).__name__
         raise XprepError(f"{shown}: cannot write in {directory} ({reason}); choose another {option}") from None
+
+
+def write_atomic(path: str | Path, data: str | bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` through a temporary sibling and a rename: readers see the old file or the new.
+
+    ``durable`` fsyncs the file before the rename and the directory after it (the rename survives a crash);
+    without it only the rename is atomic (for files rewritten often whose loss costs little).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_json_atomic(path: str | Path, obj, durable: bool = True) -> None:
+    """``obj`` as indented UTF-8 JSON (one trailing newline), written by ``write_atomic``."""
+    write_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", durable)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make the entries of directory ``path`` (names created, renamed, removed) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | Path) -> None:
+    """fsync every file below ``path``, then every directory (deepest first): all of it is on disk."""
+    path = Path(path)
+    directories = [path]
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        directories += [Path(root) / d for d in dirs]
+    for directory in reversed(directories):
+        fsync_dir(directory)
+
+
+def read_json(path: str | Path, what: str, fix: str):
+    """The JSON value in ``path``; a missing, unreadable or malformed file is one XprepError naming it.
+
+    ``what`` says what the file is ("pack manifest"), ``fix`` what to do ("re-run `xprep pack`").
+    """
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise XprepError(f"{path}: no such file (the {what}); {fix}") from None
+    except OSError as e:
+        raise XprepError(f"{path}: cannot read the {what} ({e.strerror}); {fix}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise XprepError(f"{path}: the {what} is not valid JSON ({e}); {fix}") from None
