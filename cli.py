@@ -5,7 +5,6 @@ Every user mistake surfaces as an ``XprepError``; ``main`` prints it as one line
 
 from __future__ import annotations
 
-import json
 import sys
 from functools import wraps
 
@@ -147,17 +146,18 @@ def merge(datasets, output):
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
          dp_micro_batches, shuffle, seed, force, allow_empty):
     """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
-    from prep.cache import PackConfig
+    from prep.cache import PackConfig  # deferred here and below: numba/numpy load only for the command run
     from prep.cache import pack as run_pack
-    from prep.pack_report import summary_lines, warning_lines
+    from prep.pack_report import outcome_report
+    from prep.render import summary_lines, warning_lines
 
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
                         cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
                         dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed)
-    outcome = run_pack(list(datasets), output, config, force=force, allow_empty=allow_empty,
-                       log=lambda m: click.echo(m, err=True))
+    outcome = outcome_report(run_pack(list(datasets), output, config, force=force, allow_empty=allow_empty,
+                                      log=lambda m: click.echo(m, err=True)))
     click.echo("\n".join(summary_lines(outcome)))
-    for line in warning_lines(outcome.entry):
+    for line in warning_lines(outcome):
         click.echo(line, err=True)
 
 
@@ -180,11 +180,29 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
 @_user_errors
 def inspect(path, as_json, sample, seed, over, plot):
     """Report on a token dataset, a pack cache (every entry, then the current one), or a run directory."""
-    from prep.inspect import InspectOptions, inspect_path
+    from prep.inspect import InspectOptions, kind_of  # deferred: numpy and the report modules load on use
+    from prep.render import render, to_json
 
     options = InspectOptions(sample=sample, seed=seed, over=over, plot=plot)
-    report, text = inspect_path(path, options, color=not as_json and sys.stdout.isatty())
-    click.echo(json.dumps(report, indent=2, ensure_ascii=False) if as_json else text)
+    kind = kind_of(path)
+    options.check_applies(kind, path)
+    report = _report(kind, path, options)
+    click.echo(to_json(report) if as_json else render(report, color=sys.stdout.isatty()))
+
+
+def _report(kind: str, path: str, options):
+    """The report of the module that owns this kind of data (prep/ never reads a run directory)."""
+    if kind == "dataset":
+        from prep.dataset_report import dataset_report  # deferred: tokenizers and numpy, for this kind only
+
+        return dataset_report(path, options)
+    if kind == "packed":
+        from prep.pack_report import pack_report  # deferred: numpy, for this kind only
+
+        return pack_report(path)
+    from train.report import run_report  # deferred: train/ is read only for a run directory
+
+    return run_report(path, plot=options.plot)
 
 
 # ----------------------------------------------------------------------------------------- xtrain

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from prep.errors import XprepError
-from prep.inspect import length_stats, table
 from prep.packfile import MANIFEST, PACK_JSON, PackEntry, open_packed
+from prep.stats import length_stats
 
 
 def pack_report(path: str | Path) -> dict:
@@ -172,137 +172,9 @@ def pack_flags(c: dict) -> str:
     return " ".join(flags)
 
 
-def render_entries(r: dict) -> list[str]:
-    entries = r.get("entries")
-    if not entries:
-        return []
-    rows = [["*" if e["current"] else "", e["name"], "-", "-", "-", "-", e["problem"]] if e["status"] != "ok" else
-            ["*" if e["current"] else "", e["name"], e["bins"], f"{e['fill']:.2%}",
-             f"{e['documents_kept']:,}/{e['documents_in']:,}", e["created"] or "-", e["options"]]
-            for e in entries]
-    head = (f"pack cache {Path(r['path']).parent}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}; "
-            "* = current, the one `xtrain run` trains on (re-run an entry's `xprep pack` options to make it current)")
-    lines = table(["", "entry", "bins", "fill", "documents kept", "created", "options"], rows, align="llrrrll")
-    return [head, *(line.rstrip() for line in lines), ""]
-
-
-# ------------------------------------------------------------------------------------------ render
-def render_pack(r: dict) -> str:
-    c = r["config"]
-    lines = [*render_entries(r),
-        f"pack {r['path']}  (key {r['key'][:16]}, {c['method']}, capacity {r['capacity']:,}"
-        + (f", cp {c['cp_size']}" if c.get("cp_size", 1) > 1 else "") + ")",
-        f"  layout        {r['layout']}",
-        f"  input         {r['documents_in']:,} documents, {r['tokens_in']:,} tokens "
-        f"from {len(r['datasets'])} dataset(s)",
-        f"  bins          {r['bins']:,}  holding {r['items']:,} documents/pieces, {r['tokens']:,} tokens",
-        f"  fill          {r['fill']:.4%}   padding {r['padding_tokens']:,} tokens"
-        + (f" (of which CP rounding {r['cp_padding_tokens']:,})" if r["cp_padding_tokens"] else ""),
-        f"  lower bound   {r['lower_bound_bins']:,} bins (⌈tokens/capacity⌉), "
-        f"gap +{r['gap_to_lower_bound']:.3%}",
-        "  " + overlong_line(r["overlong"], r["capacity"], c["overlong"]),
-    ]
-    if r["empty_documents"]:
-        lines.append(f"  empty         {r['empty_documents']:,} documents with no tokens (skipped)")
-    if r["dp_balance"]:
-        lines.append("  " + dp_line(r["dp_balance"]))
-    lines += ["", *_percentile_table(r)]
-    lines.append("")
-    if r["categories"] is None:
-        lines.append(f"categories: {r['categories_note']}")
-    else:
-        total = sum(r["categories"].values()) or 1
-        lines += table(["category", "packed tokens", "share"],
-                       [[k, v, f"{v / total:.1%}"] for k, v in r["categories"].items()])
-    return "\n".join(lines)
-
-
-def _percentile_table(r: dict) -> list[str]:
-    keys = ("p0", "p10", "p50", "p90", "p99", "p100")
-    rows = []
-    for label, s in (("documents per bin", r["documents_per_bin"]), ("tokens per bin", r["tokens_per_bin"])):
-        if s["count"]:
-            rows.append([label, s["mean"], *(s["percentiles"][k] for k in keys)])
-    return table(["", "mean", *keys], rows) if rows else []
-
-
-def overlong_line(s: dict, capacity: int, policy: str) -> str:
-    return (f"overlong      {s['overlong_documents']:,} documents > {capacity:,} tokens ({policy}): "
-            f"dropped {s['dropped_documents']:,} ({s['dropped_tokens']:,} tokens), "
-            f"truncated {s['truncated_documents']:,} ({s['truncated_tokens']:,} tokens cut), "
-            f"split {s['split_documents']:,} (into {s['split_pieces']:,} pieces)")
-
-
-def dp_line(b: dict) -> str:
-    def change(name: str) -> str:
-        before, after = b[f"{name}_before"], b[f"{name}_after"]
-        return f"{before['mean']:.3f} → {after['mean']:.3f} (worst {before['max']:.3f} → {after['max']:.3f})"
-
-    return (f"dp balance    {b['ranks']} ranks × {b['micro_batches_per_rank']} bins per step, {b['steps']:,} "
-            f"steps; Σlen² max/mean per step {change('imbalance')}, per micro-step "
-            f"{change('micro_step_imbalance')}; {b['empty_bins_added']} empty bins added")
-
-
-def summary_lines(outcome) -> list[str]:
-    """What ``xprep pack`` prints on stdout: hit or build with documents kept vs removed, then the
-    figures a user checks first. Warnings go to stderr: see ``warning_lines``."""
+def outcome_report(outcome) -> dict:
+    """What ``xprep pack`` reports about the entry it built or found (``prep.render.summary_lines``)."""
     entry = outcome.entry
-    s = entry.meta["stats"]
-    kept = kept_phrase(s, entry.capacity)
-    if outcome.hit:
-        head = (f"cache hit: {entry.path} (no packing done, {outcome.seconds:.2f} s): {kept} in {s['bins']:,} bins "
-                f"of {entry.capacity:,}")
-    else:
-        head = (f"packed {kept} into {s['bins']:,} bins of {entry.capacity:,} in {entry.meta['pack_seconds']:.2f} s "
-                f"→ {entry.path}")
-    lines = [head,
-             f"  fill {s['fill']:.4%}, lower bound {s['lower_bound_bins']:,} bins "
-             f"(gap +{s['gap_to_lower_bound']:.3%}), padding {s['padding_tokens']:,} tokens",
-             "  " + overlong_line(s, entry.capacity, entry.config["overlong"])]
-    if s.get("dp_balance"):
-        lines.append("  " + dp_line(s["dp_balance"]))
-    return lines
-
-
-def kept_phrase(s: dict, capacity: int) -> str:
-    """'412 of 500 documents (54,004 of 78,448 tokens; dropped 88 documents (24,444 tokens) longer than 256)'."""
-    n_in, tokens_in, tokens = s["documents_in"], s["tokens_in"], s["tokens"]
-    kept = n_in - s["dropped_documents"] - s["empty_documents"]
-    docs = f"all {_docs(n_in)}" if kept == n_in and n_in else f"{kept:,} of {_docs(n_in)}"
-    toks = f"{tokens:,} tokens" if tokens == tokens_in else f"{tokens:,} of {tokens_in:,} tokens"
-    notes = []
-    if s["dropped_documents"]:
-        notes.append(f"dropped {_docs(s['dropped_documents'])} ({s['dropped_tokens']:,} tokens) "
-                     f"longer than {capacity:,}")
-    if s["truncated_documents"]:
-        notes.append(f"truncated {_docs(s['truncated_documents'])} ({s['truncated_tokens']:,} tokens cut)")
-    if s["split_documents"]:
-        notes.append(f"split {_docs(s['split_documents'])} longer than {capacity:,} "
-                     f"into {s['split_pieces']:,} pieces")
-    if s["empty_documents"]:
-        notes.append(f"skipped {s['empty_documents']:,} empty")
-    return f"{docs} ({'; '.join([toks, *notes])})"
-
-
-def _docs(n: int) -> str:
-    return f"{n:,} document" if n == 1 else f"{n:,} documents"
-
-
-LOUD_TOKEN_SHARE = 0.01  # removing more than this share of the tokens earns a warning
-
-
-def warning_lines(entry) -> list[str]:
-    """What ``xprep pack`` prints on stderr: an empty pack, or more than 1 % of the tokens removed."""
-    s, config = entry.meta["stats"], entry.config
-    if s["bins"] == 0:
-        return ["warning: the pack has 0 bins (--allow-empty): there is nothing to train on"]
-    removed = s["tokens_in"] - s["tokens"]
-    if not s["tokens_in"] or removed / s["tokens_in"] <= LOUD_TOKEN_SHARE:
-        return []
-    option = "--max-tokens" if config["method"] == "token-aware" else "--seq-len"
-    if config["overlong"] == "drop":
-        how, fix = "dropped as overlong", f"raise {option} or use --overlong split|truncate"
-    else:
-        how, fix = "cut by --overlong truncate", f"raise {option} or use --overlong split"
-    return [f"warning: {100 * removed / s['tokens_in']:.1f} % of tokens ({removed:,} of {s['tokens_in']:,}) "
-            f"{how}: {fix}"]
+    return {"kind": "pack-outcome", "path": str(entry.path), "hit": outcome.hit, "seconds": outcome.seconds,
+            "capacity": entry.capacity, "config": entry.config, "stats": entry.meta["stats"],
+            "pack_seconds": entry.meta.get("pack_seconds")}

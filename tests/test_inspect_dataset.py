@@ -11,9 +11,12 @@ from conftest import SHARED, requires_shared_data
 from prepkit import chat_records, text_records, tokenize, write_jsonl
 
 from prep.dataset import TokenDataset
+from prep.dataset_report import dataset_report
 from prep.errors import XprepError
 from prep.indexed import write_index
-from prep.inspect import dataset_report, histogram, inspect_path, length_stats
+from prep.inspect import kind_of
+from prep.render import render
+from prep.stats import histogram, length_stats
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +199,8 @@ def test_corrupt_manifest_and_non_datasets(copy, tmp_path, run_cli):
 
 
 def test_inspect_path_dispatches_to_dataset(dataset):
-    report, text = inspect_path(dataset)
-    assert report["kind"] == "dataset" and text.startswith("dataset ")
+    report = dataset_report(dataset)
+    assert kind_of(dataset) == report["kind"] == "dataset" and render(report).startswith("dataset ")
 
 
 @pytest.mark.parametrize("edit", ["only-format", "no-streams", "no-counts-tokens"])

@@ -17,7 +17,8 @@ from test_pack_cache import make_dataset
 
 import cli
 from prep.dataset import TokenDataset
-from prep.inspect import dataset_report, render_dataset
+from prep.dataset_report import dataset_report
+from prep.render import render_dataset
 
 
 def invoke(*args):

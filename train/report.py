@@ -1,4 +1,5 @@
-"""``xprep inspect runs/NAME``: loss by category over a run (first, last, best, trend), no torch.
+"""The report on a run directory (``xprep inspect runs/NAME``): loss by category over the run (first,
+last, best, trend), no torch; ``prep.render`` makes the text.
 
 Reads ``config.json``, ``run.json`` and ``metrics.jsonl``, and writes nothing: the loss curves are
 drawn (with matplotlib) only into the file ``--plot FILE`` names.
@@ -12,7 +13,6 @@ import tempfile
 from pathlib import Path
 
 from prep.errors import XprepError
-from prep.inspect import table
 
 PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
 PLOT_FORMATS = {"": "png", ".png": "png", ".pdf": "pdf", ".svg": "svg"}
@@ -48,7 +48,8 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
     config = _read_json(path / "config.json")
     info = _read_json(path / "run.json")
     records = read_metrics(path)
-    report = {"kind": "run", "path": str(path), "config": config, "pack": info.get("pack"),
+    report = {"kind": "run", "path": str(path), "config": config, "settings": settings(config),
+              "pack": info.get("pack"),
               "plan": info.get("plan"), "steps": len(records),
               "last_step": records[-1]["step"] if records else 0,
               "checkpoints": _checkpoints(path), "plot": None}
@@ -139,33 +140,13 @@ def draw_plot(out: Path, records: list[dict], names: list[str]) -> str:
     return str(out)
 
 
-def render_run(r: dict) -> str:
-    cfg = r.get("config") or {}
-    lines = [f"run {r['path']}"]
-    if r.get("pack"):
-        p = r["pack"]
-        lines.append(f"  pack          {p['path']}  (key {p['key'][:16]}, {p['bins']:,} bins of {p['capacity']:,})")
-    if cfg:
-        lines.append(f"  model         {cfg.get('model')}   sampler {cfg.get('sampler')}   lr {cfg.get('lr')} "
-                     f"({cfg.get('schedule')}, warm-up {cfg.get('warmup')})")
-    total = (r.get("plan") or {}).get("steps")
-    lines.append(f"  steps logged  {r['steps']:,}" + (f" / {total:,}" if total else "")
-                 + (f"   tokens {r['tokens']:,}" if "tokens" in r else ""))
-    ck = r["checkpoints"]
-    lines.append(f"  checkpoints   {', '.join(f'step-{s}' for s in ck['steps']) or 'none'}"
-                 + (f"   (latest {ck['latest']})" if ck["latest"] else ""))
-    if "loss" not in r:
-        lines.append("  no metrics yet")
-        return "\n".join(lines)
-    lines.append("")
-    rows = [_row("all", r["loss"])] + [_row(name, s) for name, s in r["categories"].items()]
-    lines += table(["category", "points", "first", "last", "best", "best step", "trend"], rows)
-    lines.append("")
-    lines.append(f"loss curves: drawn into {r['plot']}" if r.get("plot") else
-                 "loss curves: not drawn; add --plot FILE to draw them (needs matplotlib)")
-    return "\n".join(lines)
+SETTINGS = ("model", "sampler", "lr", "schedule", "warmup")
 
 
-def _row(name: str, s: dict) -> list:
-    return [name, s["points"], round(s["first"], 4), round(s["last"], 4), round(s["best"], 4), s["best_step"],
-            f"{100 * s['trend']:+.1f}%"]
+def settings(config: dict) -> dict:
+    """The settings a run summary shows, from its config.json whether flat or in sections."""
+    flat = dict(config)
+    for value in config.values():
+        if isinstance(value, dict):
+            flat.update(value)
+    return {k: flat.get(k) for k in SETTINGS}

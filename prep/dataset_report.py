@@ -1,0 +1,102 @@
+"""The report on a token dataset (``xprep inspect DATASET``): counts, lengths, categories, rejects.
+
+With ``--sample N`` it adds decoded documents as spans of equal (target, category), so a loss mask can be
+checked by eye (``prep.render`` marks the targets), and ``--over`` counts the documents longer than given
+lengths (what packing at that capacity would cut).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from prep.dataset import TokenDataset
+from prep.errors import XprepError
+from prep.inspect import InspectOptions
+from prep.stats import default_over, histogram, length_stats, over_counts
+
+
+def dataset_report(path: str | Path, options: InspectOptions | None = None) -> dict:
+    """What ``xprep inspect DATASET`` shows, as a JSON-able dict (``prep.render`` makes the text)."""
+    path = Path(path)
+    options = options or InspectOptions()
+    ds = TokenDataset(path)
+    m = ds.manifest
+    counts = m["counts"]
+    report = {
+        "kind": "dataset",
+        "path": str(path),
+        "fingerprint": m["fingerprint"],
+        "tokenizer": m["tokenizer"],
+        "chat_template": m.get("chat_template"),
+        "dtype": m["streams"]["tokens"]["dtype"],
+        "streams": sorted(m["streams"]),
+        "documents": counts["documents"],
+        "tokens": counts["tokens"],
+        "loss_tokens": counts["loss_tokens"],
+        "lengths": length_stats(ds.lengths),
+        "histogram": histogram(ds.lengths),
+        "categories": counts["categories"],
+        "rejects": m["rejects"],
+        "sources": len(m.get("sources", [])),
+        "over": over_counts(ds.lengths, options.over or default_over(ds.lengths)),
+    }
+    if options.sample:
+        report["sample"] = sample_documents(ds, options.sample, options.seed)
+    return report
+
+
+# ----------------------------------------------------------------------------------------- --sample
+def sample_documents(ds, n: int, seed: int | None) -> dict:
+    """The first ``n`` documents, or ``n`` drawn at random with ``seed`` (in index order), decoded."""
+    total = len(ds)
+    k = min(n, total)
+    if seed is None:
+        picked = np.arange(k)
+    else:
+        picked = np.sort(np.random.default_rng(seed).choice(total, k, replace=False))
+    tokenizer = load_decoder(ds) if k else None
+    return {"selection": "first" if seed is None else "random", "seed": seed, "requested": n, "of": total,
+            "documents": [decode_document(ds, int(i), tokenizer) for i in picked]}
+
+
+def load_decoder(ds):
+    """The ``tokenizers.Tokenizer`` recorded in the dataset's manifest (path and sha256 checked)."""
+    info = ds.manifest.get("tokenizer") or {}
+    path, manifest = info.get("path"), ds.path / "manifest.json"
+    if not path or not Path(path).is_file():
+        raise XprepError(f"--sample: the tokenizer {path} recorded in {manifest} is gone; restore it at that path "
+                         "to decode the documents")
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    if info.get("sha256") and digest != info["sha256"]:
+        raise XprepError(f"--sample: {path} is not the tokenizer {ds.path} was made with (its sha256 differs from "
+                         f"{manifest}); restore that tokenizer.json to decode the documents")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise XprepError(f"--sample: {path}: not a tokenizer.json ({e}); restore the original") from None
+
+
+def span_bounds(mask: np.ndarray, cats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and ends of the maximal runs of tokens with the same (target, category)."""
+    if len(mask) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    change = np.flatnonzero((mask[1:] != mask[:-1]) | (cats[1:] != cats[:-1])) + 1
+    return np.concatenate([[0], change]), np.concatenate([change, [len(mask)]])
+
+
+def decode_document(ds, i: int, tokenizer) -> dict:
+    """Document ``i`` as spans of equal (target, category), each decoded at once."""
+    d = ds.document(i)
+    ids, mask, cats = d["input_ids"], d["loss_mask"], d["category_ids"]
+    names = ds.category_names
+    spans = []
+    for s, e in zip(*span_bounds(mask, cats), strict=True):
+        cid = int(cats[s])
+        name = names[cid] if cid < len(names) and names[cid] is not None else str(cid)
+        spans.append({"target": bool(mask[s]), "category": name, "tokens": int(e - s),
+                      "text": tokenizer.decode(ids[s:e].tolist(), skip_special_tokens=False)})
+    return {"index": i, "tokens": int(len(ids)), "targets": int(np.count_nonzero(mask)), "spans": spans}

@@ -1,0 +1,297 @@
+"""Report objects → text (and JSON), for every kind ``xprep inspect`` and ``xprep pack`` show.
+
+The modules that own the data build the reports as plain JSON-able dicts (``prep/dataset_report.py``,
+``prep/pack_report.py``, ``train/report.py``); this module only renders them, so ``--json`` and the text
+show the same numbers, computed once. It imports nothing of the project: every report module may use it,
+and it depends on none of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LOUD_TOKEN_SHARE = 0.01  # removing more than this share of a pack's tokens earns a warning
+
+
+def render(report: dict, color: bool = False) -> str:
+    """The text of a report, by its ``kind``; ``color``: ANSI colours for a terminal."""
+    kind = report.get("kind")
+    if kind == "dataset":
+        return render_dataset(report, color)
+    if kind == "packed":
+        return render_pack(report)
+    if kind == "run":
+        return render_run(report)
+    raise ValueError(f"no renderer for a report of kind {kind!r}")
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(report, indent=2, ensure_ascii=False)
+
+
+# ------------------------------------------------------------------------------------------ tables
+def render_histogram(hist: list[dict], width: int = 40) -> list[str]:
+    top = max((h["count"] for h in hist), default=0) or 1
+    return [f"  {h['lo']:>8,}-{h['hi']:<8,} {h['count']:>10,} {'#' * round(width * h['count'] / top)}"
+            for h in hist]
+
+
+def table(headers: list[str], rows: list[list], align: str | None = None) -> list[str]:
+    """A plain text table; numbers right-aligned."""
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    align = align or "l" + "r" * (len(headers) - 1)
+    def line(values):
+        return "  ".join(v.ljust(w) if a == "l" else v.rjust(w) for v, w, a in zip(values, widths, align,
+                                                                                   strict=True))
+    return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells]
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+# ----------------------------------------------------------------------------------------- dataset
+def render_over(over: list[dict]) -> list[str]:
+    rows = [[f"> {o['length']:,}", o["documents"], f"{o['share']:.1%}", o["tokens"], f"{o['token_share']:.1%}"]
+            for o in over]
+    return ["documents longer than N tokens (what `xprep pack` at that capacity drops, truncates or splits)",
+            *table(["longer than", "documents", "share", "tokens", "token share"], rows)]
+
+
+ANSI_TARGET, ANSI_CATEGORY, ANSI_RESET = "\x1b[1;32m", "\x1b[35m", "\x1b[0m"
+# Decoded text is untrusted: control characters (other than newline and tab) are shown, not obeyed.
+_VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), 127] if chr(c) not in "\n\t"}
+
+
+def render_sample(sample: dict, color: bool) -> list[str]:
+    docs = sample["documents"]
+    which = (f"the first {len(docs):,} of {sample['of']:,} documents" if sample["selection"] == "first" else
+             f"{len(docs):,} of {sample['of']:,} documents drawn at random (--seed {sample['seed']})")
+    legend = ("target tokens in green, {category} in magenta where the category changes" if color else
+              "target tokens in [[double brackets]], {category} where the category changes")
+    lines = [f"sample: {which}; {legend}"]
+    for d in docs:
+        lines += ["", f"--- document {d['index']:,}: {d['tokens']:,} tokens, {d['targets']:,} targets ---",
+                  render_spans(d["spans"], color)]
+    return lines
+
+
+def render_spans(spans: list[dict], color: bool) -> str:
+    out, category = [], None
+    for s in spans:
+        if s["category"] != category:
+            category = s["category"]
+            out.append(f"{ANSI_CATEGORY}{{{category}}}{ANSI_RESET}" if color else f"{{{category}}}")
+        text = s["text"].translate(_VISIBLE)
+        if s["target"]:
+            text = f"{ANSI_TARGET}{text}{ANSI_RESET}" if color else f"[[{text}]]"
+        out.append(text)
+    return "".join(out)
+
+
+def render_dataset(r: dict, color: bool = False) -> str:
+    lines = [
+        f"dataset {r['path']}  (fingerprint {r['fingerprint'][:16]})",
+        f"  tokenizer     {r['tokenizer'].get('path')}  vocab {r['tokenizer'].get('vocab_size'):,}"
+        f"  dtype {r['dtype']}",
+    ]
+    if r.get("chat_template"):
+        lines.append(f"  chat template {r['chat_template'].get('name')}")
+    share = r["loss_tokens"] / r["tokens"] if r["tokens"] else 0.0
+    lines += [
+        f"  documents     {r['documents']:,}   (from {r['sources']} sources, {r['rejects']['count']:,} rejected)",
+        f"  tokens        {r['tokens']:,}",
+        f"  target tokens {r['loss_tokens']:,}  ({share:.1%})",
+    ]
+    if r["lengths"]["count"]:
+        p = r["lengths"]["percentiles"]
+        lines.append("  length        mean {:,.1f}  " .format(r["lengths"]["mean"]) + "  ".join(
+            f"{k} {p[k]:,}" for k in ("p0", "p10", "p50", "p90", "p99", "p100")))
+        lines.append("")
+        lines.append("length histogram (tokens per document)")
+        lines += render_histogram(r["histogram"])
+        lines += ["", *render_over(r["over"])]
+    lines.append("")
+    rows = [[name, c["tokens"], c["loss_tokens"],
+             f"{c['tokens'] / r['tokens']:.1%}" if r["tokens"] else "-"]
+            for name, c in r["categories"].items()]
+    lines += table(["category", "tokens", "target tokens", "share"], rows)
+    if r["rejects"]["count"]:
+        lines.append("")
+        lines.append(f"rejected records: {r['rejects']['count']:,} (see {r['path']}/rejects.jsonl)")
+        lines += [f"  {k}: {v:,}" for k, v in r["rejects"]["by_reason"].items()]
+    if "sample" in r:
+        lines += ["", *render_sample(r["sample"], color)]
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------- pack
+def render_entries(r: dict) -> list[str]:
+    entries = r.get("entries")
+    if not entries:
+        return []
+    rows = [["*" if e["current"] else "", e["name"], "-", "-", "-", "-", e["problem"]] if e["status"] != "ok" else
+            ["*" if e["current"] else "", e["name"], e["bins"], f"{e['fill']:.2%}",
+             f"{e['documents_kept']:,}/{e['documents_in']:,}", e["created"] or "-", e["options"]]
+            for e in entries]
+    head = (f"pack cache {Path(r['path']).parent}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}; "
+            "* = current, the one `xtrain run` trains on (re-run an entry's `xprep pack` options to make it current)")
+    lines = table(["", "entry", "bins", "fill", "documents kept", "created", "options"], rows, align="llrrrll")
+    return [head, *(line.rstrip() for line in lines), ""]
+
+
+# ------------------------------------------------------------------------------------------ render
+def render_pack(r: dict) -> str:
+    c = r["config"]
+    lines = [*render_entries(r),
+        f"pack {r['path']}  (key {r['key'][:16]}, {c['method']}, capacity {r['capacity']:,}"
+        + (f", cp {c['cp_size']}" if c.get("cp_size", 1) > 1 else "") + ")",
+        f"  layout        {r['layout']}",
+        f"  input         {r['documents_in']:,} documents, {r['tokens_in']:,} tokens "
+        f"from {len(r['datasets'])} dataset(s)",
+        f"  bins          {r['bins']:,}  holding {r['items']:,} documents/pieces, {r['tokens']:,} tokens",
+        f"  fill          {r['fill']:.4%}   padding {r['padding_tokens']:,} tokens"
+        + (f" (of which CP rounding {r['cp_padding_tokens']:,})" if r["cp_padding_tokens"] else ""),
+        f"  lower bound   {r['lower_bound_bins']:,} bins (⌈tokens/capacity⌉), "
+        f"gap +{r['gap_to_lower_bound']:.3%}",
+        "  " + overlong_line(r["overlong"], r["capacity"], c["overlong"]),
+    ]
+    if r["empty_documents"]:
+        lines.append(f"  empty         {r['empty_documents']:,} documents with no tokens (skipped)")
+    if r["dp_balance"]:
+        lines.append("  " + dp_line(r["dp_balance"]))
+    lines += ["", *_percentile_table(r)]
+    lines.append("")
+    if r["categories"] is None:
+        lines.append(f"categories: {r['categories_note']}")
+    else:
+        total = sum(r["categories"].values()) or 1
+        lines += table(["category", "packed tokens", "share"],
+                       [[k, v, f"{v / total:.1%}"] for k, v in r["categories"].items()])
+    return "\n".join(lines)
+
+
+def _percentile_table(r: dict) -> list[str]:
+    keys = ("p0", "p10", "p50", "p90", "p99", "p100")
+    rows = []
+    for label, s in (("documents per bin", r["documents_per_bin"]), ("tokens per bin", r["tokens_per_bin"])):
+        if s["count"]:
+            rows.append([label, s["mean"], *(s["percentiles"][k] for k in keys)])
+    return table(["", "mean", *keys], rows) if rows else []
+
+
+def overlong_line(s: dict, capacity: int, policy: str) -> str:
+    return (f"overlong      {s['overlong_documents']:,} documents > {capacity:,} tokens ({policy}): "
+            f"dropped {s['dropped_documents']:,} ({s['dropped_tokens']:,} tokens), "
+            f"truncated {s['truncated_documents']:,} ({s['truncated_tokens']:,} tokens cut), "
+            f"split {s['split_documents']:,} (into {s['split_pieces']:,} pieces)")
+
+
+def dp_line(b: dict) -> str:
+    def change(name: str) -> str:
+        before, after = b[f"{name}_before"], b[f"{name}_after"]
+        return f"{before['mean']:.3f} → {after['mean']:.3f} (worst {before['max']:.3f} → {after['max']:.3f})"
+
+    return (f"dp balance    {b['ranks']} ranks × {b['micro_batches_per_rank']} bins per step, {b['steps']:,} "
+            f"steps; Σlen² max/mean per step {change('imbalance')}, per micro-step "
+            f"{change('micro_step_imbalance')}; {b['empty_bins_added']} empty bins added")
+
+
+def summary_lines(o: dict) -> list[str]:
+    """What ``xprep pack`` prints on stdout (``o``: pack_report.outcome_report): hit or build with documents
+    kept vs removed, then the figures a user checks first. Warnings go to stderr: see ``warning_lines``."""
+    s, capacity = o["stats"], o["capacity"]
+    kept = kept_phrase(s, capacity)
+    if o["hit"]:
+        head = (f"cache hit: {o['path']} (no packing done, {o['seconds']:.2f} s): {kept} in {s['bins']:,} bins "
+                f"of {capacity:,}")
+    else:
+        head = f"packed {kept} into {s['bins']:,} bins of {capacity:,} in {o['pack_seconds']:.2f} s → {o['path']}"
+    lines = [head,
+             f"  fill {s['fill']:.4%}, lower bound {s['lower_bound_bins']:,} bins "
+             f"(gap +{s['gap_to_lower_bound']:.3%}), padding {s['padding_tokens']:,} tokens",
+             "  " + overlong_line(s, capacity, o["config"]["overlong"])]
+    if s.get("dp_balance"):
+        lines.append("  " + dp_line(s["dp_balance"]))
+    return lines
+
+
+def kept_phrase(s: dict, capacity: int) -> str:
+    """'412 of 500 documents (54,004 of 78,448 tokens; dropped 88 documents (24,444 tokens) longer than 256)'."""
+    n_in, tokens_in, tokens = s["documents_in"], s["tokens_in"], s["tokens"]
+    kept = n_in - s["dropped_documents"] - s["empty_documents"]
+    docs = f"all {_docs(n_in)}" if kept == n_in and n_in else f"{kept:,} of {_docs(n_in)}"
+    toks = f"{tokens:,} tokens" if tokens == tokens_in else f"{tokens:,} of {tokens_in:,} tokens"
+    notes = []
+    if s["dropped_documents"]:
+        notes.append(f"dropped {_docs(s['dropped_documents'])} ({s['dropped_tokens']:,} tokens) "
+                     f"longer than {capacity:,}")
+    if s["truncated_documents"]:
+        notes.append(f"truncated {_docs(s['truncated_documents'])} ({s['truncated_tokens']:,} tokens cut)")
+    if s["split_documents"]:
+        notes.append(f"split {_docs(s['split_documents'])} longer than {capacity:,} "
+                     f"into {s['split_pieces']:,} pieces")
+    if s["empty_documents"]:
+        notes.append(f"skipped {s['empty_documents']:,} empty")
+    return f"{docs} ({'; '.join([toks, *notes])})"
+
+
+def _docs(n: int) -> str:
+    return f"{n:,} document" if n == 1 else f"{n:,} documents"
+
+
+
+def warning_lines(o: dict) -> list[str]:
+    """What ``xprep pack`` prints on stderr: an empty pack, or more than 1 % of the tokens removed."""
+    s, config = o["stats"], o["config"]
+    if s["bins"] == 0:
+        return ["warning: the pack has 0 bins (--allow-empty): there is nothing to train on"]
+    removed = s["tokens_in"] - s["tokens"]
+    if not s["tokens_in"] or removed / s["tokens_in"] <= LOUD_TOKEN_SHARE:
+        return []
+    option = "--max-tokens" if config["method"] == "token-aware" else "--seq-len"
+    if config["overlong"] == "drop":
+        how, fix = "dropped as overlong", f"raise {option} or use --overlong split|truncate"
+    else:
+        how, fix = "cut by --overlong truncate", f"raise {option} or use --overlong split"
+    return [f"warning: {100 * removed / s['tokens_in']:.1f} % of tokens ({removed:,} of {s['tokens_in']:,}) "
+            f"{how}: {fix}"]
+
+
+# --------------------------------------------------------------------------------------------- run
+def render_run(r: dict) -> str:
+    cfg = r.get("settings") or {}
+    lines = [f"run {r['path']}"]
+    if r.get("pack"):
+        p = r["pack"]
+        lines.append(f"  pack          {p['path']}  (key {p['key'][:16]}, {p['bins']:,} bins of {p['capacity']:,})")
+    if cfg:
+        lines.append(f"  model         {cfg.get('model')}   sampler {cfg.get('sampler')}   lr {cfg.get('lr')} "
+                     f"({cfg.get('schedule')}, warm-up {cfg.get('warmup')})")
+    total = (r.get("plan") or {}).get("steps")
+    lines.append(f"  steps logged  {r['steps']:,}" + (f" / {total:,}" if total else "")
+                 + (f"   tokens {r['tokens']:,}" if "tokens" in r else ""))
+    ck = r["checkpoints"]
+    lines.append(f"  checkpoints   {', '.join(f'step-{s}' for s in ck['steps']) or 'none'}"
+                 + (f"   (latest {ck['latest']})" if ck["latest"] else ""))
+    if "loss" not in r:
+        lines.append("  no metrics yet")
+        return "\n".join(lines)
+    lines.append("")
+    rows = [_row("all", r["loss"])] + [_row(name, s) for name, s in r["categories"].items()]
+    lines += table(["category", "points", "first", "last", "best", "best step", "trend"], rows)
+    lines.append("")
+    lines.append(f"loss curves: drawn into {r['plot']}" if r.get("plot") else
+                 "loss curves: not drawn; add --plot FILE to draw them (needs matplotlib)")
+    return "\n".join(lines)
+
+
+def _row(name: str, s: dict) -> list:
+    return [name, s["points"], round(s["first"], 4), round(s["last"], 4), round(s["best"], 4), s["best_step"],
+            f"{100 * s['trend']:+.1f}%"]
