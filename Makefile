@@ -10,7 +10,7 @@ DEMO := demo
 install: $(STAMP)
 
 # torch==2.13.0 (CPU) lies on these machines' disk; install it first unless a torch is present,
-# so the resolver never pulls a multi-GB CUDA build for the `torch>=2.6` requirement.
+# so the resolver never pulls a multi-GB CUDA build for the `torch>=2.8` requirement.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
