@@ -1,4 +1,4 @@
-"""Pack caches (DESIGN §2): the pack config, cache keys, and atomic, locked publication.
+"""Pack caches (DESIGN §2): cache keys, and atomic, locked publication.
 
 ``pack(datasets, output, config)`` is the whole of ``xprep pack``:
 
@@ -11,8 +11,10 @@
    place; a killed build leaves only a temp directory, removed by the next build;
 4. ``output/manifest.json`` names the entry as current (written atomically, under its own lock).
 
-A hit reads only the datasets' manifests and memory-maps the entry, and never imports numba.
-An entry that exists but does not open is reported as corrupt, never silently rebuilt.
+A hit reads only the datasets' manifests (and re-hashes their token indexes) and memory-maps the
+entry. An entry that exists but does not open is reported as corrupt, never silently rebuilt.
+``PackConfig`` is defined in ``prep.packconfig`` (the packing pipeline takes it too);
+``from prep.cache import PackConfig`` keeps working.
 """
 
 from __future__ import annotations
@@ -20,144 +22,26 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from prep.dataset import canonical_json, write_json_atomic
+from prep.dataset import canonical_json, read_manifest, verify_streams
 from prep.errors import XprepError
-from prep.io import check_output_dir
-from prep.packfile import MANIFEST, PACK_FORMAT, PACK_JSON, PackEntry
+from prep.formats import MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
+from prep.io import check_output_dir, fsync_dir, fsync_tree, read_json, write_json_atomic
+from prep.packconfig import PackConfig
+from prep.packfile import PackEntry, open_fingerprinted
+from prep.packing import Packed, pack_lengths
 
 PACK_VERSION = 1  # bump when the same options and data would pack differently
-TEST_SLEEP_ENV = "XPREP_TEST_PACK_SLEEP"  # test hook: seconds to sleep mid-build, before pack.json
-
-
-# ------------------------------------------------------------------------------------------ config
-METHODS = ("sequential", "multipack", "token-aware")
-OVERLONG = ("drop", "truncate", "split")
-# Pretraining text is usually packed in order and long documents are worth keeping (split);
-# SFT conversations lose meaning when cut, so the SFT-oriented methods drop them.
-DEFAULT_OVERLONG = {"sequential": "split", "multipack": "drop", "token-aware": "drop"}
-DEFAULT_SHUFFLE = {"sequential": False, "multipack": False, "token-aware": True}
-DEFAULT_GROUP_SIZE = 100_000
-DEFAULT_DP_MICRO_BATCHES = 16  # a wider window balances micro-steps better (1.33 → 1.09 at 8 ranks)
-
-
-@dataclass
-class PackConfig:
-    """What to pack and how; one field per ``xprep pack`` option.
-
-    ``seq_len`` is the capacity of ``sequential``/``multipack`` bins, ``max_tokens`` the token
-    budget of a ``token-aware`` micro-batch. ``None`` fields take the method's default.
-    """
-
-    method: str
-    seq_len: int | None = None
-    max_tokens: int | None = None
-    overlong: str | None = None
-    cp_size: int = 1
-    group_size: int | None = None
-    balance_dp: int | None = None
-    dp_micro_batches: int | None = None
-    shuffle: bool | None = None
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise XprepError(f"--method {self.method!r} is unknown: choose one of {', '.join(METHODS)}")
-        self._check_capacity_option()
-        self._check_method_options()
-        if self.overlong is None:
-            self.overlong = DEFAULT_OVERLONG[self.method]
-        if self.overlong not in OVERLONG:
-            raise XprepError(f"--overlong {self.overlong!r} is unknown: choose one of {', '.join(OVERLONG)}")
-        if self.shuffle is None:
-            self.shuffle = DEFAULT_SHUFFLE[self.method]
-        if not 0 <= self.seed < 2**63:
-            raise XprepError(f"--seed {self.seed}: use a seed in [0, 2**63)")
-        self._check_cp()
-
-    def _check_capacity_option(self) -> None:
-        token_aware = self.method == "token-aware"
-        wanted, other = ("--max-tokens", "--seq-len") if token_aware else ("--seq-len", "--max-tokens")
-        if (self.seq_len if token_aware else self.max_tokens) is not None:
-            raise XprepError(
-                f"{other} does not apply to --method {self.method}: its bins are sized by {wanted}")
-        value = self.capacity
-        if value is None:
-            raise XprepError(f"--method {self.method} needs {wanted} N (the bin capacity in tokens)")
-        if value < 1:
-            raise XprepError(f"{wanted} {value} must be a positive number of tokens")
-
-    def _check_method_options(self) -> None:
-        if self.method == "multipack":
-            self.group_size = DEFAULT_GROUP_SIZE if self.group_size is None else self.group_size
-            if self.group_size < 1:
-                raise XprepError(f"--group-size {self.group_size} must be ≥ 1 (documents per packing group)")
-        elif self.group_size is not None:
-            raise XprepError(f"--group-size applies only to --method multipack, not {self.method}")
-        if self.balance_dp is not None and self.method != "token-aware":
-            raise XprepError(f"--balance-dp applies only to --method token-aware, not {self.method}")
-        if self.balance_dp is None:
-            if self.dp_micro_batches is not None:
-                raise XprepError("--dp-micro-batches needs --balance-dp N")
-            return
-        if self.balance_dp < 1:
-            raise XprepError(
-                f"--balance-dp {self.balance_dp} must be ≥ 1 (the number of data-parallel ranks)")
-        if self.dp_micro_batches is None:
-            self.dp_micro_batches = DEFAULT_DP_MICRO_BATCHES
-        if self.dp_micro_batches < 1:
-            raise XprepError(
-                f"--dp-micro-batches {self.dp_micro_batches} must be ≥ 1 (bins per rank per step)")
-
-    def _check_cp(self) -> None:
-        if self.cp_size < 1:
-            raise XprepError(f"--cp-size {self.cp_size} must be ≥ 1")
-        if self.capacity % self.align:
-            opt = self.capacity_option
-            fix = self.capacity + self.align - self.capacity % self.align
-            raise XprepError(
-                f"{opt} {self.capacity} is not a multiple of 2·cp={self.align}: use {opt} {fix} "
-                f"or a --cp-size that divides {opt} / 2"
-            )
-
-    @property
-    def capacity(self) -> int | None:
-        return self.max_tokens if self.method == "token-aware" else self.seq_len
-
-    @property
-    def capacity_option(self) -> str:
-        return "--max-tokens" if self.method == "token-aware" else "--seq-len"
-
-    @property
-    def align(self) -> int:
-        """Each item's cost is its length rounded up to a multiple of this (2·cp, or 1)."""
-        return 2 * self.cp_size if self.cp_size > 1 else 1
-
-    def key_fields(self) -> dict:
-        """The options that change the output (the cache key hashes these plus the data)."""
-        fields = {"method": self.method, "capacity": self.capacity, "overlong": self.overlong,
-                  "cp_size": self.cp_size, "shuffle": self.shuffle,
-                  "seed": self.seed if self.shuffle else None}
-        if self.method == "multipack":
-            fields["group_size"] = self.group_size
-        if self.method == "token-aware":
-            fields["balance_dp"] = self.balance_dp
-            fields["dp_micro_batches"] = self.dp_micro_batches
-        return fields
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "capacity": self.capacity, "align": self.align}
 
 
 def layout_of(config: PackConfig) -> str:
@@ -172,14 +56,16 @@ def layout_of(config: PackConfig) -> str:
 
 # --------------------------------------------------------------------------------------------- keys
 def read_fingerprints(paths: list[str | Path]) -> list[dict]:
-    """Path and fingerprint of each dataset, from its manifest alone (cheap: no stream is read).
+    """Path and fingerprint of each dataset, from its manifest (cheap: of the streams, only the token index is read).
 
     Datasets packed together must share a tokenizer: their token ids end up in the same batches.
     """
     out, tokenizers = [], {}
     for p in paths:
-        manifest = _read_dataset_manifest(Path(p))
-        _check_lengths_unchanged(Path(p), manifest)
+        manifest = read_manifest(p)
+        # The fingerprint stands for the data only if the streams were not edited since: re-hash the
+        # token index (all a pack depends on; ~12 bytes a document, ~0.1 s at 10M documents).
+        verify_streams(p, manifest, "idx", [TOKENS_STREAM])
         out.append({"path": str(Path(p).resolve()), "fingerprint": manifest["fingerprint"]})
         tokenizers.setdefault((manifest.get("tokenizer") or {}).get("sha256"), str(p))
     if len(tokenizers) > 1:
@@ -187,36 +73,6 @@ def read_fingerprints(paths: list[str | Path]) -> list[dict]:
         raise XprepError(f"{first} and {other} were tokenized with different tokenizers (tokenizer.json "
                          "sha256 differs): pack datasets of one tokenizer together, or re-tokenize")
     return out
-
-
-def _check_lengths_unchanged(path: Path, manifest: dict) -> None:
-    """The fingerprint in the manifest stands for the data only if the streams were not edited
-    since: re-hash ``tokens.idx`` (all a pack depends on; ~12 bytes a document, ~0.1 s at 10M)."""
-    want = ((manifest.get("streams") or {}).get("tokens") or {}).get("idx_sha256")
-    idx = path / "tokens.idx"
-    digest = hashlib.sha256()
-    try:
-        with open(idx, "rb") as f:
-            while block := f.read(16 << 20):
-                digest.update(block)
-    except OSError as e:
-        raise XprepError(f"{idx}: cannot read ({e.strerror}); re-run `xprep tokenize`") from None
-    if want != digest.hexdigest():
-        raise XprepError(f"{idx}: changed since {path / 'manifest.json'} was written (its sha256 differs); "
-                         "the dataset was edited in place: re-create it with `xprep tokenize`")
-
-
-def _read_dataset_manifest(path: Path) -> dict:
-    manifest = path / "manifest.json"
-    try:
-        data = json.loads(manifest.read_text())
-    except FileNotFoundError:
-        raise XprepError(f"{path}: not a token dataset (no manifest.json); run `xprep tokenize` first") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise XprepError(f"{manifest}: unreadable dataset manifest ({e}); re-create the dataset") from None
-    if not isinstance(data, dict) or "fingerprint" not in data:
-        raise XprepError(f"{manifest}: not a token dataset manifest (no fingerprint); re-create the dataset")
-    return data
 
 
 def cache_key(config: PackConfig, datasets: list[dict]) -> str:
@@ -280,7 +136,7 @@ def _remove_if_only_locks(root: Path) -> None:
 def _build_once(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig, force: bool,
                 allow_empty: bool, log: Callable[[str], None]) -> tuple[PackEntry, bool]:
     """Build under the entry's lock; whoever waited for a builder finds its entry (a hit)."""
-    with _locked(root / f".{name}.lock", log, f"another `xprep pack` is building {name}: waiting"):
+    with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
         entry = None if force else _open_existing(root / name, key)
         if entry is not None:
             return entry, True
@@ -292,10 +148,7 @@ def _prepare_root(root: Path) -> Path:
     check_output_dir(root, option="-o", allow_nonempty=True)  # a cache accumulates entries
     manifest = root / MANIFEST
     if manifest.is_file():
-        try:
-            fmt = json.loads(manifest.read_text()).get("format")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise XprepError(f"{manifest}: corrupt ({e}); delete it (entries are kept) and re-run") from None
+        fmt = _read_cache_manifest(manifest).get("format")
         if fmt != PACK_FORMAT:
             raise XprepError(f"-o {root}: holds a {fmt!r} manifest, not a pack cache; choose another -o")
     elif root.is_dir() and any(not _ours(p) for p in root.iterdir()):
@@ -320,13 +173,14 @@ def _open_existing(path: Path, key: str) -> PackEntry | None:
 
 
 @contextmanager
-def _locked(path: Path, log: Callable[[str], None], busy_message: str) -> Iterator[None]:
-    """Hold an exclusive flock on ``path`` (released by the kernel if the process dies)."""
+def _locked(path: Path, on_wait: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (released by the kernel if the process dies); ``on_wait`` runs
+    first when another process holds it."""
     with open(path, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(busy_message)
+            on_wait()
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -362,9 +216,7 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
     tmp = root / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        lengths, described = _load_lengths(inputs)
-        from prep.packing import pack_lengths
-
+        lengths, described = _load_lengths(inputs, root / name)
         t0 = time.perf_counter()
         packed = pack_lengths(lengths, config)
         check_not_empty(packed.stats, config, allow_empty)
@@ -381,15 +233,10 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
     return PackEntry.open(root / name)
 
 
-def _load_lengths(inputs: list[dict]) -> tuple[np.ndarray, list[dict]]:
+def _load_lengths(inputs: list[dict], entry: Path) -> tuple[np.ndarray, list[dict]]:
     """Document lengths of all datasets concatenated (the global index), and their descriptions."""
-    from prep.dataset import TokenDataset
-
     parts, described, first = [], [], 0
-    for d in inputs:
-        ds = TokenDataset(d["path"])
-        if ds.fingerprint != d["fingerprint"]:
-            raise XprepError(f"{d['path']}: the dataset changed while `xprep pack` ran; re-run it")
+    for d, ds in zip(inputs, open_fingerprinted(inputs, entry, since="`xprep pack` started"), strict=True):
         parts.append(ds.lengths)
         described.append({**d, "documents": len(ds), "tokens": int(ds.manifest["counts"]["tokens"]),
                           "first_document": first})
@@ -397,14 +244,17 @@ def _load_lengths(inputs: list[dict]) -> tuple[np.ndarray, list[dict]]:
     return np.concatenate(parts) if parts else np.zeros(0, np.int32), described
 
 
-def _write_entry(tmp: Path, packed, meta: dict) -> None:
-    """Arrays first, then (after the test hook's pause) pack.json: the completion marker."""
+def _write_entry(tmp: Path, packed: Packed, meta: dict) -> None:
+    """Arrays first, then pack.json: the completion marker."""
     PackEntry(path=tmp, meta=meta, bin_offsets=packed.bin_offsets, item_doc=packed.item_doc,
               item_start=packed.item_start, item_len=packed.item_len).write_arrays(tmp)
-    if os.environ.get(TEST_SLEEP_ENV):
-        time.sleep(float(os.environ[TEST_SLEEP_ENV]))
-    _write_json_durable(tmp / PACK_JSON, meta)
-    _fsync_tree(tmp)
+    _mark_complete(tmp, meta)
+
+
+def _mark_complete(tmp: Path, meta: dict) -> None:
+    """Write pack.json (``"complete": true``) and make the whole entry durable before it is published."""
+    write_json_atomic(tmp / PACK_JSON, meta, durable=False)  # fsync_tree makes all of it durable
+    fsync_tree(tmp)
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -414,31 +264,7 @@ def _publish(tmp: Path, final: Path) -> None:
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(final.parent)
-
-
-def _write_json_durable(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(final.parent)
 
 
 # ---------------------------------------------------------------------------------------- manifest
@@ -446,24 +272,20 @@ def _refresh_paths(root: Path, entry: PackEntry, inputs: list[dict]) -> PackEntr
     """Same data found at other paths (moved or copied): point the entry at the paths given now."""
     if [d["path"] for d in entry.meta["datasets"]] == [d["path"] for d in inputs]:
         return entry
-    with _locked(root / f".{entry.path.name}.lock", lambda _m: None, ""):
+    with _locked(root / f".{entry.path.name}.lock"):
         meta = dict(entry.meta)
         meta["datasets"] = [{**old, "path": new["path"]} for old, new in
                             zip(entry.meta["datasets"], inputs, strict=True)]
-        _write_json_durable(entry.path / PACK_JSON, meta)
+        write_json_atomic(entry.path / PACK_JSON, meta)
     return PackEntry.open(entry.path)
 
 
 def _set_current(root: Path, entry: PackEntry) -> None:
     """Record the entry in ``manifest.json`` and make it the current one (atomic, locked)."""
-    with _locked(root / ".manifest.lock", lambda _m: None, ""):
+    with _locked(root / ".manifest.lock"):
         path = root / MANIFEST
-        manifest = {"format": PACK_FORMAT, "current": None, "entries": {}}
-        if path.is_file():
-            try:
-                manifest = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise XprepError(f"{path}: corrupt ({e}); delete it (entries are kept) and re-run") from None
+        empty = {"format": PACK_FORMAT, "current": None, "entries": {}}
+        manifest = _read_cache_manifest(path) if path.is_file() else empty
         stats = entry.meta["stats"]
         manifest["entries"][entry.path.name] = {
             "key": entry.key, "method": entry.config["method"], "capacity": entry.capacity,
@@ -471,3 +293,12 @@ def _set_current(root: Path, entry: PackEntry) -> None:
             "documents": stats["documents_in"], "created": entry.meta["created"]}
         manifest["current"] = entry.path.name
         write_json_atomic(path, manifest)
+
+
+def _read_cache_manifest(path: Path) -> dict:
+    """The pack cache's manifest.json; one that does not read as a JSON object is corrupt."""
+    fix = "delete it (entries are kept) and re-run"
+    manifest = read_json(path, "pack cache manifest", fix)
+    if not isinstance(manifest, dict):
+        raise XprepError(f"{path}: corrupt (not a JSON object); {fix}")
+    return manifest

@@ -15,13 +15,11 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from prep.templates import BUILTIN_TEMPLATES
+
 VOCAB_SIZE = 8192
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -68,8 +66,6 @@ def docstring_conversations(path: Path, package: str) -> list[dict]:
 
 
 def build(out: Path, limit_bytes: int = 6_000_000) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     files = stdlib_files(limit_bytes)
     corpus = out / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
@@ -96,7 +92,7 @@ def build(out: Path, limit_bytes: int = 6_000_000) -> None:
     tokenizer.save(str(tok_dir / "tokenizer.json"))
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "chat_template": CHATML,
+        "chat_template": BUILTIN_TEMPLATES["chatml"],
     }, indent=2))
     n_chat = sum(1 for _ in open(corpus / "chat.jsonl"))
     print(f"demo corpus: {len(texts)} standard-library modules ({sum(map(len, texts)) / 1e6:.1f} MB), "

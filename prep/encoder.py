@@ -12,13 +12,16 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 
 from prep.errors import XprepError
+from prep.io import file_sha256, write_json_atomic
 
 # Whitespace runs, digits, mixed scripts, emoji, odd unicode and special-token look-alikes:
 # where BPE re-implementations usually disagree.
@@ -43,6 +46,7 @@ END_OF_TURN_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "
                           "<|endoftext|>")
 MIN_SAMPLE_IDS = 8  # distinct ids the built-in sample must encode to: fewer means an (almost) empty vocabulary
 FACTS_VERSION = 2  # bump when _tokenizer_facts computes something new
+SELF_CHECK_VERSION = 1  # bump when _self_check checks something new (another sample, another comparison)
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ def load_tokenizer_info(spec: str, eod_token: str | None = None, bos_token: str 
                              "or the directory holding it")
         path = path / "tokenizer.json"
     path = path.resolve()
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    sha = file_sha256(path, "check the file or pass another --tokenizer")
     cfg_path = path.with_name("tokenizer_config.json")
     config = _read_config(cfg_path)
     eos, bos, pad = (_token_str(config.get(k)) for k in ("eos_token", "bos_token", "pad_token"))
@@ -201,22 +205,43 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xprep"
 
 
-def _cached(name: str, compute):
-    """Memoize a JSON-able result on disk; an unwritable or corrupt cache just recomputes."""
+_UNWRITABLE: set[Path] = set()  # cache directories already said to be unwritable (said once a process)
+
+
+def _cached(name: str, compute: Callable[[], object], valid: Callable[[object], bool]):
+    """Memoize a JSON-able result in ``cache_dir()/name``; ``name`` must hold every input and a version.
+
+    An entry that cannot be read, is not JSON, or is not what ``valid`` expects is said on stderr (one
+    line naming the file), then recomputed and rewritten, never used. A cache directory that cannot be
+    written just recomputes each time (said once).
+    """
     path = cache_dir() / name
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = json.loads(path.read_bytes())
+    except FileNotFoundError:
         pass
+    except OSError as e:
+        _warn_unusable(path, f"cannot read it: {e.strerror}")
+    except ValueError as e:  # not UTF-8, not JSON
+        _warn_unusable(path, f"not valid JSON: {e}")
+    else:
+        if valid(value):
+            return value
+        _warn_unusable(path, "not the shape this version of xprep writes")
     value = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(value))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+        write_json_atomic(path, value)
+    except OSError as e:
+        if path.parent not in _UNWRITABLE:
+            _UNWRITABLE.add(path.parent)
+            print(f"xprep: note: cannot write the cache in {path.parent} ({e.strerror}): tokenizer facts are "
+                  "recomputed every run; set XPREP_CACHE_DIR to a writable directory", file=sys.stderr)
     return value
+
+
+def _warn_unusable(path: Path, problem: str) -> None:
+    print(f"xprep: warning: {path}: unusable cache entry ({problem}); recomputing it", file=sys.stderr)
 
 
 def _tokenizer_facts(path: Path, sha: str, tokens: list[str]) -> dict:
@@ -243,13 +268,25 @@ def _tokenizer_facts(path: Path, sha: str, tokens: list[str]) -> dict:
         }
 
     key = hashlib.sha256(("\0".join([f"v{FACTS_VERSION}", sha, *tokens])).encode()).hexdigest()[:40]
-    return _cached(f"tokenizer-{key}.json", compute)
+    return _cached(f"tokenizer-{key}.json", compute, _are_facts)
+
+
+_FACT_INTS = ("vocab_size", "sample_chars", "sample_ids", "sample_distinct_ids")
+
+
+def _are_facts(value) -> bool:
+    """Whether a cached value has the shape ``_tokenizer_facts`` computes."""
+    return (isinstance(value, dict) and all(isinstance(value.get(k), int) for k in _FACT_INTS)
+            and isinstance(value.get("ids"), dict)
+            and all(isinstance(i, int) or i is None for i in value["ids"].values())
+            and all(isinstance(value.get(k), list) and all(isinstance(i, int) for i in value[k])
+                    for k in ("prefix", "suffix")))
 
 
 @lru_cache(maxsize=4)
 def _load_hf(path: Path):
     """The HF tokenizer (loaded once per process: a 150k-token vocabulary takes ~0.5 s)."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # deferred: with cached facts and gigatoken, HF tokenizers never loads
 
     try:
         return Tokenizer.from_file(str(path))
@@ -300,13 +337,13 @@ def _find(haystack: list[int], needle: list[int]) -> int:
 
 @lru_cache(maxsize=4)
 def _load_gigatoken(path: str):
-    import gigatoken
+    import gigatoken  # optional: without it choose_backend falls back to HF tokenizers
 
     return gigatoken.Tokenizer(path)
 
 
 def _giga_encode(giga, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    import awkward as ak
+    import awkward as ak  # deferred: ~0.35 s to import, and only the gigatoken path needs it
 
     layout = ak.to_layout(giga.encode_batch(texts))
     offsets = np.asarray(layout.offsets.data)
@@ -337,27 +374,29 @@ def add_around(flat: np.ndarray, lengths: np.ndarray, prefix: np.ndarray, suffix
 def choose_backend(info: TokenizerInfo, requested: str) -> tuple[str, str]:
     """Pick the encoder backend; gigatoken only if it loads and matches HF on the self-check sample.
 
-    The verdict is memoized per (tokenizer content, gigatoken version, tokenizers version).
-    Returns (backend, reason) so the caller can say what it chose and why.
+    The verdict is memoized per (self-check version, tokenizer content, gigatoken version,
+    tokenizers version). Returns (backend, reason) so the caller can say what it chose and why.
     """
     if requested == "hf":
         return "hf", "requested"
     try:
-        from importlib.metadata import version
-
         versions = f"{version('gigatoken')}-{version('tokenizers')}"
-    except Exception:  # not installed: no fast path
-        versions = None
-    if versions is None:
+    except PackageNotFoundError:  # gigatoken not installed: no fast path
         ok, reason = False, "gigatoken is not installed"
     else:
-        ok, reason = _cached(f"selfcheck-{info.sha256[:40]}-{versions}.json", lambda: _self_check(info))
+        name = f"selfcheck-v{SELF_CHECK_VERSION}-{info.sha256[:40]}-{versions}.json"
+        ok, reason = _cached(name, lambda: _self_check(info), _is_verdict)
     if ok:
         return "gigatoken", reason
     if requested == "gigatoken":
         raise XprepError(f"--backend gigatoken: {reason}; use --backend auto or hf")
     print(f"xprep: using HF tokenizers: {reason}", file=sys.stderr)
     return "hf", reason
+
+
+def _is_verdict(value) -> bool:
+    """Whether a cached value has the shape of a ``_self_check`` verdict: [ok, reason]."""
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[0], bool) and isinstance(value[1], str)
 
 
 def _self_check(info: TokenizerInfo) -> tuple[bool, str]:

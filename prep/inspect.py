@@ -11,9 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from prep.dataset import FORMAT as DATASET_FORMAT
 from prep.errors import XprepError
-from prep.packfile import PACK_FORMAT
+from prep.formats import DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON
 
 KIND_NAMES = {"dataset": "token dataset", "packed": "pack cache", "run": "run directory"}
 
@@ -66,7 +65,7 @@ def kind_of(path: str | Path) -> str:
     path = Path(path)
     if not path.exists():
         raise XprepError(f"{path}: no such file or directory")
-    manifest = path / "manifest.json"
+    manifest = path / MANIFEST
     if manifest.is_file():
         try:
             fmt = json.loads(manifest.read_text()).get("format")
@@ -76,7 +75,7 @@ def kind_of(path: str | Path) -> str:
             return "dataset"
         if fmt == PACK_FORMAT:
             return "packed"
-    if (path / "pack.json").is_file():
+    if (path / PACK_JSON).is_file():
         return "packed"
     if (path / "metrics.jsonl").is_file() or (path / "config.json").is_file():
         return "run"

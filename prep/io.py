@@ -4,11 +4,13 @@
 - ``write_atomic`` / ``write_json_atomic``: a file appears whole or not at all (temp in the same
   directory, fsync, rename, fsync of the directory), so a crash never leaves half a file;
 - ``fsync_tree`` / ``fsync_dir``: make a directory built in a temp place durable before it is renamed;
-- ``read_json``: a JSON file, or one clear error naming the file, the problem and the fix.
+- ``read_json``: a JSON file, or one clear error naming the file, the problem and the fix;
+- ``file_sha256``: the digest of a file of any size, or one clear error naming it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -114,3 +116,18 @@ def read_json(path: str | Path, what: str, fix: str):
         raise XprepError(f"{path}: cannot read the {what} ({e.strerror}); {fix}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise XprepError(f"{path}: the {what} is not valid JSON ({e}); {fix}") from None
+
+
+def file_sha256(path: str | Path, fix: str) -> str:
+    """Hex sha256 of the file at ``path``, read in 16 MiB blocks (a file of any size, in little memory).
+
+    An unreadable file is one XprepError naming it, ending in ``fix``.
+    """
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(16 << 20):
+                digest.update(block)
+    except OSError as e:
+        raise XprepError(f"{path}: cannot read ({e.strerror}); {fix}") from None
+    return digest.hexdigest()

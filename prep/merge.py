@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
+from prep.errors import XprepError
+from prep.formats import REJECTS, TOKENS_STREAM
 from prep.io import check_output_dir
 
 SLICE_TOKENS = 16 << 20
@@ -21,8 +23,6 @@ SLICE_TOKENS = 16 << 20
 
 def merge_datasets(paths: list[str], output: str) -> dict:
     """Merge ``paths`` in order into ``output``; returns the merged manifest."""
-    from prep.errors import XprepError
-
     check_output_dir(output)
     datasets = [TokenDataset(p) for p in paths]
     _check_shards(datasets)
@@ -35,7 +35,7 @@ def merge_datasets(paths: list[str], output: str) -> dict:
                     "same tokenizer, template and options can be merged"
                 )
     categories = CategoryTable()
-    dtype = np.dtype(first["streams"]["tokens"]["dtype"])
+    dtype = np.dtype(first["streams"][TOKENS_STREAM]["dtype"])
     sources: list[dict] = []
     with DatasetWriter(output, first["tokenizer"]["vocab_size"], dtype) as writer:
         for ds in datasets:
@@ -52,8 +52,6 @@ def merge_datasets(paths: list[str], output: str) -> dict:
 
 def _check_shards(datasets: list[TokenDataset]) -> None:
     """Shards of one run must all be there, once each, in index order; refuse anything else."""
-    from prep.errors import XprepError
-
     shards = [ds.manifest.get("shard") for ds in datasets]
     if not any(shards):
         return
@@ -66,18 +64,12 @@ def _check_shards(datasets: list[TokenDataset]) -> None:
         )
 
 
-def _category_lut(ds: TokenDataset, categories: CategoryTable) -> np.ndarray | None:
-    names = ds.category_names
-    lut = np.zeros(max(len(names), 1), np.uint16)
-    for cid, name in enumerate(names):
-        if name is None or cid == 0:
-            continue
-        if name == str(cid):  # a numeric id kept verbatim from pre-tokenized data
-            categories.use_numeric(cid)
-            lut[cid] = cid
-        else:
-            lut[cid] = categories.id_of(name)
-    return lut
+def _category_lut(ds: TokenDataset, categories: CategoryTable) -> np.ndarray:
+    """The ids of ``ds``'s categories in the merged table; a name that is its own id is a numeric id kept
+    verbatim from pre-tokenized data, and stays so."""
+    keys = [None if cid == 0 or name is None else cid if name == str(cid) else name
+            for cid, name in enumerate(ds.category_names)]
+    return categories.remap(keys)
 
 
 def _copy(ds: TokenDataset, writer: DatasetWriter, lut: np.ndarray) -> None:
@@ -97,7 +89,7 @@ def _copy(ds: TokenDataset, writer: DatasetWriter, lut: np.ndarray) -> None:
 
 
 def _copy_rejects(ds: TokenDataset, writer: DatasetWriter) -> None:
-    path = Path(ds.path) / "rejects.jsonl"
+    path = Path(ds.path) / REJECTS
     if not path.is_file():
         return
     with open(path) as f:

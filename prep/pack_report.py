@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from prep.errors import XprepError
-from prep.packfile import MANIFEST, PACK_JSON, PackEntry, open_packed
+from prep.packfile import MANIFEST, PACK_JSON, DatasetChanged, PackEntry, open_packed
+from prep.packing import range_bincount
 from prep.stats import length_stats
 
 
@@ -77,17 +78,13 @@ def category_tokens(entry: PackEntry) -> tuple[dict | None, str | None]:
     Every overlong policy keeps a prefix of a document (nothing, its head, or all of it), so the
     removed tokens of document d are ``[covered[d], length[d])``.
     """
-    from prep.dataset import TokenDataset
-
-    datasets = []
-    for d in entry.meta["datasets"]:
-        try:
-            ds = TokenDataset(d["path"])
-        except XprepError as e:
-            return None, f"input dataset unavailable: {e}"
-        if ds.fingerprint != d["fingerprint"]:
-            return None, f"{d['path']}: changed since packing (fingerprint differs)"
-        datasets.append((ds, d["first_document"]))
+    try:
+        opened = entry.open_datasets()
+    except DatasetChanged as e:
+        return None, str(e)
+    except XprepError as e:
+        return None, f"input dataset unavailable: {e}"
+    datasets = [(ds, d["first_document"]) for ds, d in zip(opened, entry.meta["datasets"], strict=True)]
     n_docs = sum(len(ds) for ds, _ in datasets)
     covered = np.bincount(np.asarray(entry.item_doc), weights=np.asarray(entry.item_len),
                           minlength=n_docs).astype(np.int64)
@@ -105,8 +102,6 @@ def _add_dataset_categories(totals: dict[str, int], ds, covered: np.ndarray) -> 
     if len(cut) and ds.category_ids is None:
         removed[0] = int((lengths[cut] - covered[cut]).sum())
     elif len(cut):
-        from prep.packing import range_bincount
-
         reader = ds.category_ids
         base = reader.pointers[cut] // reader.dtype.itemsize
         removed = range_bincount(reader.items, base + covered[cut], base + lengths[cut], len(names))

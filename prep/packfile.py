@@ -16,18 +16,17 @@ Bin ``b`` holds items ``bin_offsets[b]:bin_offsets[b+1]``; item ``i`` is tokens
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from prep.dataset import FORMAT as DATASET_FORMAT
+from prep.dataset import TokenDataset, verify_streams
 from prep.errors import XprepError
+from prep.formats import DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM, declared_format
+from prep.indexed import idx_path
+from prep.io import read_json
 
-PACK_FORMAT = "xprep-packed"
-PACK_JSON = "pack.json"
-MANIFEST = "manifest.json"
 ARRAYS = ("bin_offsets", "item_doc", "item_start", "item_len")
 
 
@@ -65,6 +64,10 @@ class PackEntry:
     def bin_items(self, b: int) -> slice:
         return slice(int(self.bin_offsets[b]), int(self.bin_offsets[b + 1]))
 
+    def open_datasets(self, verify_data: bool = False) -> list[TokenDataset]:
+        """Every dataset this entry was packed from, in order; missing or changed ones are refused."""
+        return open_fingerprinted(self.meta.get("datasets", []), self.path, verify_data=verify_data)
+
     def write_arrays(self, directory: Path) -> None:
         for name in ARRAYS:
             np.save(directory / f"{name}.npy", getattr(self, name), allow_pickle=False)
@@ -74,13 +77,10 @@ class PackEntry:
         """Open a complete entry; anything missing or inconsistent is a clear error."""
         path = Path(path)
         meta_path = path / PACK_JSON
-        try:
-            meta = json.loads(meta_path.read_text())
-        except FileNotFoundError:
-            raise XprepError(f"{path}: not a pack entry (no {PACK_JSON}); re-run `xprep pack`") from None
-        except json.JSONDecodeError as e:
-            raise XprepError(f"{meta_path}: corrupt ({e}); re-run `xprep pack --force`") from None
-        if meta.get("format") != PACK_FORMAT or not meta.get("complete"):
+        if not meta_path.is_file():
+            raise XprepError(f"{path}: not a pack entry (no {PACK_JSON}); re-run `xprep pack`")
+        meta = read_json(meta_path, "pack entry's metadata", "re-run `xprep pack --force`")
+        if not isinstance(meta, dict) or meta.get("format") != PACK_FORMAT or not meta.get("complete"):
             raise XprepError(f"{meta_path}: incomplete or foreign pack entry; re-run `xprep pack --force`")
         arrays = {}
         for name in ARRAYS:
@@ -106,12 +106,41 @@ def open_packed(packed: str | Path) -> PackEntry:
         return PackEntry.open(packed)
     _check_pack_cache(packed)
     manifest_path = packed / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        current = manifest["current"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise XprepError(f"{manifest_path}: corrupt ({e}); re-run `xprep pack`") from None
+    manifest = read_json(manifest_path, "pack cache manifest", "re-run `xprep pack`")
+    current = manifest.get("current") if isinstance(manifest, dict) else None
+    if not isinstance(current, str):
+        raise XprepError(f"{manifest_path}: corrupt (no current entry); re-run `xprep pack`")
     return PackEntry.open(packed / current)
+
+
+class DatasetChanged(XprepError):
+    """A dataset a pack lists is no longer the one it was packed from (another manifest fingerprint)."""
+
+
+def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it was packed",
+                       verify_data: bool = False) -> list[TokenDataset]:
+    """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order.
+
+    The one place a pack's inputs are opened (the pack build, ``xtrain``, ``xprep inspect``): a missing
+    dataset is an XprepError, a re-tokenized or re-merged one (another fingerprint) a ``DatasetChanged``.
+    ``verify_data`` also re-hashes each ``.bin`` against the manifest, which catches an in-place edit of the
+    token files at the cost of reading them once. ``where`` names the pack in messages, ``since`` when the
+    fingerprints were taken.
+    """
+    datasets = []
+    for i, info in enumerate(listed):
+        path = Path(info["path"])
+        if not (path / MANIFEST).is_file():
+            raise XprepError(f"{where}: input dataset #{i} {path} is missing; restore it or re-run "
+                             "`xprep tokenize` and `xprep pack`")
+        ds = TokenDataset(path)
+        if ds.fingerprint != info["fingerprint"]:
+            raise DatasetChanged(f"{where}: dataset {path} changed since {since} (fingerprint "
+                                 f"{ds.fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
+        if verify_data:
+            verify_streams(ds.path, ds.manifest, "bin")
+        datasets.append(ds)
+    return datasets
 
 
 def _check_pack_cache(path: Path) -> None:
@@ -120,8 +149,8 @@ def _check_pack_cache(path: Path) -> None:
         raise XprepError(f"{path}: no such directory, so not a pack cache; give the directory {make} wrote")
     if not path.is_dir():
         raise XprepError(f"{path}: is a file, not a pack cache directory; give the directory {make} wrote")
-    fmt = _manifest_format(path / MANIFEST)
-    if fmt == DATASET_FORMAT or (fmt is None and (path / "tokens.idx").is_file()):
+    fmt = declared_format(path / MANIFEST)
+    if fmt == DATASET_FORMAT or (fmt is None and idx_path(path / TOKENS_STREAM).is_file()):
         raise XprepError(f"{path}: is a token dataset (written by `xprep tokenize`), not a pack cache; pack it "
                          f"first with `xprep pack {path} -o PACKED --method multipack --seq-len N` (see "
                          "`xprep pack --help` for the other methods), then train with `xtrain run PACKED`")
@@ -131,12 +160,3 @@ def _check_pack_cache(path: Path) -> None:
     if fmt not in (None, PACK_FORMAT):
         raise XprepError(f"{path / MANIFEST}: a {fmt!r} manifest, not a pack cache's ({PACK_FORMAT!r}); give "
                          f"the directory {make} wrote")
-
-
-def _manifest_format(path: Path) -> str | None:
-    """The ``format`` a manifest.json declares; None when there is none or it is unreadable (reported later)."""
-    try:
-        fmt = json.loads(path.read_text()).get("format")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return None
-    return fmt if isinstance(fmt, str) else None

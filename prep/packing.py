@@ -1,7 +1,7 @@
 """Packing documents into bins: the numba kernels and the array-level pipeline.
 
-Everything here is pure (arrays in, arrays out, no I/O); ``prep.cache`` holds ``PackConfig``
-(so a cache hit never imports numba), reads the datasets, keys, builds and publishes entries.
+Everything here is pure (arrays in, arrays out, no I/O) and takes its options as a ``PackConfig``
+(``prep.packconfig``); ``prep.cache`` reads the datasets, keys, builds and publishes entries.
 Vocabulary:
 
 - *document*: one sequence of a token dataset, indexed globally over the input datasets.
@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit, prange
 
-if TYPE_CHECKING:
-    from prep.cache import PackConfig
+from prep.packconfig import OVERLONG, PackConfig
 
-_POLICY_CODE = {"drop": 0, "truncate": 1, "split": 2}
+_POLICY_CODE = {policy: code for code, policy in enumerate(OVERLONG)}  # expand_items': 0 drop, 1 truncate, 2 split
 UNDERFULL = 0.99  # multipack pools the items of bins filled below this across groups, and repacks them
 
 

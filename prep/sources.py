@@ -11,6 +11,7 @@ order, and concatenating their outputs reproduces a single run.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import io
@@ -19,22 +20,26 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import zstandard
+
 from prep.errors import XprepError
+from prep.formats import MANIFEST, OUTPUT_FORMATS, declared_format
 
 LINE_SUFFIXES = (".jsonl", ".json", ".ndjson")
 COMPRESSIONS = (".gz", ".zst")
 TEXT_SUFFIXES = (".txt",)
 TABLE_SUFFIXES = (".parquet", ".arrow")
-try:
-    from zstandard import ZstdError
-except ImportError:  # pragma: no cover - zstandard is a dependency
-    ZstdError = OSError
 # What reading a damaged or unreadable file raises: reported as an unreadable file, never a traceback.
-READ_ERRORS = (OSError, EOFError, ValueError, ZstdError)
+READ_ERRORS = (OSError, EOFError, ValueError, zstandard.ZstdError)
 BATCH_BYTES = 4 << 20
 BATCH_RECORDS = 1024
 CHUNK = 8 << 20
 COMPRESSED_CHUNK = 256 << 10
+# What a RawBatch holds (its ``kind``): JSON lines or whole text files as bytes, rows (of a table or a JSON array)
+# as values.
+LINES = "lines"
+TEXT_FILE = "text"
+ROWS = "rows"
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,11 @@ class SourceFile:
     def splittable(self) -> bool:
         return self.kind == "lines" and self.compression is None
 
+    @property
+    def sized(self) -> bool:
+        """Whether reading it reads ``size`` bytes (an uncompressed line or text file): progress can count them."""
+        return self.kind in ("lines", "text") and self.compression is None
+
     def describe(self) -> dict:
         return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
 
@@ -66,6 +76,19 @@ class RawBatch:
     items: list
     lines: list[int]
     kind: str
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """An input file that could not be read, or not to its end (damaged, truncated, not permitted): which, why.
+
+    ``line`` is 0: the error belongs to the file, not to one record. The records read before it
+    came in earlier batches.
+    """
+
+    source: int
+    line: int
+    reason: str
 
 
 def _kind_of(path: Path) -> tuple[str, str | None] | None:
@@ -133,7 +156,7 @@ def _dir_files(directory: Path) -> list[Path]:
             f"{directory}: a DatasetDict with splits {splits}; pass one split directory, "
             f"e.g. {directory / (splits[0] if splits else 'train')}"
         )
-    outputs = {m.parent for m in directory.rglob("manifest.json") if _is_xprep_output(m)}
+    outputs = {m.parent for m in directory.rglob(MANIFEST) if _is_xprep_output(m)}
     return sorted(p for p in directory.rglob("*") if p.is_file() and _kind_of(p) is not None
                   and not any(part.startswith(".") for part in p.relative_to(directory).parts)
                   and not any(parent in outputs for parent in p.parents))
@@ -141,11 +164,7 @@ def _dir_files(directory: Path) -> list[Path]:
 
 def _is_xprep_output(manifest: Path) -> bool:
     """A dataset or pack cache written by xprep (its manifest and rejects are not corpus)."""
-    try:
-        fmt = json.loads(manifest.read_bytes()).get("format")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return fmt in ("xprep-dataset", "xprep-packed")
+    return declared_format(manifest) in OUTPUT_FORMATS
 
 
 def _hf_disk_files(directory: Path, state: Path) -> list[Path]:
@@ -211,8 +230,8 @@ def plan_shard(sources: list[SourceFile], num_shards: int, shard_index: int) -> 
 
 
 def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int | None = None
-                 ) -> Iterator[RawBatch | tuple[int, int, str]]:
-    """Yield record batches in order; an unreadable file yields ``(source, line, reason)``."""
+                 ) -> Iterator[RawBatch | Unreadable]:
+    """Yield record batches in order; a file that cannot be read (on) yields an ``Unreadable``."""
     remaining = limit
     for a in plan:
         src = sources[a.source]
@@ -226,7 +245,7 @@ def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int |
                     remaining -= len(batch.items)
                 yield batch
         except READ_ERRORS as e:
-            yield a.source, 0, f"unreadable file: {e or type(e).__name__}"
+            yield Unreadable(a.source, 0, f"unreadable file: {e or type(e).__name__}")
 
 
 def _read_source(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
@@ -236,7 +255,7 @@ def _read_source(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
         yield from _read_array(a.source, src)
     elif src.kind == "text":
         with open(src.path, "rb") as f:
-            yield RawBatch(a.source, [f.read()], [1], "text")
+            yield RawBatch(a.source, [f.read()], [1], TEXT_FILE)
     else:
         yield from _read_table(a.source, src)
 
@@ -254,9 +273,6 @@ class _ZstdReader(io.RawIOBase):
     (zstandard's stream_reader would silently return the truncated data)."""
 
     def __init__(self, path: str):
-        import zstandard
-
-        self._zstd = zstandard
         self._raw = open(path, "rb")
         self._frame = zstandard.ZstdDecompressor().decompressobj()
         self._pending = b""
@@ -274,7 +290,7 @@ class _ZstdReader(io.RawIOBase):
                 return 0
             while data:
                 if self._frame.eof:  # concatenated frames: start the next one
-                    self._frame = self._zstd.ZstdDecompressor().decompressobj()
+                    self._frame = zstandard.ZstdDecompressor().decompressobj()
                 self._started = True
                 self._pending += self._frame.decompress(data)
                 data = self._frame.unused_data if self._frame.eof else b""
@@ -311,15 +327,15 @@ def _read_lines(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
                     lines.append(line_no)
                     size += len(line)
                     if size >= BATCH_BYTES or len(items) >= BATCH_RECORDS:
-                        yield RawBatch(a.source, items, lines, "lines")
+                        yield RawBatch(a.source, items, lines, LINES)
                         items, lines, size = [], [], 0
                 line_no += 1
     except READ_ERRORS:
         if items:
-            yield RawBatch(a.source, items[:-1], lines[:-1], "lines")  # the last line may be cut short
+            yield RawBatch(a.source, items[:-1], lines[:-1], LINES)  # the last line may be cut short
         raise
     if items:
-        yield RawBatch(a.source, items, lines, "lines")
+        yield RawBatch(a.source, items, lines, LINES)
 
 
 def _iter_lines(f, chunk_size: int) -> Iterator[bytes]:
@@ -339,8 +355,6 @@ def _read_array(source: int, src: SourceFile) -> Iterator[RawBatch]:
     Elements are decoded one at a time from a sliding text window; they are numbered from 1 in
     error messages (reported as the "line").
     """
-    import codecs
-
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8")()
     items: list = []
@@ -368,7 +382,7 @@ def _read_array(source: int, src: SourceFile) -> Iterator[RawBatch]:
                     if chunk and len(buf) - pos < CHUNK * 4:
                         break  # the element continues in the next chunk
                     if items:
-                        yield RawBatch(source, items, numbers, "rows")
+                        yield RawBatch(source, items, numbers, ROWS)
                         items, numbers = [], []
                     raise ValueError(f"malformed JSON array at element {index}: {e.msg}; the elements "
                                      "after it were not read") from None
@@ -377,17 +391,17 @@ def _read_array(source: int, src: SourceFile) -> Iterator[RawBatch]:
                 index += 1
                 pos = end
                 if len(items) >= BATCH_RECORDS:
-                    yield RawBatch(source, items, numbers, "rows")
+                    yield RawBatch(source, items, numbers, ROWS)
                     items, numbers = [], []
             if not chunk:
                 break
     if not done:
         if items:
-            yield RawBatch(source, items, numbers, "rows")
+            yield RawBatch(source, items, numbers, ROWS)
             items = []
         raise ValueError("truncated JSON array (no closing bracket)")
     if items:
-        yield RawBatch(source, items, numbers, "rows")
+        yield RawBatch(source, items, numbers, ROWS)
 
 
 def _seek_line_start(f, start: int) -> tuple[int, int]:
@@ -413,6 +427,7 @@ def _seek_line_start(f, start: int) -> tuple[int, int]:
 
 
 def _read_table(source: int, src: SourceFile) -> Iterator[RawBatch]:
+    # deferred: pyarrow takes ~0.2 s to import and only Parquet/Arrow input needs it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -423,12 +438,12 @@ def _read_table(source: int, src: SourceFile) -> Iterator[RawBatch]:
         batches = _arrow_batches(src.path, pa)
     for rb in batches:
         rows = rb.to_pylist()
-        yield RawBatch(source, rows, list(range(row, row + len(rows))), "rows")
+        yield RawBatch(source, rows, list(range(row, row + len(rows))), ROWS)
         row += len(rows)
 
 
 def _arrow_batches(path: str, pa):
-    import pyarrow.ipc as ipc
+    import pyarrow.ipc as ipc  # deferred: as in _read_table
 
     with pa.memory_map(path, "r") as mm:
         try:

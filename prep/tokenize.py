@@ -21,9 +21,10 @@ import numpy as np
 from prep.dataset import CategoryTable, DatasetWriter, token_dtype
 from prep.encoder import Encoder, TokenizerInfo, add_around, choose_backend, load_tokenizer_info
 from prep.errors import XprepError
+from prep.formats import AUTO, CHAT, RECORD_FORMATS, REJECTS, TEXT, TOKENS
 from prep.io import check_output_dir
 from prep.progress import Progress
-from prep.sources import RawBatch, plan_shard, read_batches, resolve_inputs
+from prep.sources import LINES, ROWS, TEXT_FILE, RawBatch, Unreadable, plan_shard, read_batches, resolve_inputs
 from prep.templates import (
     ChatTemplate,
     TemplateError,
@@ -34,7 +35,6 @@ from prep.templates import (
     resolve_template,
 )
 
-FORMATS = ("auto", "text", "chat", "tokens")
 CHAT_POOL_MIN_BYTES = 16 << 20  # below this much chat input, starting more workers costs more than they save
 
 
@@ -45,7 +45,7 @@ class TokenizeConfig:
     inputs: list[str]
     output: str
     tokenizer: str
-    format: str = "auto"
+    format: str = AUTO
     text_field: str = "text"
     chat_template: str = "auto"
     train_on: str = "assistant"
@@ -66,8 +66,8 @@ class TokenizeConfig:
     progress_every: float = 30.0  # seconds between progress lines when stderr is not a terminal; 0 = none
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise XprepError(f"--format {self.format}: expected one of {', '.join(FORMATS)}")
+        if self.format not in RECORD_FORMATS:
+            raise XprepError(f"--format {self.format}: expected one of {', '.join(RECORD_FORMATS)}")
         if self.num_shards < 1:
             raise XprepError(f"--num-shards {self.num_shards}: must be ≥ 1")
         if not 0 <= self.shard_index < self.num_shards:
@@ -106,6 +106,21 @@ class Options:
         return described
 
 
+@dataclass(frozen=True)
+class Rejected:
+    """A record set aside (or, if ``fatal`` under ``--on-error fail``, the end of the run), with why.
+
+    ``kind`` is the class of problem rejects are counted by; ``fatal`` is False for a well-formed
+    record with nothing to train on, which is always set aside.
+    """
+
+    line: int
+    kind: str
+    reason: str
+    record: str | None
+    fatal: bool
+
+
 @dataclass
 class Encoded:
     """One batch of documents as flat arrays, plus the records rejected on the way.
@@ -120,7 +135,7 @@ class Encoded:
     loss_mask: np.ndarray | None
     cat_codes: np.ndarray | None
     cat_keys: list
-    rejects: list[tuple[int, str, str, str, bool]] = field(default_factory=list)  # line, kind, why, record, fatal
+    rejects: list[Rejected] = field(default_factory=list)
     bytes_in: int = 0
 
 
@@ -153,30 +168,27 @@ class Processor:
         for item, line in zip(batch.items, batch.lines, strict=True):
             try:
                 docs.append(self._parse(item, batch.kind))
-            except Unusable as e:
-                rejects.append((line, e.kind, str(e), _snippet(item), False))
-            except BadRecord as e:
-                rejects.append((line, e.kind, str(e), _snippet(item), True))
-            except TemplateError as e:
-                rejects.append((line, e.kind, str(e), _snippet(item), True))
+            except (BadRecord, TemplateError) as e:
+                rejects.append(Rejected(line, e.kind, str(e), _snippet(item), fatal=not isinstance(e, Unusable)))
         out = self._encode(batch.source, docs)
         out.rejects = rejects
-        out.bytes_in = sum(len(i) for i in batch.items) if batch.kind != "rows" else 0
+        out.bytes_in = sum(len(i) for i in batch.items) if batch.kind != ROWS else 0
         return out
 
     # -- parsing -------------------------------------------------------------------------------
     def _parse(self, item, kind: str):
-        if kind == "text":
-            return "text", _decode_text(item), self.options.category
-        if kind == "lines":
+        """(record format, payload, category) of one item of a batch of ``kind``; BadRecord if it is unusable."""
+        if kind == TEXT_FILE:
+            return TEXT, _decode_text(item), self.options.category
+        if kind == LINES:
             record = _json_record(item)
         else:
             record = item
         if not isinstance(record, dict):
             raise BadRecord(f"record is a JSON {type(record).__name__}, expected an object", "not an object")
         category = self._category(record)
-        fmt = self.options.format if self.options.format != "auto" else _detect(record, self.options.text_field)
-        if fmt == "text":
+        fmt = self.options.format if self.options.format != AUTO else _detect(record, self.options.text_field)
+        if fmt == TEXT:
             value = record.get(self.options.text_field)
             if value is None:
                 raise BadRecord(f"missing field {self.options.text_field!r} (set --text-field)", "missing field")
@@ -186,8 +198,8 @@ class Processor:
             if not value.strip():
                 raise BadRecord("empty text", "empty text")
             _check_text(value)
-            return "text", value, category
-        if fmt == "chat":
+            return TEXT, value, category
+        if fmt == CHAT:
             messages = normalize_messages(record, self.options.role_map)
             if self.template is None:
                 raise BadRecord("a chat record, but the tokenizer has no chat_template: pass "
@@ -200,8 +212,8 @@ class Processor:
                 raise Unusable("no assistant message: nothing to train on (use --train-on all to keep it)",
                                "no assistant message")
             text, spans = self.template.render_with_spans(messages)  # a template error rejects this record
-            return "chat", (messages, text, spans), category
-        return "tokens", self._tokens(record), category
+            return CHAT, (messages, text, spans), category
+        return TOKENS, self._tokens(record), category
 
     def _category(self, record: dict) -> str | None:
         field_name = self.options.category_field
@@ -241,27 +253,27 @@ class Processor:
             return code_of[key]
 
         parts_tok, parts_len, parts_mask, parts_cat = [], [], [], []
-        need_mask = any(kind != "text" for kind, _, _ in docs)
+        need_mask = any(kind != TEXT for kind, _, _ in docs)
         need_cat = any(cat is not None for _, _, cat in docs) or any(
-            kind == "tokens" and p["category_ids"] is not None for kind, p, _ in docs)
+            kind == TOKENS and p["category_ids"] is not None for kind, p, _ in docs)
         # Text documents of the batch are encoded in one call; chat ones through their segments.
         order = []
-        texts = [p for kind, p, _ in docs if kind == "text"]
+        texts = [p for kind, p, _ in docs if kind == TEXT]
         if texts:
             flat, lengths = self.encoder.encode(texts, add_special_tokens=True)
             if len(texts) == len(docs):  # the common case, fully vectorized
                 return self._text_batch(source, flat, lengths, [cat for _, _, cat in docs], need_cat, code, keys)
             offsets = np.concatenate([[0], np.cumsum(lengths)])
-        chats = [(p, cat) for kind, p, cat in docs if kind == "chat"]
+        chats = [(p, cat) for kind, p, cat in docs if kind == CHAT]
         chat_out = self._encode_chats(chats, code) if chats else []
         ti = ci = 0
         for kind, payload, cat in docs:
-            if kind == "text":
+            if kind == TEXT:
                 ids = flat[offsets[ti] : offsets[ti + 1]]
                 ti += 1
                 mask = None
                 cats = np.full(len(ids), code(cat), np.uint16) if need_cat else None
-            elif kind == "chat":
+            elif kind == CHAT:
                 ids, mask, cats = chat_out[ci]
                 ci += 1
             else:
@@ -299,7 +311,7 @@ class Processor:
         )
 
     def _text_batch(self, source, flat, lengths, cats, need_cat, code, keys) -> Encoded:
-        if self._appends_eod("text"):
+        if self._appends_eod(TEXT):
             flat, lengths = add_around(flat, lengths, np.zeros(0, np.int64),
                                        np.array([self.options.eod_id], np.int64))
         codes = np.repeat(np.array([code(c) for c in cats], np.uint16), lengths) if need_cat else None
@@ -307,7 +319,7 @@ class Processor:
 
     def _appends_eod(self, kind: str) -> bool:
         eod = self.options.append_eod
-        return self.options.eod_id is not None and (eod or (eod is None and kind == "text"))
+        return self.options.eod_id is not None and (eod or (eod is None and kind == TEXT))
 
     def _encode_chats(self, chats: list, code) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Render every conversation, encode it whole, and mark the assistant spans as targets.
@@ -380,11 +392,11 @@ class Processor:
 def _detect(record: dict, text_field: str) -> str:
     """Record kind by its fields; null fields count as absent (table rows carry every column)."""
     if record.get("messages") is not None or record.get("conversations") is not None:
-        return "chat"
+        return CHAT
     if record.get("input_ids") is not None:
-        return "tokens"
+        return TOKENS
     if record.get(text_field) is not None:
-        return "text"
+        return TEXT
     nulls = [k for k in (text_field, "messages", "conversations", "input_ids") if k in record]
     if nulls:
         raise BadRecord(f"field {nulls[0]!r} is null (and no 'text', 'messages', 'conversations' or 'input_ids' "
@@ -502,11 +514,11 @@ class _Pipeline:
     def map(self, batches):
         if self.pool is None:
             for b in batches:
-                yield b if isinstance(b, tuple) else self.inline(b)
+                yield b if isinstance(b, Unreadable) else self.inline(b)
             return
         pending: deque = deque()
         for b in batches:
-            pending.append(b if isinstance(b, tuple) else self.pool.submit(_work, b))
+            pending.append(b if isinstance(b, Unreadable) else self.pool.submit(_work, b))
             if len(pending) >= 2 * self.workers:
                 yield _result(pending.popleft())
         while pending:
@@ -517,8 +529,8 @@ class _Pipeline:
             self.pool.shutdown(wait=True, cancel_futures=not ok)
 
 
-def _result(item):
-    if isinstance(item, tuple):
+def _result(item) -> Encoded | Unreadable:
+    if isinstance(item, Unreadable):
         return item
     try:
         return item.result()
@@ -534,12 +546,12 @@ def run_tokenize(config: TokenizeConfig) -> dict:
     info = load_tokenizer_info(config.tokenizer, config.eod_token, config.bos_token)
     dtype = _dtype(config.dtype, info.vocab_size)
     plan = plan_shard(sources, config.num_shards, config.shard_index)
-    chat = config.format == "chat" or (config.format == "auto" and _starts_with_chat(sources, plan))
+    chat = config.format == CHAT or (config.format == AUTO and _starts_with_chat(sources, plan))
     template = _template(config, info)
     if template is not None and chat:
         info = _chat_eod(info, ChatTemplate(template))  # compiled here: a broken template fails before any worker
     append_eod = config.append_eod
-    if append_eod is not False and config.format in ("auto", "text") and info.eod_id is None:
+    if append_eod is not False and config.format in (AUTO, TEXT) and info.eod_id is None:
         raise XprepError(f"{info.path}: no end-of-document token found (eos_token); pass --eod-token TOKEN "
                          "or --no-append-eod")
     options = Options(config.format, config.text_field, config.train_on, config.category,
@@ -577,12 +589,12 @@ def _write_all(config: TokenizeConfig, sources, plan, writer: DatasetWriter, pip
     ok = False
     try:
         for result in pipeline.map(read_batches(sources, plan, config.limit)):
-            if isinstance(result, tuple):  # unreadable file
-                src, line, why = result
-                _reject(writer, config, sources[src].path, line, "unreadable file", why, None)
+            if isinstance(result, Unreadable):
+                rejected = Rejected(result.line, "unreadable file", result.reason, None, fatal=True)
+                _reject(writer, config.on_error, sources[result.source].path, rejected)
                 continue
-            for line, kind, why, snippet, fatal in result.rejects:
-                _reject(writer, config if fatal else None, sources[result.source].path, line, kind, why, snippet)
+            for rejected in result.rejects:
+                _reject(writer, config.on_error, sources[result.source].path, rejected)
             lut = _category_lut(categories, result.cat_keys, result.cat_codes)
             cats = lut[result.cat_codes] if result.cat_codes is not None else None
             writer.append(result.tokens, result.lengths, result.loss_mask, cats)
@@ -596,12 +608,12 @@ def _write_all(config: TokenizeConfig, sources, plan, writer: DatasetWriter, pip
 
 def _template(config: TokenizeConfig, info: TokenizerInfo) -> TemplateSpec | None:
     """The chat template to render with, or None where no chat is expected and none is to be had."""
-    if config.format not in ("auto", "chat"):
+    if config.format not in (AUTO, CHAT):
         return None
     try:
         return resolve_template(config.chat_template, info.chat_template, info.bos_token, info.eos_token)
     except XprepError:
-        if config.format == "chat" or config.chat_template != "auto":
+        if config.format == CHAT or config.chat_template != "auto":
             raise
         return None
 
@@ -632,9 +644,9 @@ def _starts_with_chat(sources, plan) -> bool:
     """Whether the shard's first record is a conversation (``--format auto`` sizes its worker pool by it)."""
     try:
         batch = next(iter(read_batches(sources, plan, 1)), None)
-        if batch is None or isinstance(batch, tuple) or not batch.items:
+        if batch is None or isinstance(batch, Unreadable) or not batch.items:
             return False
-        record = batch.items[0] if batch.kind == "rows" else json.loads(batch.items[0])
+        record = batch.items[0] if batch.kind == ROWS else json.loads(batch.items[0])
     except (ValueError, XprepError, OSError):
         return False
     return isinstance(record, dict) and (record.get("messages") is not None or record.get("conversations") is not None)
@@ -650,7 +662,7 @@ def _check_not_empty(config: TokenizeConfig, writer: DatasetWriter) -> None:
         where += f" (shard {config.shard_index} of {config.num_shards})"
     if counts.documents == 0:
         rejected = f"; all {writer.reject_count:,} records were rejected (see the reasons with --on-error skip " \
-                   "in rejects.jsonl)" if writer.reject_count else ""
+                   f"in {REJECTS})" if writer.reject_count else ""
         raise XprepError(f"{where}: no document to write{rejected}; nothing was published "
                          "(pass --allow-empty to write an empty dataset anyway)")
     if counts.loss_tokens == 0:
@@ -659,13 +671,12 @@ def _check_not_empty(config: TokenizeConfig, writer: DatasetWriter) -> None:
                          "(check --tokenizer and --train-on, or pass --allow-empty)")
 
 
-def _reject(writer: DatasetWriter, config: TokenizeConfig | None, path: str, line: int, kind: str, reason: str,
-            snippet: str | None) -> None:
-    """Fail on a bad record under --on-error fail; otherwise (or if ``config`` is None) set it aside."""
-    if config is not None and config.on_error == "fail":
-        where = f"{path}:{line}" if line else path
-        raise XprepError(f"{where}: {reason} (use --on-error skip to set bad records aside in rejects.jsonl)")
-    writer.reject(path, line, reason, snippet, kind)
+def _reject(writer: DatasetWriter, on_error: str, path: str, rejected: Rejected) -> None:
+    """Fail on a fatal bad record under --on-error fail; otherwise set it aside in rejects.jsonl."""
+    if rejected.fatal and on_error == "fail":
+        where = f"{path}:{rejected.line}" if rejected.line else path
+        raise XprepError(f"{where}: {rejected.reason} (use --on-error skip to set bad records aside in {REJECTS})")
+    writer.reject(path, rejected.line, rejected.reason, rejected.record, rejected.kind)
 
 
 def _category_lut(categories: CategoryTable, keys: list, codes: np.ndarray | None) -> np.ndarray:
@@ -675,15 +686,8 @@ def _category_lut(categories: CategoryTable, keys: list, codes: np.ndarray | Non
     if codes is None or not len(codes):
         return lut
     present, first = np.unique(codes, return_index=True)
-    for code in present[np.argsort(first)].tolist():
-        key = keys[code]
-        if key is None:
-            continue
-        if isinstance(key, int):
-            categories.use_numeric(key)
-            lut[code] = key
-        else:
-            lut[code] = categories.id_of(key)
+    in_order = present[np.argsort(first)]
+    lut[in_order] = categories.remap([keys[code] for code in in_order.tolist()])
     return lut
 
 
@@ -700,6 +704,6 @@ def _dtype(choice: str, vocab_size: int) -> np.dtype:
 
 def _planned_bytes(sources, plan) -> int | None:
     """Bytes the shard will read, when that is known up front (not for compressed files or tables)."""
-    if not all(sources[a.source].kind in ("lines", "text") and sources[a.source].compression is None for a in plan):
+    if not all(sources[a.source].sized for a in plan):
         return None
     return sum(a.stop - a.start for a in plan)

@@ -14,14 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import prep.packing
-from prep.cache import TEST_SLEEP_ENV, PackConfig, pack
+import prep.cache
+from prep.cache import PackConfig, pack
 from prep.dataset import CategoryTable, DatasetWriter
 from prep.errors import XprepError
 from prep.packfile import open_packed
 
 ROOT = Path(__file__).resolve().parents[1]
 XPREP = [sys.executable, "-c", "import cli; cli.xprep()"]
+SLOW_PACK = str(Path(__file__).with_name("_slow_pack.py"))  # xprep, pausing before pack.json is written
 
 
 def make_dataset(path: Path, lengths, seed: int = 0, categories: bool = True, tokenizer_sha: str = "t") -> Path:
@@ -55,7 +56,7 @@ def cfg(**kw) -> PackConfig:
 def forbid_packing(monkeypatch):
     def boom(*_a, **_k):
         raise AssertionError("packed on a cache hit")
-    monkeypatch.setattr(prep.packing, "pack_lengths", boom)
+    monkeypatch.setattr(prep.cache, "pack_lengths", boom)
 
 
 def test_same_command_twice_is_a_hit_that_does_no_packing(tmp_path, ds, monkeypatch):
@@ -154,19 +155,17 @@ def test_output_that_is_not_a_pack_cache_is_refused(tmp_path, ds):
         pack([ds, other], tmp_path / "P", cfg())
 
 
-def _pack_cmd(ds: Path, out: Path) -> list[str]:
-    return [*XPREP, "pack", str(ds), "-o", str(out), "--method", "multipack", "--seq-len", "512"]
+def _pack_cmd(ds: Path, out: Path, sleep: float | None = None) -> list[str]:
+    """``xprep pack`` in a fresh interpreter; with ``sleep``, a build pauses that long before pack.json."""
+    xprep = XPREP if sleep is None else [sys.executable, SLOW_PACK, str(sleep)]
+    return [*xprep, "pack", str(ds), "-o", str(out), "--method", "multipack", "--seq-len", "512"]
 
 
-def _env(sleep: float | None) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if sleep is not None:
-        env[TEST_SLEEP_ENV] = str(sleep)
-    return env
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def test_concurrent_identical_invocations_build_once(tmp_path, ds):
-    procs = [subprocess.Popen(_pack_cmd(ds, tmp_path / "P"), env=_env(1.5), cwd=ROOT, text=True,
+    procs = [subprocess.Popen(_pack_cmd(ds, tmp_path / "P", sleep=1.5), env=ENV, cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
@@ -177,7 +176,7 @@ def test_concurrent_identical_invocations_build_once(tmp_path, ds):
 
 def test_killed_build_leaves_nothing_that_looks_complete(tmp_path, ds):
     out = tmp_path / "P"
-    proc = subprocess.Popen(_pack_cmd(ds, out), env=_env(60), cwd=ROOT,
+    proc = subprocess.Popen(_pack_cmd(ds, out, sleep=60), env=ENV, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not list(out.glob(".tmp-*/item_len.npy")):  # arrays written, pack.json not yet
@@ -188,6 +187,6 @@ def test_killed_build_leaves_nothing_that_looks_complete(tmp_path, ds):
     assert not [p for p in out.iterdir() if not p.name.startswith(".")]  # no entry, no manifest
     with pytest.raises(XprepError):
         open_packed(out)
-    rerun = subprocess.run(_pack_cmd(ds, out), env=_env(None), cwd=ROOT, capture_output=True, text=True)
+    rerun = subprocess.run(_pack_cmd(ds, out), env=ENV, cwd=ROOT, capture_output=True, text=True)
     assert rerun.returncode == 0 and rerun.stdout.startswith("packed"), rerun.stderr
     assert open_packed(out).meta["complete"] and not list(out.glob(".tmp-*"))

@@ -13,15 +13,15 @@ from prepkit import write_jsonl
 
 from prep import sources as S
 from prep.errors import XprepError
-from prep.sources import plan_shard, read_batches, resolve_inputs
+from prep.sources import Unreadable, plan_shard, read_batches, resolve_inputs
 
 
 def records_of(srcs, num_shards=1, shard_index=0, limit=None):
     """(source index, line, item) of everything read, as JSON-decoded records where possible."""
     out = []
     for b in read_batches(srcs, plan_shard(srcs, num_shards, shard_index), limit):
-        if isinstance(b, tuple):
-            out.append(("error", *b))
+        if isinstance(b, Unreadable):
+            out.append(("error", b.source, b.line, b.reason))
             continue
         for item, line in zip(b.items, b.lines, strict=True):
             value = json.loads(item) if b.kind == "lines" else item
@@ -244,4 +244,4 @@ def test_a_broken_json_array_is_an_unreadable_file(tmp_path, body):
     path = tmp_path / "bad.json"
     path.write_bytes(body)
     out = list(read_batches(resolve_inputs([str(path)]), plan_shard(resolve_inputs([str(path)]), 1, 0)))
-    assert isinstance(out[-1], tuple) and "JSON array" in out[-1][2]
+    assert isinstance(out[-1], Unreadable) and "JSON array" in out[-1].reason

@@ -25,7 +25,7 @@ from prepkit import (
     write_jsonl,
 )
 
-from prep import sources
+from prep import encoder, sources
 from prep.dataset import TokenDataset
 from prep.encoder import add_around
 from prep.errors import XprepError
@@ -498,6 +498,40 @@ def test_post_processor_tokens_are_added_like_hf(tmp_path, tiny_tokenizer, backe
     eod = tok.token_to_id("<|endoftext|>")
     assert tokens_of(tmp_path / "o") == [e.ids + [eod] for e in tok.encode_batch(texts)]
     assert all(ids[0] == bos and ids[-2] == eos for ids in tokens_of(tmp_path / "o"))
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", '{"vocab_size": "600"}'],
+                         ids=["not-json", "wrong-shape", "wrong-type"])
+def test_a_corrupt_tokenizer_cache_entry_is_said_then_rewritten(tmp_path, tiny_tokenizer, monkeypatch, capsys, damage):
+    """A damaged memo of tokenizer facts or of the self-check verdict is reported (one stderr line naming it),
+    never used, and replaced by a good one; the verdict's key carries its version."""
+    monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "cache"))
+    info = encoder.load_tokenizer_info(str(tiny_tokenizer))
+    backend = encoder.choose_backend(info, "auto")
+    entries = sorted((tmp_path / "cache").glob("*.json"))
+    assert [p.name.split("-")[0] for p in entries] == ["selfcheck", "tokenizer"]
+    assert entries[0].name.startswith(f"selfcheck-v{encoder.SELF_CHECK_VERSION}-")
+    capsys.readouterr()
+    for entry in entries:
+        good = json.loads(entry.read_text())
+        entry.write_text(damage)
+        assert encoder.load_tokenizer_info(str(tiny_tokenizer)) == info
+        assert encoder.choose_backend(info, "auto") == backend
+        err = capsys.readouterr().err
+        assert err.count("unusable cache entry") == 1 and str(entry) in err, err
+        assert json.loads(entry.read_text()) == good
+    encoder.load_tokenizer_info(str(tiny_tokenizer))
+    assert "cache" not in capsys.readouterr().err
+
+
+def test_an_unwritable_tokenizer_cache_just_recomputes(tmp_path, tiny_tokenizer, monkeypatch, capsys):
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "afile" / "cache"))
+    monkeypatch.setattr(encoder, "_UNWRITABLE", set())
+    first = encoder.load_tokenizer_info(str(tiny_tokenizer))
+    assert encoder.load_tokenizer_info(str(tiny_tokenizer)) == first
+    err = capsys.readouterr().err
+    assert err.count("cannot write the cache") == 1 and "XPREP_CACHE_DIR" in err, err
 
 
 def test_progress_on_a_terminal_and_in_logs(monkeypatch):

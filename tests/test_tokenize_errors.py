@@ -364,7 +364,7 @@ def test_sigkill_at_random_moments_never_leaves_a_valid_looking_dataset(tmp_path
 
 
 KILL_POINTS = {
-    "before-publish": "prep.dataset._fsync_dir",
+    "before-publish": "prep.dataset.fsync_tree",
     "manifest-write": "prep.dataset.write_json_atomic",
     "stream-close": "prep.indexed.write_index",
 }
