@@ -15,7 +15,8 @@ Everything is measured in one run, and every ratio is against a baseline measure
    the kernel's VmHWM, reset before each step by writing "5" to /proc/self/clear_refs (checked at
    start; a thread sampling RSS every 5 ms takes over where the reset does not work). Target: ≤ 0.6×.
 2. FSDP2, dp=2 on two processes: the same model with ``fully_shard`` per block then the root
-   (gradient divide factor 1.0 and forced sum reduction on every FSDPModule, FACTS.md) against
+   (gradient divide factor 1.0 and forced sum reduction set on every FSDPModule: neither setting
+   reaches a module's children) against
    the same model replicated with one flat gradient all-reduce (sum) after backward; FSDP2 both
    with ``reshard_after_forward=True`` (fully_shard's default, the target's figure) and False.
    The three models live in the same two processes, start from the same weights and take the
@@ -373,7 +374,8 @@ def fsdp_worker(cfg: BenchConfig) -> dict:
 
 
 def worker_main(kind: str, cfg: BenchConfig) -> None:
-    """Run one worker; rank 0 prints the result line. Clean gloo shutdown, then a hard exit (FACTS.md)."""
+    """Run one worker; rank 0 prints the result line. Clean gloo shutdown, then a hard exit (gloo + DeviceMesh
+    aborts at interpreter exit in about one run of seven)."""
     import torch.distributed as dist
 
     code = 0

@@ -129,15 +129,12 @@ def bare_loop(packed: Path, model_json: Path, steps: int, warmup: int) -> tuple[
     import torch
     import torch.nn.functional as F
 
-    from train.config import TrainConfig
+    from train.config import ModelSection, OptimizerSection
     from train.data import PackedDataset, collate
-    from train.trainer import build_model, build_optimizer, build_scheduler
 
     ds = PackedDataset(packed)
-    model, _ = build_model(str(model_json), ds.vocab_size, 0)
-    cfg = TrainConfig(packed=str(packed))
-    opt = build_optimizer(model, cfg)
-    sched = build_scheduler(opt, cfg, steps)
+    model, _ = ModelSection(str(model_json)).build(ds.vocab_size, 0)
+    opt, sched = OptimizerSection().build(model, steps)
     batches = [collate([ds[b]]) for b in range(steps)]
     for i, batch in enumerate(batches):
         if i == warmup:
@@ -181,8 +178,8 @@ def xtrain_rate(packed: Path, model_json: Path, steps: int, warmup: int, run_dir
 
     shutil.rmtree(run_dir, ignore_errors=True)
     clock = _StepClock()
-    cfg = TrainConfig(packed=str(packed), model=str(model_json), steps=steps, output=str(run_dir),
-                      resume="never", log_every=1)
+    cfg = TrainConfig.from_dict({"packed": str(packed), "model": str(model_json), "steps": steps,
+                                 "output": str(run_dir), "resume": "never", "log_every": 1})
     run(cfg, stream=clock)
     assert len(clock.wall) == steps
     n = steps - warmup

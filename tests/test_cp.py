@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from prep.cache import PackConfig
+from prep.packing import item_costs
 from train.cp import (
     CPContext,
     inverse_permutation,
@@ -58,9 +60,6 @@ def design_cp_rounding(doc_len: int, cp_size: int) -> int:
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4, 8])
 def test_padded_length_is_the_pack_rounding_rule(cp_size):
-    from prep.cache import PackConfig
-    from prep.packing import item_costs
-
     lengths = np.arange(0, 300, dtype=np.int32)
     expected = [design_cp_rounding(int(n), cp_size) for n in lengths]
     assert [padded_length(int(n), cp_size) for n in lengths] == expected

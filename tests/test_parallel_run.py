@@ -16,15 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
+from _train_fault_worker import FAIL_RANK_ENV, FAIL_STEP_ENV, KILL_AFTER_STEP_ENV, KILL_RANK_ENV
 from click.testing import CliRunner
 from trainkit import cp_pack
 
 from cli import xtrain as xtrain_cli
-from train.trainer import FAIL_RANK_ENV, FAIL_STEP_ENV, KILL_AFTER_STEP_ENV, KILL_RANK_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 XTRAIN = Path(sys.executable).with_name("xtrain")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+FAULT_WORKER = ROOT / "tests" / "_train_fault_worker.py"  # `xtrain run` with the fault the environment names
 TOL = 1e-5
 # 2 bins per step on every layout: dp=2 × 1, or cp=2 with 2 micro-batches of 1 (and 1 process: 2 × 1).
 COMMON = ["--steps", "20", "--micro-batch-size", "1", "--global-batch-size", "2", "--sampler", "random",
@@ -34,7 +35,9 @@ CP2 = ["--nproc-per-node", "2", "--cp", "2"]
 
 
 def xtrain(*args: str, env: dict | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([str(XTRAIN), "run", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    """`xtrain run ARGS`; through the fault worker when ``env`` names a fault."""
+    cmd = [sys.executable, str(FAULT_WORKER), "run"] if env else [str(XTRAIN), "run"]
+    return subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
@@ -99,9 +102,9 @@ def test_a_dying_rank_ends_the_job(runs, tmp_path, launcher):
     args = [str(packed), *COMMON, "--cp", "2", "--output", str(tmp_path / "run")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", FAIL_RANK_ENV: "1", FAIL_STEP_ENV: "3"}
     if launcher == "torchrun":
-        cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--no-python", str(XTRAIN), "run", *args]
+        cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(FAULT_WORKER), "run", *args]
     else:
-        cmd = [str(XTRAIN), "run", *args, "--nproc-per-node", "2"]
+        cmd = [sys.executable, str(FAULT_WORKER), "run", *args, "--nproc-per-node", "2"]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     elapsed = time.monotonic() - t0

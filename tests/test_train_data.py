@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 from trainkit import make_dataset, random_docs, sequential_bins, write_pack
 
+from prep.dataset import TokenDataset
 from prep.errors import XprepError
-from train.data import IGNORE, PackedDataset, collate, count_targets, fill_items, fill_items_reference
+from train.data import IGNORE, PackedDataset, _source, collate, count_targets, fill_items, fill_items_reference
+from train.model import Transformer, load_model_config
 
 
 def rows(batch: dict) -> dict[str, list[int]]:
@@ -59,16 +63,21 @@ def test_empty_bin_is_all_padding(tmp_path):
     assert b["labels"] == [IGNORE] * 4 and b["cu_seqlens"] == [0, 4] and b["position_ids"] == [0, 1, 2, 3]
 
 
+def make_dataset_with_streams(path, docs: list[np.ndarray], vocab_size: int, categories: list[str],
+                              rng: np.random.Generator | None, **kwargs) -> tuple[list | None, list | None]:
+    """``docs`` with a random loss mask and random categories per token drawn from ``rng`` (none without one);
+    returns the masks and the categories."""
+    masks = [rng.integers(0, 2, len(d)) for d in docs] if rng is not None else None
+    cats = [rng.integers(0, len(categories) + 1, len(d)) for d in docs] if rng is not None else None
+    make_dataset(path, docs, vocab_size=vocab_size, loss_masks=masks, cats=cats, categories=categories, **kwargs)
+    return masks, cats
+
+
 @pytest.mark.parametrize("with_streams", [True, False])
 def test_kernel_matches_reference(tmp_path, with_streams):
     rng = np.random.default_rng(3)
     docs = random_docs(40, 1, 30, vocab=1000, seed=4)
-    masks = [rng.integers(0, 2, len(d)) for d in docs] if with_streams else None
-    cats = [rng.integers(0, 4, len(d)) for d in docs] if with_streams else None
-    make_dataset(tmp_path / "ds", docs, vocab_size=1000, loss_masks=masks, cats=cats, categories=["a", "b", "c"])
-    from prep.dataset import TokenDataset
-    from train.data import _source
-
+    make_dataset_with_streams(tmp_path / "ds", docs, 1000, ["a", "b", "c"], rng if with_streams else None)
     src = _source(TokenDataset(tmp_path / "ds"))
     lens = np.array([len(d) for d in docs], np.int64)
     starts = rng.integers(0, np.maximum(lens, 1))
@@ -105,8 +114,6 @@ def test_collate_concatenates_bins_into_one_row(tmp_path):
 
 def test_packed_logits_equal_alone(tmp_path):
     """No attention or label crosses a document: each document's logits are those it gets alone."""
-    from train.model import Transformer, load_model_config
-
     docs = random_docs(12, 3, 20, vocab=128, seed=5)
     make_dataset(tmp_path / "ds", docs, vocab_size=128)
     write_pack(tmp_path / "p", [tmp_path / "ds"], sequential_bins([len(d) for d in docs], 64), capacity=64)
@@ -131,8 +138,6 @@ def test_packed_logits_equal_alone(tmp_path):
 
 def test_real_data_batches(tmp_path, shared_data):
     """Real text (State of the Union, Mistral tokenizer): every bin honours the contract."""
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(shared_data / "tokenizers" / "mistral" / "tokenizer.json"))
     texts = [p.read_text(errors="replace")[:3000] for p in sorted((shared_data / "corpora" / "sotu").iterdir())[:40]]
     docs = [np.array(e.ids + [2]) for e in tok.encode_batch(texts)]
@@ -187,8 +192,6 @@ def test_pack_referring_to_more_documents_is_refused(tmp_path):
 
 
 def test_pickles_as_paths(tmp_path):
-    import pickle
-
     make_dataset(tmp_path / "ds", [np.array([1, 2, 3])])
     write_pack(tmp_path / "p", [tmp_path / "ds"], [[(0, 0, 3)]], capacity=4)
     ds = PackedDataset(tmp_path / "p")
@@ -235,10 +238,8 @@ def reference_bin(docs, masks, cats, items, capacity, pad_id):
 def test_bins_match_reference(tmp_path, streams):
     rng = np.random.default_rng(11)
     docs = random_docs(60, 1, 50, vocab=500, seed=12)
-    masks = [rng.integers(0, 2, len(d)) for d in docs] if streams else None
-    cats = [rng.integers(0, 3, len(d)) for d in docs] if streams else None
-    make_dataset(tmp_path / "ds", docs, vocab_size=500, loss_masks=masks, cats=cats, categories=["a", "b"],
-                 pad_id=3)
+    masks, cats = make_dataset_with_streams(tmp_path / "ds", docs, 500, ["a", "b"], rng if streams else None,
+                                            pad_id=3)
     capacity, bins = 64, []
     order = rng.permutation(len(docs))
     while len(order):  # random bins of random pieces (split items start mid-document)

@@ -9,20 +9,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
+import torch
+from _train_fault_worker import KILL_AFTER_STEP_ENV
 from click.testing import CliRunner
 from trainkit import category_pack, make_dataset, write_pack
 
 from cli import xprep, xtrain
-from train.trainer import KILL_AFTER_STEP_ENV
+from train.data import PackedDataset, collate
+from train.hf import HFCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
-XTRAIN = Path(sys.executable).with_name("xtrain")
+XTRAIN = [str(Path(sys.executable).with_name("xtrain")), "run"]
+FAULTY = [sys.executable, str(ROOT / "tests" / "_train_fault_worker.py"), "run"]  # xtrain run + a fault hook
 
 
-def xtrain_proc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(XTRAIN), "run", *args], cwd=ROOT, capture_output=True, text=True, timeout=180,
+def xtrain_proc(*args: str, env: dict | None = None, cmd: list[str] = XTRAIN) -> subprocess.CompletedProcess:
+    return subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
@@ -49,7 +54,7 @@ def test_exact_resume_after_sigkill(packed, tmp_path):
             "--global-batch-size", "4", "--warmup", "2", "--log-every", "100"]
     full = xtrain_proc(*args, "--output", str(tmp_path / "full"))
     assert full.returncode == 0, full.stderr
-    killed = xtrain_proc(*args, "--output", str(tmp_path / "cut"), env={KILL_AFTER_STEP_ENV: "5"})
+    killed = xtrain_proc(*args, "--output", str(tmp_path / "cut"), env={KILL_AFTER_STEP_ENV: "5"}, cmd=FAULTY)
     assert killed.returncode == -9
     assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step-3"
     assert [r["step"] for r in metrics(tmp_path / "cut")] == [1, 2, 3, 4, 5]
@@ -72,9 +77,7 @@ def test_run_directory_and_inspect(packed, tmp_path):
                                          "--lr", "0.002"])
     assert result.exit_code == 0, result.output
     config = json.loads((run / "config.json").read_text())
-    assert config["lr"] == 0.002 and config["steps"] == 3 and config["micro_batch_size"] == 2
-    import jsonschema
-
+    assert config["optimizer"]["lr"] == 0.002 and config["steps"] == 3 and config["data"]["micro_batch_size"] == 2
     jsonschema.validate(config, json.loads((ROOT / "schemas" / "train.schema.json").read_text()))
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -125,11 +128,6 @@ def test_deleted_or_edited_dataset(tmp_path):
 
 def test_hf_model(packed, tmp_path):
     transformers = pytest.importorskip("transformers")
-    import torch
-
-    from train.data import PackedDataset, collate
-    from train.trainer import HFCausalLM
-
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)

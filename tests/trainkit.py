@@ -10,9 +10,16 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from prep.dataset import CategoryTable, DatasetWriter
+from prep.cache import PackConfig, pack
+from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
 from prep.packfile import MANIFEST, PACK_FORMAT, PACK_JSON, PackEntry
+from train.config import ModelSection, OptimizerSection
+from train.data import PackedDataset
+from train.dist import ParallelDims, full_tensor, parallelize
+from train.samplers import build_sampler
+from train.trainer import Trainer
 
 
 def make_dataset(out: Path, docs: list[np.ndarray], vocab_size: int = 256,
@@ -47,8 +54,6 @@ def sequential_bins(lengths: list[int], capacity: int) -> list[list[tuple[int, i
 def write_pack(packed: Path, datasets: list[Path], bins: list[list[tuple[int, int, int]]], capacity: int,
                method: str = "sequential", key: str | None = None, **config) -> Path:
     """Write a pack cache with one entry holding ``bins``; returns the cache directory."""
-    from prep.dataset import TokenDataset
-
     items = [it for b in bins for it in b]
     offsets = np.zeros(len(bins) + 1, np.int64)
     np.cumsum([len(b) for b in bins], out=offsets[1:])
@@ -94,21 +99,11 @@ def category_pack(root: Path, n_docs: int = 40, capacity: int = 64, seed: int = 
 def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str = "sequential", seed: int = 0,
                  lr: float = 1e-3, activation_checkpointing: bool = False, reshard_after_forward: bool = True):
     """A Trainer over the tiny model, built without a TrainConfig (as tests should be able to)."""
-    import torch
-
-    from train.config import TrainConfig
-    from train.data import PackedDataset
-    from train.dist import ParallelDims, parallelize
-    from train.samplers import build_sampler
-    from train.trainer import Trainer, build_model, build_optimizer, build_scheduler
-
     dims = dims or ParallelDims()
     ds = PackedDataset(packed, cp_size=dims.cp)
-    model, _ = build_model("tiny", ds.vocab_size, seed)
+    model, _ = ModelSection("tiny").build(ds.vocab_size, seed)
     model = parallelize(model, dims, reshard_after_forward, activation_checkpointing)
-    cfg = TrainConfig(packed=str(packed), lr=lr)
-    opt = build_optimizer(model, cfg)
-    sched = build_scheduler(opt, cfg, 100)
+    opt, sched = OptimizerSection(lr=lr).build(model, 100)
     smp = build_sampler(sampler, len(ds), micro, dims.dp_rank, dims.dp, seed)
     return Trainer(model, opt, sched, ds, smp, dims, accum, torch.device("cpu"), grad_clip=1.0)
 
@@ -116,8 +111,6 @@ def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str =
 def grads(model) -> dict:
     """Every parameter's whole gradient by plain name (FSDP2 shards gathered: a collective on every rank;
     activation checkpointing's wrapper prefix dropped)."""
-    from train.dist import full_tensor
-
     return {n.replace("_checkpoint_wrapped_module.", ""): full_tensor(p.grad.detach()).clone()
             for n, p in model.named_parameters() if p.grad is not None}
 
@@ -130,8 +123,6 @@ def max_rel_diff(a: dict, b: dict) -> float:
 def cp_pack(root: Path, cp_size: int = 2, n_docs: int = 40, capacity: int = 64, seed: int = 0) -> Path:
     """A dataset with loss masks and three categories, packed by `xprep pack` (multipack) with
     ``--cp-size cp_size``; returns the cache dir."""
-    from prep.cache import PackConfig, pack
-
     rng = np.random.default_rng(seed)
     docs = random_docs(n_docs, 3, 40, vocab=128, seed=seed)
     masks = [np.concatenate([[0], rng.integers(0, 2, len(d) - 1)]) for d in docs]

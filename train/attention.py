@@ -3,7 +3,8 @@
 Every kernel here takes packed tokens `(T, H, D)` plus `cu_seqlens` (document boundaries) and
 computes causal attention inside each document only, so nothing attends across a boundary.
 On CUDA, flash-attn's varlen kernel when it is installed and the inputs are half precision;
-everywhere else one SDPA call per document (the fastest choice on CPU, see FACTS.md).
+everywhere else one SDPA call per document (fastest on CPU: 4k tokens in 10 documents, forward +
+backward, ~0.09 s against ~0.5 s for one call with a block-diagonal mask).
 `lower_right_causal_attention` is the piece context parallelism needs: a query chunk that is
 the tail of a longer key prefix. GQA (fewer K/V heads than query heads) works on every path.
 """

@@ -32,11 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from prep.errors import XprepError
+from prep.io import fsync_tree, write_atomic, write_json_atomic
 from train.dist import ParallelDims, barrier
 
 LATEST = "latest"
@@ -142,23 +144,23 @@ class CheckpointManager:
         first moves to a hard-linked copy of that step, and back once the new one is in place.
         """
         tmp, final = pending.tmp, pending.final
-        _write_json(tmp / TRAINER_JSON, pending.trainer_state)
-        _fsync_tree(tmp)
+        write_json_atomic(tmp / TRAINER_JSON, pending.trainer_state)
+        fsync_tree(tmp)
         if final.exists():
             old = self.root / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
             if self._latest_name() == final.name:
                 shutil.copytree(final, old, copy_function=_link_or_copy)
-                _write_text_atomic(self.root / LATEST, old.name + "\n")
+                write_atomic(self.root / LATEST, old.name + "\n")
                 shutil.rmtree(final)
             else:
                 os.replace(final, old)
             os.replace(tmp, final)
-            _write_text_atomic(self.root / LATEST, final.name + "\n")
+            write_atomic(self.root / LATEST, final.name + "\n")
             shutil.rmtree(old)
         else:
             os.replace(tmp, final)
-            _write_text_atomic(self.root / LATEST, final.name + "\n")
+            write_atomic(self.root / LATEST, final.name + "\n")
         self._retain(final.name)
 
     def _latest_name(self) -> str | None:
@@ -171,8 +173,6 @@ class CheckpointManager:
         if not self.dims.distributed:
             return None
         if self._async_group is None:
-            import torch.distributed as dist
-
             self._async_group = dist.new_group(backend="gloo")
         return self._async_group
 
@@ -257,28 +257,8 @@ def _quiet_single_process():
         yield
 
 
-def _write_json(path: Path, obj) -> None:
-    _write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)
     except OSError:  # a filesystem without hard links
         shutil.copy2(src, dst)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())

@@ -1,8 +1,19 @@
-"""``TrainConfig``: every option of ``xtrain run``, one field each, built once and checked.
+"""``TrainConfig``: every option of ``xtrain run``, in sections that each check their fields and build their part.
 
-Precedence: dataclass defaults < ``--config FILE.json|yaml`` < command-line flags. The resolved
-config is written to the run directory as ``config.json`` and checked against
-``schemas/train.schema.json``.
+```
+TrainConfig   steps, epochs, seed, output, log_every           (the run itself)
+  data        packed, micro_batch_size, global_batch_size, sampler, verify_data   → PackedDataset
+  model       name (--model), precision                                           → model (+ its config)
+  optimizer   lr, min_lr, warmup, schedule, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
+  parallel    nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing → ParallelDims
+  checkpoint  save_every, keep, resume, async_save                                → CheckpointManager
+```
+Precedence: dataclass defaults < ``--config FILE.json|yaml`` < command-line flags. Every field has
+one flag and one flat key, the flag's name with underscores (``--micro-batch-size`` ↔
+``micro_batch_size``; the model section's ``name`` is ``--model``). A config file may be nested
+(``{"optimizer": {"lr": 1e-3}}``), flat (``{"lr": 1e-3}``, as config.json was before the sections)
+or both. The resolved config is written to the run directory as ``config.json``, nested, and
+checked against ``schemas/train.schema.json``.
 """
 
 from __future__ import annotations
@@ -10,10 +21,22 @@ from __future__ import annotations
 import difflib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
+
+import jsonschema
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from prep.errors import XprepError
+from train.checkpoint import CheckpointManager
+from train.data import PackedDataset
+from train.dist import ParallelDims
+from train.hf import build_hf_model, check_hf_model
+from train.model import Transformer, load_model_config
+from train.optim import LRSchedule, build_optimizer, build_scheduler
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "train.schema.json"
 SAMPLERS = ("sequential", "random")
@@ -22,17 +45,70 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
-class TrainConfig:
-    """One training run. ``steps`` and ``epochs`` are exclusive (neither: one epoch)."""
+class DataSection:
+    """Which pack, and how its bins become micro-batches."""
 
+    SECTION: ClassVar[str] = "data"
     packed: str
-    model: str = "tiny"
-    steps: int | None = None
-    epochs: float | None = None
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: micro_batch_size × DP ranks (or the pack's DP step)
     sampler: str = "sequential"
-    seed: int = 0
+    verify_data: bool = False
+
+    def __post_init__(self):
+        _check_types(self)
+        _check_at_least(self, 1, "micro_batch_size", "global_batch_size")
+        _check_choice(self, "sampler", SAMPLERS)
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise XprepError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
+                             f"--micro-batch-size {self.micro_batch_size}")
+
+    def build(self, cp_size: int, verify_data: bool | None = None) -> PackedDataset:
+        """The pack opened for ``cp_size`` context-parallel ranks (``verify_data`` overrides the field)."""
+        verify = self.verify_data if verify_data is None else verify_data
+        return PackedDataset(self.packed, verify_data=verify, cp_size=cp_size)
+
+
+@dataclass
+class ModelSection:
+    """Which model (a preset, a JSON model config or hf:DIR) and the precision it computes in."""
+
+    SECTION: ClassVar[str] = "model"
+    name: str = "tiny"
+    precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
+
+    def __post_init__(self):
+        _check_types(self)
+        _check_choice(self, "precision", PRECISIONS)
+
+    @property
+    def hf_dir(self) -> str | None:
+        """The Hugging Face model directory of ``hf:DIR``; None for the built-in model."""
+        return self.name[3:] if self.name.startswith("hf:") else None
+
+    def check(self, vocab_size: int) -> dict | None:
+        """Fail early (before any process group) on a model that cannot be built; the built-in model's config."""
+        if self.hf_dir is not None:
+            check_hf_model(self.hf_dir)
+            return None
+        return load_model_config(self.name, vocab_size).to_dict()
+
+    def build(self, vocab_size: int, seed: int) -> tuple[nn.Module, dict]:
+        """The model, initialized from ``seed``, and its config as a dict."""
+        torch.manual_seed(seed)
+        if self.hf_dir is not None:
+            return build_hf_model(self.hf_dir, vocab_size)
+        cfg = load_model_config(self.name, vocab_size)
+        model = Transformer(cfg)
+        model.init_weights(seed)
+        return model, cfg.to_dict()
+
+
+@dataclass
+class OptimizerSection:
+    """AdamW and its learning-rate schedule; gradient clipping."""
+
+    SECTION: ClassVar[str] = "optimizer"
     lr: float = 3e-4
     min_lr: float = 0.0
     warmup: int = 0
@@ -41,88 +117,196 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = no clipping
-    precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
-    output: str | None = None  # None: runs/<name of the pack directory>
-    save_every: int = 0  # 0 = only at the end
-    keep: int = 2
-    resume: str = "auto"  # auto | never | PATH of a checkpoint
-    log_every: int = 10
-    verify_data: bool = False
-    dp: int | None = None  # None: processes / cp
-    cp: int = 1
-    fsdp: bool | None = None  # None: on when there is more than one process
-    reshard_after_forward: bool = True
-    nproc_per_node: int | None = None  # None: run in this process (or the ranks torchrun started)
-    activation_checkpointing: bool = False
-    async_save: bool = False
 
     def __post_init__(self):
-        _check_type(self)
-        if self.steps is not None and self.epochs is not None:
-            raise XprepError(f"--steps {self.steps} and --epochs {self.epochs} both given: choose one")
-        for name in ("steps", "micro_batch_size", "global_batch_size", "log_every", "keep", "dp", "cp",
-                     "nproc_per_node"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise XprepError(f"--{_flag(name)} {value} must be ≥ 1")
-        for name in ("warmup", "save_every", "seed"):
-            if getattr(self, name) < 0:
-                raise XprepError(f"--{_flag(name)} {getattr(self, name)} must be ≥ 0")
-        if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
-            raise XprepError(f"--epochs {self.epochs} must be a number > 0")
+        _check_types(self)
+        _check_at_least(self, 0, "warmup")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
-                raise XprepError(f"--{_flag(name)} {value} must be a finite number ≥ 0")
+                raise XprepError(f"{_flag(self, name)} {value} must be a finite number ≥ 0")
         if self.min_lr > self.lr:
             raise XprepError(f"--min-lr {self.min_lr} is above --lr {self.lr}: lower it")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise XprepError(f"--{_flag(name)} {getattr(self, name)} must be in [0, 1)")
-        _check_choice("sampler", self.sampler, SAMPLERS)
-        _check_choice("schedule", self.schedule, SCHEDULES)
-        _check_choice("precision", self.precision, PRECISIONS)
-        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
-            raise XprepError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
-                             f"--micro-batch-size {self.micro_batch_size}")
+                raise XprepError(f"{_flag(self, name)} {getattr(self, name)} must be in [0, 1)")
+        _check_choice(self, "schedule", SCHEDULES)
+
+    def hparams(self) -> dict:
+        """What a checkpoint records of the optimizer, to say on resume what this config changes."""
+        return {"lr": self.lr, "min_lr": self.min_lr, "weight_decay": self.weight_decay, "beta1": self.beta1,
+                "beta2": self.beta2}
+
+    def build(self, model: nn.Module, total_steps: int) -> tuple[torch.optim.Optimizer, LambdaLR]:
+        """AdamW over ``model`` and a LambdaLR over ``total_steps`` steps."""
+        optimizer = build_optimizer(model, self.lr, self.weight_decay, (self.beta1, self.beta2))
+        min_ratio = self.min_lr / self.lr if self.lr > 0 else 0.0
+        return optimizer, build_scheduler(optimizer, LRSchedule(self.schedule, self.warmup, total_steps, min_ratio))
+
+
+@dataclass
+class ParallelSection:
+    """How many processes, their dp × cp layout, and how the model is spread over them."""
+
+    SECTION: ClassVar[str] = "parallel"
+    nproc_per_node: int | None = None  # None: run in this process (or the ranks torchrun started)
+    dp: int | None = None  # None: processes / cp
+    cp: int = 1
+    fsdp: bool | None = None  # None: on when there is more than one process
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+
+    def __post_init__(self):
+        _check_types(self)
+        _check_at_least(self, 1, "nproc_per_node", "dp", "cp")
+
+    def build(self, world: int | None = None) -> ParallelDims:
+        """This process's layout (from torchrun's environment), or that of ``world`` processes to launch."""
+        if world is None:
+            return ParallelDims.from_env(self.dp, self.cp, self.fsdp)
+        return ParallelDims.for_world(world, self.dp, self.cp, self.fsdp)
+
+
+@dataclass
+class CheckpointSection:
+    """When checkpoints are written, how many are kept, which one a run resumes from."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+    save_every: int = 0  # 0 = only at the end
+    keep: int = 2
+    resume: str = "auto"  # auto | never | PATH of a checkpoint
+    async_save: bool = False
+
+    def __post_init__(self):
+        _check_types(self)
+        _check_at_least(self, 1, "keep")
+        _check_at_least(self, 0, "save_every")
+
+    def build(self, run_dir: Path, dims: ParallelDims) -> CheckpointManager:
+        return CheckpointManager(run_dir, dims, self.keep, self.async_save)
+
+
+SECTIONS = {"data": DataSection, "model": ModelSection, "optimizer": OptimizerSection, "parallel": ParallelSection,
+            "checkpoint": CheckpointSection}
+
+
+@dataclass
+class TrainConfig:
+    """One training run: its sections and its own fields. ``steps`` and ``epochs`` are exclusive (neither: one
+    epoch). ``from_dict`` builds one from the nested or the flat form."""
+
+    SECTION: ClassVar[None] = None  # its own fields are at the top of the nested form
+    data: DataSection
+    model: ModelSection = field(default_factory=ModelSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    steps: int | None = None
+    epochs: float | None = None
+    seed: int = 0  # model init and random sampler
+    output: str | None = None  # None: runs/<name of the pack directory>
+    log_every: int = 10
+
+    def __post_init__(self):
+        _check_types(self, RUN_FIELDS)
+        if self.steps is not None and self.epochs is not None:
+            raise XprepError(f"--steps {self.steps} and --epochs {self.epochs} both given: choose one")
+        _check_at_least(self, 1, "steps", "log_every")
+        _check_at_least(self, 0, "seed")
+        if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
+            raise XprepError(f"--epochs {self.epochs} must be a number > 0")
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> TrainConfig:
+        """A config from keys in the nested form, the flat form (one key per flag) or both; ``source`` is how
+        errors name where the keys came from."""
+        nested = nest(values, source)
+        if not nested["data"].get("packed"):
+            raise XprepError("no pack given: pass PACKED or set `packed` in --config")
+        sections = {name: cls_(**nested.pop(name)) for name, cls_ in SECTIONS.items()}
+        return cls(**sections, **nested)
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output) if self.output else Path("runs") / Path(self.packed).resolve().name
+        return Path(self.output) if self.output else Path("runs") / Path(self.data.packed).resolve().name
 
     def to_dict(self) -> dict:
+        """The nested form (config.json)."""
         return asdict(self)
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+RUN_FIELDS = tuple(f.name for f in fields(TrainConfig) if f.name not in SECTIONS)
+_FLAT_NAMES = {("model", "name"): "model"}  # (section, field) whose flat key is not the field's name
+FLAT_KEYS: dict[str, tuple[str | None, str]] = {  # flat key (= flag with underscores) → (section or None, field)
+    **{name: (None, name) for name in RUN_FIELDS},
+    **{_FLAT_NAMES.get((s, f.name), f.name): (s, f.name) for s, cls_ in SECTIONS.items() for f in fields(cls_)},
+}
+_FLAT_KEY_OF = {place: key for key, place in FLAT_KEYS.items()}
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise XprepError(f"--{_flag(name)} {value!r} is not one of {', '.join(choices)}")
+# ------------------------------------------------------------------------------------------ the two forms
+def nest(values: dict, source: str = "config") -> dict:
+    """``values`` (nested, flat or both; dashes or underscores) as ``{field: value, section: {field: value}}``.
+
+    An unknown key, or one set twice (flat and nested), is an error naming ``source``. YAML 1.1 reads
+    ``1e-3`` (no dot) as a string: a float field takes it as the number it is meant to be.
+    """
+    out: dict = {name: {} for name in SECTIONS}
+    placed: dict[tuple[str | None, str], str] = {}
+    for raw, value in values.items():
+        key = str(raw).replace("-", "_")
+        if key in SECTIONS and isinstance(value, dict):
+            cls_ = SECTIONS[key]
+            known = [f.name for f in fields(cls_)]
+            for raw_field, v in value.items():
+                name = str(raw_field).replace("-", "_")
+                if name not in known:
+                    _unknown(source, f"{key}.{name}", [f"{key}.{k}" for k in known])
+                _place(out, placed, (key, name), f"{key}.{name}", v, source)
+        elif key in FLAT_KEYS:
+            _place(out, placed, FLAT_KEYS[key], key, value, source)
+        elif key in SECTIONS:
+            raise XprepError(f"{source}: {key!r} must be an object of {key} keys, e.g. "
+                             f"{{{key!r}: {{{fields(SECTIONS[key])[0].name!r}: ...}}}}")
+        else:
+            _unknown(source, key, [*FLAT_KEYS, *SECTIONS])
+    return out
 
 
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+def _place(out: dict, placed: dict, where: tuple[str | None, str], shown: str, value, source: str) -> None:
+    if where in placed:
+        raise XprepError(f"{source}: {placed[where]!r} and {shown!r} set the same field; keep one")
+    placed[where] = shown
+    section, name = where
+    if isinstance(value, str) and name in _FLOAT_FIELDS:
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    (out if section is None else out[section])[name] = value
 
 
-def _check_type(cfg: TrainConfig) -> None:
-    """Config files are untyped: name the field whose value has the wrong type."""
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        kinds = [k.strip() for k in str(f.type).split("|")]
-        if value is None:
-            if "None" in kinds:
-                continue
-            raise XprepError(f"config key {f.name!r} must be set")
-        allowed = tuple(t for k in kinds if k in _TYPES for t in _TYPES[k])
-        if isinstance(value, bool) and bool not in allowed:
-            allowed = ()
-        if not isinstance(value, allowed):
-            want = " or ".join(k for k in kinds if k != "None")
-            raise XprepError(f"config key {f.name!r}: {value!r} is not a {want}")
+def _unknown(source: str, key: str, known: list[str]) -> None:
+    hint = difflib.get_close_matches(key, known, n=1)
+    raise XprepError(f"{source}: unknown key {key!r}"
+                     + (f" (did you mean {hint[0]!r}?)" if hint else f"; keys: {', '.join(sorted(known))}"))
 
 
+def flatten(config: dict) -> dict:
+    """A config dict (nested, flat or both) with one key per flag, e.g. to show a run's config.json of any age."""
+    out = {}
+    for key, value in config.items():
+        if key in SECTIONS and isinstance(value, dict):
+            out.update({_FLAT_KEY_OF.get((key, k), k): v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+_FLOAT_FIELDS = {f.name for cls_ in (TrainConfig, *SECTIONS.values()) for f in fields(cls_) if "float" in str(f.type)}
+
+
+# ------------------------------------------------------------------------------------------ files
 def read_config_file(path: str | Path) -> dict:
     """Read ``--config FILE``: a JSON object, or YAML when PyYAML is installed."""
     path = Path(path)
@@ -131,7 +315,7 @@ def read_config_file(path: str | Path) -> dict:
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
         try:
-            import yaml
+            import yaml  # optional dependency
         except ImportError:
             raise XprepError(f"--config {path}: YAML needs PyYAML (`pip install pyyaml`), "
                              "or write the config as JSON") from None
@@ -146,50 +330,24 @@ def read_config_file(path: str | Path) -> dict:
             raise XprepError(f"--config {path}: invalid JSON ({e})") from None
     if not isinstance(data, dict):
         raise XprepError(f"--config {path}: must hold an object of config keys, not {type(data).__name__}")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    return data
 
 
-def resolve_config(file: str | None, overrides: dict) -> TrainConfig:
-    """Defaults < file < overrides (flags left unset are None and do not override)."""
-    values = read_config_file(file) if file else {}
-    known = {f.name for f in fields(TrainConfig)}
-    for key in values:
-        if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
-            raise XprepError(f"--config {file}: unknown key {key!r}"
-                             + (f" (did you mean {hint[0]!r}?)" if hint else f"; keys: {', '.join(sorted(known))}"))
-    values = {k: _yaml_float(k, v) for k, v in values.items()}
+def resolve_config(file: str | None, flags: dict) -> TrainConfig:
+    """Defaults < file < ``flags`` (flat keys; those left unset are None and do not override)."""
+    values = nest(read_config_file(file), f"--config {file}") if file else nest({})
+    flags = {k: v for k, v in flags.items() if v is not None}
     for flag, other in (("steps", "epochs"), ("epochs", "steps")):  # a flag's run length replaces the file's
-        if overrides.get(flag) is not None:
+        if flag in flags:
             values.pop(other, None)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    if not values.get("packed"):
-        raise XprepError("no pack given: pass PACKED or set `packed` in --config")
-    try:
-        return TrainConfig(**values)
-    except TypeError as e:  # pragma: no cover - unknown keys are caught above
-        raise XprepError(f"config: {e}") from None
-
-
-_FLOAT_FIELDS = {f.name for f in fields(TrainConfig) if "float" in str(f.type)}
-
-
-def _yaml_float(key: str, value):
-    """YAML 1.1 reads ``1e-3`` (no dot) as a string: take it as the number it is meant to be."""
-    if key in _FLOAT_FIELDS and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
+    for key, value in flags.items():
+        section, name = FLAT_KEYS[key]
+        (values if section is None else values[section])[name] = value
+    return TrainConfig.from_dict(values)
 
 
 def validate_against_schema(config: dict) -> None:
-    """Check a resolved config against schemas/train.schema.json (when jsonschema is installed)."""
-    try:
-        import jsonschema
-    except ImportError:
-        return
+    """Check a resolved config (nested) against schemas/train.schema.json (absent from a non-editable install)."""
     if not SCHEMA.is_file():
         return
     schema = json.loads(SCHEMA.read_text())
@@ -198,3 +356,43 @@ def validate_against_schema(config: dict) -> None:
         e = errors[0]
         where = ".".join(str(p) for p in e.path) or "(top level)"
         raise XprepError(f"config {where}: {e.message} (schemas/train.schema.json)")
+
+
+# ------------------------------------------------------------------------------------------ checks
+def _flag(obj, name: str) -> str:
+    return "--" + _FLAT_KEY_OF[(obj.SECTION, name)].replace("_", "-")
+
+
+def _check_at_least(obj, low: int, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < low:
+            raise XprepError(f"{_flag(obj, name)} {value} must be ≥ {low}")
+
+
+def _check_choice(obj, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise XprepError(f"{_flag(obj, name)} {value!r} is not one of {', '.join(choices)}")
+
+
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def _check_types(obj, names: tuple[str, ...] | None = None) -> None:
+    """Config files are untyped: name the key (the flat one, as the flag) whose value has the wrong type."""
+    for f in fields(obj):
+        if names is not None and f.name not in names:
+            continue
+        value, key = getattr(obj, f.name), _FLAT_KEY_OF[(obj.SECTION, f.name)]
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if value is None:
+            if "None" in kinds:
+                continue
+            raise XprepError(f"config key {key!r} must be set")
+        allowed = tuple(t for k in kinds if k in _TYPES for t in _TYPES[k])
+        if isinstance(value, bool) and bool not in allowed:
+            allowed = ()
+        if not isinstance(value, allowed):
+            want = " or ".join(k for k in kinds if k != "None")
+            raise XprepError(f"config key {key!r}: {value!r} is not a {want}")

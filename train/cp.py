@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import _functional_collectives as funcol
 
 from train.attention import lower_right_causal_attention
 
@@ -146,8 +147,6 @@ def shard_batch(batch: dict[str, Tensor], cp_rank: int, cp_size: int) -> dict[st
 
 def all_gather_autograd(group: dist.ProcessGroup) -> GatherFn:
     """Concatenate a tensor over the group along dim 0; the backward reduce-scatters (sums) the gradient."""
-    from torch.distributed import _functional_collectives as funcol
-
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     return lambda x: gather(x.contiguous(), 0, group)
 

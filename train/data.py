@@ -23,7 +23,6 @@ in the same pass; the slow obvious reference of ``fill_items`` is ``fill_items_r
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import numba
 import numpy as np
 import torch
 
-from prep.dataset import TokenDataset
+from prep.dataset import MAX_CATEGORY, CategoryTable, TokenDataset
 from prep.errors import XprepError
 from prep.packfile import PackEntry, open_packed
 from train.cp import padded_length
@@ -48,48 +47,6 @@ class _Source:
     loss_mask: np.ndarray  # empty when the dataset has no loss mask stream
     category_ids: np.ndarray  # empty when the dataset has no category stream
     offsets: np.ndarray  # int64[n_docs + 1]
-
-
-def open_datasets(entry: PackEntry, verify_data: bool = False) -> list[TokenDataset]:
-    """Open every dataset the pack was built from, refusing missing or changed ones.
-
-    A changed dataset shows as a different manifest fingerprint (re-tokenized or re-merged);
-    ``verify_data`` also re-hashes each ``.bin`` against the manifest digests, which catches an
-    in-place edit of the token files at the cost of reading them once.
-    """
-    datasets = []
-    for i, info in enumerate(entry.meta.get("datasets", [])):
-        path = Path(info["path"])
-        if not (path / "manifest.json").is_file():
-            raise XprepError(
-                f"{entry.path}: input dataset #{i} {path} is missing; restore it or re-run "
-                "`xprep tokenize` and `xprep pack`"
-            )
-        ds = TokenDataset(path)
-        if ds.fingerprint != info["fingerprint"]:
-            raise XprepError(
-                f"{entry.path}: dataset {path} changed since it was packed (fingerprint "
-                f"{ds.fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`"
-            )
-        if verify_data:
-            _verify_streams(ds)
-        datasets.append(ds)
-    if not datasets:
-        raise XprepError(f"{entry.path}/pack.json: lists no input datasets; re-run `xprep pack`")
-    return datasets
-
-
-def _verify_streams(ds: TokenDataset) -> None:
-    for name, info in ds.manifest["streams"].items():
-        digest = hashlib.sha256()
-        with open(ds.path / f"{name}.bin", "rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-        if digest.hexdigest() != info["bin_sha256"]:
-            raise XprepError(
-                f"{ds.path}/{name}.bin: content differs from its manifest (edited in place); "
-                "re-create the dataset and re-run `xprep pack`"
-            )
 
 
 def pad_token_id(ds: TokenDataset) -> int:
@@ -116,7 +73,9 @@ class PackedDataset:
         self.cp_size = cp_size
         self.entry = open_packed(packed)
         check_cp_size(self.entry, cp_size)
-        self.datasets = open_datasets(self.entry, verify_data)
+        self.datasets = self.entry.open_datasets(verify_data)
+        if not self.datasets:
+            raise XprepError(f"{self.entry.path}/pack.json: lists no input datasets; re-run `xprep pack`")
         self.capacity = self.entry.capacity
         self.pad_id = pad_token_id(self.datasets[0])
         self._sources = [_source(ds) for ds in self.datasets]
@@ -245,20 +204,19 @@ def merge_categories(tables: list[list[str | None]]) -> tuple[list[str], list[np
 
     Returns the merged names and, per dataset, an id → merged id array (None when unchanged).
     """
-    names = [n if n is not None else str(i) for i, n in enumerate(tables[0])] if tables else ["uncategorized"]
-    index = {n: i for i, n in enumerate(names)}
+    merged = CategoryTable(_named(tables[0]) if tables else None)
     maps: list[np.ndarray | None] = [None]
     for table in tables[1:]:
-        remap = np.arange(65536, dtype=np.int64)
-        remap[len(table):] = 0  # ids outside a dataset's own table are not categories
-        for i, n in enumerate(table):
-            n = n if n is not None else str(i)
-            if n not in index:
-                index[n] = len(names)
-                names.append(n)
-            remap[i] = index[n]
-        maps.append(None if all(remap[i] == i for i in range(len(table))) else remap)
-    return names, maps
+        lut = merged.remap(_named(table))[:len(table)]
+        remap = np.zeros(MAX_CATEGORY + 1, np.int64)  # ids outside a dataset's own table are not categories
+        remap[:len(lut)] = lut
+        maps.append(None if np.array_equal(lut, np.arange(len(lut))) else remap)
+    return merged.names, maps
+
+
+def _named(table: list[str | None]) -> list[str]:
+    """A dataset's category names with the unnamed ids named by their number (as merged tables show them)."""
+    return [n if n is not None else str(i) for i, n in enumerate(table)]
 
 
 def _source(ds: TokenDataset) -> _Source:

@@ -15,12 +15,18 @@ FSDP, ``reduce_gradients`` all-reduces the same sum in flat buckets.
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from prep.errors import XprepError
 
@@ -99,8 +105,6 @@ class ParallelDims:
     def mesh(self, device_type: str | None = None):
         """The 2-D (dp, cp) DeviceMesh, built on first use (needs the process group)."""
         if "dp,cp" not in self._meshes:
-            from torch.distributed.device_mesh import init_device_mesh
-
             self._meshes["dp,cp"] = init_device_mesh(device_type or self.device_type, (self.dp, self.cp),
                                                      mesh_dim_names=("dp", "cp"))
         return self._meshes["dp,cp"]
@@ -119,8 +123,8 @@ class ParallelDims:
 def init_distributed(dims: ParallelDims) -> torch.device:
     """Start the process group when launched with several ranks; return this rank's device.
 
-    nccl when CUDA is available, else gloo (the mixed "cpu:gloo,cuda:nccl" string fails on CPU
-    builds, FACTS.md). A collective waits at most ``XTRAIN_DIST_TIMEOUT`` seconds (600) for a
+    nccl when CUDA is available, else gloo (the mixed "cpu:gloo,cuda:nccl" backend string fails
+    on CPU builds of torch). A collective waits at most ``XTRAIN_DIST_TIMEOUT`` seconds (600) for a
     peer, so a rank that hangs ends the job instead of blocking it for gloo's default 30 min;
     a rank that dies is noticed sooner by the launcher, which stops the others.
     """
@@ -162,8 +166,6 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     The wrapper adds ``_checkpoint_wrapped_module`` to parameter names; DCP's state-dict API
     strips it, so checkpoints load with or without activation checkpointing.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     layers = model.layers
     for i, block in enumerate(layers):
         layers[i] = checkpoint_wrapper(block)
@@ -172,12 +174,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True) -> None:
     """FSDP2 per block, then the root; gradient division off and plain-sum reduction everywhere.
 
-    Both settings are per FSDPModule, not recursive (FACTS.md): the loss is divided by the
-    global target count already, and gloo rejects the PREMUL_SUM a divide factor would use.
+    Both settings apply to one FSDPModule, not its children, so each is set on every one: the loss
+    is divided by the global target count already, and gloo rejects the PREMUL_SUM a divide factor
+    would use.
     The root is not resharded after forward (the backward needs its weights at once).
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
@@ -221,8 +222,6 @@ def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a (possibly FSDP-sharded) DTensor; a collective for DTensors."""
-    from torch.distributed.tensor import DTensor
-
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -235,8 +234,6 @@ def all_reduce_sum(t: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
 
 def failed_in_collective(e: BaseException) -> bool:
     """Whether ``e`` was raised inside torch.distributed (a collective, FSDP's communication, DCP)."""
-    import traceback
-
     root = os.path.dirname(dist.__file__)
     return any(frame.filename.startswith(root) for frame in traceback.extract_tb(e.__traceback__))
 
@@ -249,10 +246,10 @@ def barrier(dims: ParallelDims) -> None:
 def shutdown(dims: ParallelDims, code: int = 0) -> None:
     """End a distributed run: barrier, destroy the group, hard exit with ``code``.
 
-    gloo + DeviceMesh can abort at interpreter exit (FACTS.md); ``os._exit`` after a clean
-    teardown avoids it. After a failure (code != 0) peers may be stuck in a collective, so no
-    barrier or teardown: exit at once and let the launcher stop the others. A single process
-    just returns.
+    gloo + DeviceMesh aborts (SIGABRT) at interpreter exit in about one run of seven, after all the
+    work is done; ``os._exit`` after a clean teardown avoids it. After a failure (code != 0) peers
+    may be stuck in a collective, so no barrier or teardown: exit at once and let the launcher stop
+    the others. A single process just returns.
     """
     if not (dims.distributed and dist.is_initialized()):
         return
@@ -261,8 +258,6 @@ def shutdown(dims: ParallelDims, code: int = 0) -> None:
             dist.barrier()
             dist.destroy_process_group()
     finally:
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

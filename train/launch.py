@@ -1,11 +1,13 @@
 """``xtrain run --nproc-per-node N``: start the N ranks on this machine, as torchrun would.
 
-The ranks are started by torch's elastic launcher (``elastic_launch``, the API behind torchrun,
+The CLI calls ``launch`` when ``should_launch`` says so, and ``train.trainer.run`` otherwise. The
+ranks are started by torch's elastic launcher (``elastic_launch``, the API behind torchrun,
 standalone rendezvous on a free local port), each as ``python -m train.launch CONFIG_JSON``
-running the same resolved config. The launcher watches them: when one rank fails, it stops the
-others at once and the launch fails with that rank's exit code (its error is on stderr already).
-Under torchrun (or any launcher that sets RANK/WORLD_SIZE) nothing is spawned: this process
-already is one of the ranks, so plain ``torchrun ... xtrain run`` and multi-node runs need no code here.
+running the same resolved config through ``main``. The launcher watches them: when one rank
+fails, it stops the others at once and the launch fails with that rank's exit code (its error is
+on stderr already). Under torchrun (or any launcher that sets RANK/WORLD_SIZE) nothing is
+spawned: this process already is one of the ranks, so plain ``torchrun ... xtrain run`` and
+multi-node runs need no code here.
 """
 
 from __future__ import annotations
@@ -14,11 +16,17 @@ import json
 import os
 import sys
 import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from prep.errors import XprepError
-from train.config import TrainConfig
+from train.config import TrainConfig, validate_against_schema
+from train.trainer import prepare_run, run
 
 LAUNCHED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and by elastic_launch
+RANK_ENTRY = ["-m", "train.launch"]  # python arguments that start one rank, before its CONFIG_JSON (tests replace it)
 
 
 class RanksFailed(Exception):
@@ -29,30 +37,32 @@ class RanksFailed(Exception):
         self.exit_code = exit_code
 
 
-def should_launch(cfg: TrainConfig) -> bool:
+def should_launch(nproc_per_node: int | None) -> bool:
     """Spawn ranks only when asked for more than one and not already one of a launcher's ranks."""
-    return bool(cfg.nproc_per_node and cfg.nproc_per_node > 1) and not any(k in os.environ for k in LAUNCHED_ENV)
+    return bool(nproc_per_node and nproc_per_node > 1) and not any(k in os.environ for k in LAUNCHED_ENV)
 
 
-def launch(cfg: TrainConfig) -> None:
-    """Run ``cfg`` on ``cfg.nproc_per_node`` local ranks; raise ``RanksFailed`` when one fails."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def launch(cfg: TrainConfig) -> Path:
+    """Run ``cfg`` on ``cfg.parallel.nproc_per_node`` local ranks; raise ``RanksFailed`` when one fails.
 
-    nproc = cfg.nproc_per_node
+    What would fail in every rank (options, data, run directory, model) is checked here first, once.
+    """
+    nproc = cfg.parallel.nproc_per_node
+    validate_against_schema(cfg.to_dict())
+    prepare_run(cfg, cfg.parallel.build(world=nproc), verify_data=False)
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: N ranks must not each take every core
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn")
-    args = ("-m", "train.launch", json.dumps(cfg.to_dict()))
     try:
-        elastic_launch(config, sys.executable)(*args)
+        elastic_launch(config, sys.executable)(*RANK_ENTRY, json.dumps(cfg.to_dict()))
     except ChildFailedError as e:
         raise _ranks_failed(e, nproc) from None
+    return cfg.run_dir
 
 
-def _ranks_failed(e, nproc: int) -> RanksFailed:
+def _ranks_failed(e: ChildFailedError, nproc: int) -> RanksFailed:
     """One line naming the rank that failed first, how, and its error (its traceback is above)."""
     rank, failure = e.get_first_failure()
     if failure.exitcode < 0:
@@ -65,12 +75,10 @@ def _ranks_failed(e, nproc: int) -> RanksFailed:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """One rank started by ``launch``: the resolved config as JSON in argv[1]."""
-    from train.trainer import run
-
+    """One rank started by ``launch``: the resolved config as JSON in argv[0] (sys.argv[1])."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        run(TrainConfig(**json.loads(argv[0])))
+        run(TrainConfig.from_dict(json.loads(argv[0])))
     except XprepError as e:  # before the process group exists (after it, run reports and exits itself)
         print(f"error: [rank {os.environ.get('RANK', '0')}] {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -115,10 +115,10 @@ def check_plot_target(plot: str | Path) -> Path:
 
 def draw_plot(out: Path, records: list[dict], names: list[str]) -> str:
     """Loss over steps, overall and per category, written atomically to ``out``."""
-    import matplotlib
+    import matplotlib  # optional (the plot extra): only --plot needs it
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # no display: draw into files
+    import matplotlib.pyplot as plt  # after use("Agg"), as matplotlib requires
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="all", color="black", lw=1.5)
@@ -145,8 +145,10 @@ SETTINGS = ("model", "sampler", "lr", "schedule", "warmup")
 
 def settings(config: dict) -> dict:
     """The settings a run summary shows, from its config.json whether flat or in sections."""
-    flat = dict(config)
-    for value in config.values():
-        if isinstance(value, dict):
-            flat.update(value)
+    flat = {k: v for k, v in config.items() if not isinstance(v, dict)}
+    for section, values in config.items():
+        if isinstance(values, dict):
+            flat.update(values)
+            if "name" in values:  # the model section names the model
+                flat[section] = values["name"]
     return {k: flat.get(k) for k in SETTINGS}

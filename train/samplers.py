@@ -18,11 +18,15 @@ bins, bin ``r`` of a group meant for rank ``r``: there a unit is a group, ``micr
 must be 1 and ``dp`` must equal ``N``, and the random order permutes groups, never splits them.
 (The packer balances Σlen² over a whole step of N × dp_micro_batches bins: that balance holds
 exactly in sequential order; token-aware packs are shuffled at pack time already.)
+
+``plan_batches`` decides, before any sampler exists, how many bins make a micro-batch and a step,
+and how many steps the run has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -144,3 +148,51 @@ def build_sampler(kind: str, num_bins: int, micro_batch_size: int, dp_rank: int,
                   seed: int, group: int = 1) -> BinSampler:
     cls = {"sequential": BinSampler, "random": RandomBinSampler}[kind]
     return cls(num_bins, micro_batch_size, dp_rank, dp_size, seed, group)
+
+
+@dataclass
+class BatchPlan:
+    """How bins become steps: micro-batch, global batch, accumulation, DP grouping, length."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    grad_accum: int
+    group: int
+    steps: int
+
+
+def plan_batches(num_bins: int, pack_config: dict, dp: int, micro_batch_size: int,
+                 global_batch_size: int | None = None, steps: int | None = None, epochs: float | None = None,
+                 saved_global: int | None = None) -> BatchPlan:
+    """Check the batch options against the pack and the number of DP ranks.
+
+    ``saved_global`` is the global batch of the checkpoint being resumed: it is the default (the
+    micro × dp default would change with the layout), and another explicit one is refused.
+    Neither ``steps`` nor ``epochs``: one epoch.
+    """
+    group = int(pack_config.get("balance_dp") or 1)
+    micro = micro_batch_size
+    if pack_config.get("method") == "token-aware" and micro != 1:  # a bin is sized to be one micro-batch
+        raise XprepError(f"--micro-batch-size {micro}: a token-aware pack's bin is one whole micro-batch "
+                         "(its token budget); use --micro-batch-size 1 and raise --global-batch-size "
+                         "for more bins per step")
+    if group > 1:
+        per_rank = int(pack_config.get("dp_micro_batches") or 1)
+        default_global = group * per_rank
+    else:
+        default_global = micro * dp
+    if saved_global is not None and global_batch_size not in (None, saved_global):
+        raise XprepError(f"--global-batch-size {global_batch_size}: the checkpoint being resumed was trained "
+                         f"with a global batch of {saved_global} bins; resume with {saved_global} (or leave the "
+                         "option out), or start a new run with another --output")
+    global_ = global_batch_size or saved_global or default_global
+    if global_ % (micro * dp):
+        raise XprepError(
+            f"--global-batch-size {global_} is not a multiple of micro-batch {micro} × {dp} DP ranks "
+            f"= {micro * dp}: use a multiple such as {micro * dp * max(1, global_ // (micro * dp))}")
+    if steps is None:
+        steps = int((epochs or 1.0) * num_bins // global_)
+        if steps < 1:
+            raise XprepError(f"{epochs or 1} epoch(s) of {num_bins} bins is less than one global batch of "
+                             f"{global_}: use --steps, more epochs or a smaller --global-batch-size")
+    return BatchPlan(micro, global_, global_ // (micro * dp), group, steps)
