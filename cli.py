@@ -11,6 +11,7 @@ from functools import wraps
 import click
 
 from prep.errors import XprepError
+from prep.formats import RECORD_FORMATS
 
 
 def _user_errors(fn):
@@ -41,7 +42,7 @@ def xprep():
 @click.option("-o", "--output", required=True, help="Output dataset directory (must not exist or be empty).")
 @click.option("--tokenizer", "tokenizer", required=True,
               help="tokenizer.json, or a directory with tokenizer.json (+ tokenizer_config.json).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "text", "chat", "tokens"]), default="auto",
+@click.option("--format", "fmt", type=click.Choice(RECORD_FORMATS), default="auto",
               show_default=True, help="Record kind; auto decides per record.")
 @click.option("--text-field", default="text", show_default=True, help="Field holding plain text.")
 @click.option("--chat-template", default="auto", show_default=True,
@@ -87,7 +88,7 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
              category_field, append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit,
              eod_token, bos_token, role_map, allow_empty, progress_every):
     """Tokenize INPUT files/dirs/globs into a Megatron-compatible token dataset."""
-    from prep.tokenize import TokenizeConfig, run_tokenize
+    from prep.tokenize import TokenizeConfig, run_tokenize  # deferred: tokenizers and numpy load for this command only
 
     config = TokenizeConfig(
         inputs=list(inputs), output=output, tokenizer=tokenizer, format=fmt, text_field=text_field,
@@ -105,7 +106,7 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
 @_user_errors
 def merge(datasets, output):
     """Concatenate token datasets (e.g. shards) into one, in the given order."""
-    from prep.merge import merge_datasets
+    from prep.merge import merge_datasets  # deferred: numpy loads for this command only
 
     manifest = merge_datasets(list(datasets), output)
     c = manifest["counts"]
@@ -266,13 +267,13 @@ def xtrain():
 @_user_errors
 def run(packed, config_file, **options):
     """Train on the current entry of the pack cache PACKED (works under torchrun too)."""
-    from train.config import resolve_config
-    from train.launch import RanksFailed
+    from train.config import resolve_config  # the trainer and torch: deferred, `xprep` never needs them
+    from train.launch import RanksFailed, launch, should_launch
     from train.trainer import run as run_training
 
     config = resolve_config(config_file, {"packed": packed, **options})
-    try:
-        run_dir = run_training(config)
+    try:  # start the ranks here (--nproc-per-node), or train in this process (alone, or as a torchrun rank)
+        run_dir = launch(config) if should_launch(config.parallel.nproc_per_node) else run_training(config)
     except RanksFailed as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
