@@ -116,12 +116,13 @@ def merge(datasets, output):
 
 # ------------------------------------------------------------------------------------------- pack
 @xprep.command()
-@click.argument("datasets", nargs=-1, required=True)
+@click.argument("datasets", nargs=-1, required=False)
 @click.option("-o", "--output", required=True, help="Pack cache directory (created; entries keyed inside).")
-@click.option("--method", required=True, type=click.Choice(["sequential", "multipack", "token-aware"]),
+@click.option("--method", required=True, type=click.Choice(["sequential", "multipack", "token-aware", "chunk"]),
               help="sequential: in order, next bin when full; multipack: first-fit-decreasing over groups, "
                    "then underfull bins repacked together (densest); token-aware: in order, micro-batches "
-                   "of at most --max-tokens.")
+                   "of at most --max-tokens; chunk: documents as one stream cut into --seq-len samples "
+                   "(Megatron GPTDataset, 100 % fill, pretraining).")
 @click.option("--seq-len", type=int, default=None,
               help="Bin capacity in tokens (sequential, multipack).")
 @click.option("--max-tokens", type=int, default=None, help="Token budget of a micro-batch (token-aware).")
@@ -143,20 +144,34 @@ def merge(datasets, output):
 @click.option("--force", is_flag=True, help="Rebuild the entry even if the cache has it.")
 @click.option("--allow-empty", is_flag=True,
               help="Publish a pack of 0 bins (no documents, or all empty or dropped) instead of failing.")
+@click.option("--mix", "mix", default=None, metavar="FILE.yaml",
+              help="A blend: a YAML (or JSON) file naming datasets, their weights and optional category names "
+                   "(instead of, or besides, DATASET@WEIGHT arguments).")
+@click.option("--total-tokens", type=int, default=None,
+              help="Size of a blend, or of a chunk pack (the stream repeated as needed), in tokens.")
+@click.option("--epochs", type=float, default=None,
+              help="Size in epochs instead: of the stream for chunk, of the largest share for a blend.")
+@click.option("--split", default=None, metavar="TRAIN,VALID",
+              help="Hold out documents for validation, e.g. 99,1: a seeded rule by document keeps each one "
+                   "in the same split however the data is re-packed; the validation part is its own entry.")
 @_user_errors
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
-         dp_micro_batches, shuffle, seed, force, allow_empty):
+         dp_micro_batches, shuffle, seed, force, allow_empty, mix, total_tokens, epochs, split):
     """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
     from prep.cache import PackConfig  # deferred here and below: numba/numpy load only for the command run
     from prep.cache import pack as run_pack
     from prep.pack_report import outcome_report
     from prep.render import summary_lines, warning_lines
 
+    from prep.packconfig import parse_sources, parse_split
+
+    paths, weights = parse_sources(datasets, mix)
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
                         cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
-                        dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed)
-    outcome = outcome_report(run_pack(list(datasets), output, config, force=force, allow_empty=allow_empty,
-                                      log=lambda m: click.echo(m, err=True)))
+                        dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed, total_tokens=total_tokens,
+                        epochs=epochs, split=parse_split(split))
+    outcome = outcome_report(run_pack(paths, output, config, force=force, allow_empty=allow_empty,
+                                      log=lambda m: click.echo(m, err=True), weights=weights, mix=mix))
     click.echo("\n".join(summary_lines(outcome)))
     for line in warning_lines(outcome):
         click.echo(line, err=True)

@@ -95,7 +95,8 @@ class PackOutcome:
 
 
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
-         log: Callable[[str], None] | None = None, allow_empty: bool = False) -> PackOutcome:
+         log: Callable[[str], None] | None = None, allow_empty: bool = False, weights: list[float] | None = None,
+         mix: str | None = None) -> PackOutcome:
     """Return the cache entry for these datasets and options, building it unless it exists.
 
     A pack of 0 bins (no documents, or all empty or dropped) is refused before anything is published,

@@ -10,12 +10,12 @@ from dataclasses import asdict, dataclass
 
 from prep.errors import XprepError
 
-METHODS = ("sequential", "multipack", "token-aware")
+METHODS = ("sequential", "multipack", "token-aware", "chunk")
 OVERLONG = ("drop", "truncate", "split")
 # Pretraining text is usually packed in order and long documents are worth keeping (split);
 # SFT conversations lose meaning when cut, so the SFT-oriented methods drop them.
-DEFAULT_OVERLONG = {"sequential": "split", "multipack": "drop", "token-aware": "drop"}
-DEFAULT_SHUFFLE = {"sequential": False, "multipack": False, "token-aware": True}
+DEFAULT_OVERLONG = {"sequential": "split", "multipack": "drop", "token-aware": "drop", "chunk": "split"}
+DEFAULT_SHUFFLE = {"sequential": False, "multipack": False, "token-aware": True, "chunk": False}
 DEFAULT_GROUP_SIZE = 100_000
 DEFAULT_DP_MICRO_BATCHES = 16  # a wider window balances micro-steps better (1.33 → 1.09 at 8 ranks)
 
@@ -38,6 +38,9 @@ class PackConfig:
     dp_micro_batches: int | None = None
     shuffle: bool | None = None
     seed: int = 0
+    total_tokens: int | None = None  # --total-tokens: the size of a chunk pack (epochs of the stream) or of a blend
+    epochs: float | None = None  # --epochs: the same, in epochs (of the stream; of the largest share of a blend)
+    split: tuple[int, int] | None = None  # --split TRAIN,VALID: shares of documents held out for validation
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -126,3 +129,49 @@ class PackConfig:
 
     def to_json(self) -> dict:
         return {**asdict(self), "capacity": self.capacity, "align": self.align}
+
+
+def parse_split(text: str | None) -> tuple[int, int] | None:
+    """``--split 99,1`` → ``(99, 1)``: the shares of documents for training and validation."""
+    if text is None:
+        return None
+    parts = text.split(",")
+    try:
+        train, valid = (int(p) for p in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        train = valid = None
+    if train is None or train < 0 or valid < 0 or train + valid == 0:
+        raise XprepError(f"--split {text}: expected TRAIN,VALID shares as two non-negative integers, e.g. 99,1")
+    if valid == 0:
+        raise XprepError(f"--split {text}: leaves validation empty; give it a share, e.g. --split 99,1")
+    return train, valid
+
+
+def parse_sources(arguments: tuple[str, ...] | list[str], mix: str | None) -> tuple[list[str], list[float] | None]:
+    """``DATASET`` / ``DATASET@WEIGHT`` arguments → (paths, weights or None when no weight is given).
+
+    A mix file (``--mix``) is read by the blend itself; arguments given beside it must carry weights too.
+    """
+    paths, weights = [], []
+    for arg in arguments:
+        path, sep, weight = arg.rpartition("@")
+        if sep:
+            try:
+                value = float(weight)
+            except ValueError:
+                path, value = arg, None  # an '@' that is part of the path
+        else:
+            path, value = arg, None
+        if value is not None and not (value > 0 and value != float("inf")):
+            raise XprepError(f"{arg}: the weight {weight} must be a positive number")
+        paths.append(path)
+        weights.append(value)
+    given = [w is not None for w in weights]
+    if any(given) and not all(given):
+        missing = [p for p, w in zip(paths, weights, strict=True) if w is None]
+        raise XprepError(f"{missing[0]}: give every dataset of a blend a weight (DATASET@WEIGHT), or none")
+    if not paths and mix is None:
+        raise XprepError("no DATASET given: name the token datasets to pack (or a --mix file)")
+    if mix is not None and paths and not all(given):
+        raise XprepError(f"{paths[0]}: datasets given beside --mix {mix} need a weight too (DATASET@WEIGHT)")
+    return paths, (weights if all(given) and paths else None)
