@@ -161,9 +161,8 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     from prep.cache import PackConfig  # deferred here and below: numba/numpy load only for the command run
     from prep.cache import pack as run_pack
     from prep.pack_report import outcome_report
-    from prep.render import summary_lines, warning_lines
-
     from prep.packconfig import parse_sources, parse_split
+    from prep.render import summary_lines, warning_lines
 
     paths, weights = parse_sources(datasets, mix)
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
