@@ -16,11 +16,16 @@ next token as the label of its last position.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numba import njit
 
 
 def samples_for(total_tokens: int | None, epoch_tokens: int, seq_len: int) -> tuple[int, int]:
     """(samples, epochs): what ``--total-tokens`` asks for, or one epoch's worth (``(tokens − 1) // S``)."""
+    if epoch_tokens == 0:
+        return 0, 0
     if total_tokens is None:
         return (epoch_tokens - 1) // seq_len, 1
     samples = -(-total_tokens // seq_len)
@@ -28,25 +33,63 @@ def samples_for(total_tokens: int | None, epoch_tokens: int, seq_len: int) -> tu
     return samples, epochs
 
 
-def chunk_items(lengths: np.ndarray, seq_len: int, samples: int
+def samples_for_epochs(epochs: float, epoch_tokens: int, seq_len: int) -> tuple[int, int]:
+    """(samples, epochs begun) for ``--epochs E``: Megatron's ``(E·tokens − 1) // S`` samples (E = 1: one epoch)."""
+    if epoch_tokens == 0:
+        return 0, 0
+    samples = max(0, math.floor((epochs * epoch_tokens - 1) / seq_len))
+    return samples, max(1, -(-(samples * seq_len + 1) // epoch_tokens))
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle seed of epoch ``epoch``: ``seed`` itself for the first (the order ``--shuffle --seed`` gives
+    the other methods), then one drawn from (seed, epoch), spread over 63 bits."""
+    if epoch == 0:
+        return seed
+    mixed = np.random.SeedSequence([seed, epoch]).generate_state(2, np.uint32)
+    return int((int(mixed[0]) << 31) ^ int(mixed[1]))
+
+
+def chunk_items(lengths: np.ndarray, seq_len: int, samples: int, order: np.ndarray | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Cut the stream of documents with these lengths (in visiting order, none empty) into samples.
+    """Cut the stream of documents ``order`` (positions into ``lengths``; all of them in turn when None, none
+    empty) into samples.
 
     Returns ``(bin_offsets, item_pos, item_start, item_len)``: CSR over items, each a run of tokens of the
     document at position ``item_pos`` of the visiting order. The stream must hold ``samples·S + 1`` tokens.
-    Vectorized: the item boundaries are the sample starts merged with the document starts.
+    One linear pass over samples and documents (numba), as ``build_sample_idx`` walks them.
     """
-    lengths = np.asarray(lengths, np.int64)
-    cum = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=cum[1:])
-    end = samples * seq_len
-    if cum[-1] < end + 1:
-        raise ValueError(f"the stream holds {int(cum[-1])} tokens, {samples} samples of {seq_len} need {end + 1}")
-    sample_starts = np.arange(samples, dtype=np.int64) * seq_len
-    doc_starts = cum[1:-1][cum[1:-1] < end]
-    bounds = np.union1d(sample_starts, doc_starts)
-    item_pos = np.searchsorted(cum, bounds, side="right") - 1
-    item_start = bounds - cum[item_pos]
-    item_len = np.diff(np.append(bounds, end))
-    bin_offsets = np.append(np.searchsorted(bounds, sample_starts), len(bounds)).astype(np.int64)
-    return bin_offsets, item_pos, item_start, item_len
+    order = np.arange(len(lengths), dtype=np.int64) if order is None else order
+    total = int(lengths[order].sum(dtype=np.int64)) if len(order) != len(lengths) else int(lengths.sum(dtype=np.int64))
+    if total < samples * seq_len + 1:
+        raise ValueError(f"the stream holds {total} tokens, {samples} samples of {seq_len} need "
+                         f"{samples * seq_len + 1}")
+    bin_offsets, items = _cut(lengths, order, np.int64(seq_len), np.int64(samples))
+    return bin_offsets, items[:, 0], items[:, 1], items[:, 2]
+
+
+@njit(cache=True)
+def _cut(lengths, order, seq_len, samples):
+    """One walk over samples and documents; items as rows (position, start, length): one write stream."""
+    bin_offsets = np.empty(samples + 1, np.int64)
+    items = np.empty((samples + len(order), 3), np.int64)  # at most one item per sample and per document
+    i = d = off = 0
+    length = lengths[order[0]]
+    for k in range(samples):
+        bin_offsets[k] = i
+        remaining = seq_len
+        while remaining > 0:
+            avail = length - off
+            take = remaining if remaining < avail else avail
+            items[i, 0], items[i, 1], items[i, 2] = d, off, take
+            i += 1
+            remaining -= take
+            if take == avail:
+                d += 1
+                off = 0
+                if d < len(order):
+                    length = lengths[order[d]]
+            else:
+                off += take
+    bin_offsets[samples] = i
+    return bin_offsets, items[:i]
