@@ -86,7 +86,7 @@ class TokenizerInfo:
         if self.eod_from.startswith("default"):
             lines.append(f"end-of-document token {self.eos_token!r} (id {self.eod_id}) is a {self.eod_from}; "
                          "pass --eod-token TOKEN to choose another")
-        if chat and self.bos_from.startswith("default"):
+        if chat and self.bos_token and self.bos_from.startswith("default"):
             lines.append(f"BOS token {self.bos_token!r} is a {self.bos_from}; pass --bos-token TOKEN "
                          "(or --bos-token '' for none) to choose another")
         return lines

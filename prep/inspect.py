@@ -7,12 +7,12 @@ data builds the report (``prep/dataset_report.py``, ``prep/pack_report.py``, ``t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from prep.errors import XprepError
 from prep.formats import DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON
+from prep.io import read_json
 
 KIND_NAMES = {"dataset": "token dataset", "packed": "pack cache", "run": "run directory"}
 
@@ -67,10 +67,10 @@ def kind_of(path: str | Path) -> str:
         raise XprepError(f"{path}: no such file or directory")
     manifest = path / MANIFEST
     if manifest.is_file():
-        try:
-            fmt = json.loads(manifest.read_text()).get("format")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            raise XprepError(f"{manifest}: not valid JSON; the directory is corrupt") from None
+        data = read_json(manifest, "manifest", "the directory is corrupt: re-create it")
+        if not isinstance(data, dict):
+            raise XprepError(f"{manifest}: not a JSON object; the directory is corrupt: re-create it")
+        fmt = data.get("format")
         if fmt == DATASET_FORMAT:
             return "dataset"
         if fmt == PACK_FORMAT:

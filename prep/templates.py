@@ -306,6 +306,13 @@ def content_forms(content: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(forms))
 
 
+def _role_kind(role) -> str:
+    """The reject kind of an unknown role: by name for short role names (few distinct), else one kind."""
+    if isinstance(role, str) and len(role) <= 32 and role.isprintable():
+        return f"unknown role {role!r}"
+    return "unknown role"
+
+
 def parse_role_map(spec: str | None) -> dict[str, str]:
     """``--role-map from=to,...`` → {from (lower case): canonical role}, checked."""
     if not spec:
@@ -361,7 +368,7 @@ def normalize_messages(record: dict, role_map: dict[str, str] | None = None) -> 
         if not isinstance(role, str) or role.lower() not in roles:
             raise TemplateError(f"message {j}: unknown role {role!r} (known: {', '.join(sorted(roles))}; "
                                 "map others with --role-map NAME=assistant|user|system|tool)",
-                                f"unknown role {role!r}")
+                                _role_kind(role))
         if content is None:
             content = ""
         if not isinstance(content, str):

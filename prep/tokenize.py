@@ -546,12 +546,16 @@ def run_tokenize(config: TokenizeConfig) -> dict:
     info = load_tokenizer_info(config.tokenizer, config.eod_token, config.bos_token)
     dtype = _dtype(config.dtype, info.vocab_size)
     plan = plan_shard(sources, config.num_shards, config.shard_index)
-    chat = config.format == CHAT or (config.format == AUTO and _starts_with_chat(sources, plan))
+    # Content never depends on sniffing records (shards of one run must agree): the EOD follows the chat
+    # template only where the command says the data is chat. The sniff only sizes the worker pool.
+    chat_declared = config.format == CHAT or (config.format == AUTO and config.chat_template != AUTO)
+    chat = chat_declared or (config.format == AUTO and _starts_with_chat(sources, plan))
     template = _template(config, info)
-    if template is not None and chat:
-        info = _chat_eod(info, ChatTemplate(template))  # compiled here: a broken template fails before any worker
+    if template is not None:
+        compiled = ChatTemplate(template)  # compiled here: a broken template fails before any worker starts
+        info = _chat_eod(info, compiled) if chat_declared else info
     append_eod = config.append_eod
-    if append_eod is not False and config.format in (AUTO, TEXT) and info.eod_id is None:
+    if info.eod_id is None and (append_eod or (append_eod is None and config.format in (AUTO, TEXT))):
         raise XprepError(f"{info.path}: no end-of-document token found (eos_token); pass --eod-token TOKEN "
                          "or --no-append-eod")
     options = Options(config.format, config.text_field, config.train_on, config.category,
@@ -573,7 +577,7 @@ def run_tokenize(config: TokenizeConfig) -> dict:
         if plan or config.num_shards == 1:  # a shard given no input (more shards than files) is empty by design
             _check_not_empty(config, writer)
         manifest = writer.finish(manifest, categories)
-    for line in info.defaults_used(chat=template is not None):  # after the work: an error stays one line
+    for line in info.defaults_used(chat=template is not None and chat):  # after the work: errors stay one line
         print(f"xprep tokenize: note: {line}", file=sys.stderr)
     c = manifest["counts"]
     print(f"xprep tokenize: {c['documents']:,} documents, {c['tokens']:,} tokens "
@@ -661,8 +665,8 @@ def _check_not_empty(config: TokenizeConfig, writer: DatasetWriter) -> None:
     if config.num_shards > 1:
         where += f" (shard {config.shard_index} of {config.num_shards})"
     if counts.documents == 0:
-        rejected = f"; all {writer.reject_count:,} records were rejected (see the reasons with --on-error skip " \
-                   f"in {REJECTS})" if writer.reject_count else ""
+        kinds = ", ".join(f"{n:,} × {kind}" for kind, n in sorted(writer.reject_reasons.items(), key=lambda kv: -kv[1]))
+        rejected = f"; all {writer.reject_count:,} records were rejected ({kinds})" if writer.reject_count else ""
         raise XprepError(f"{where}: no document to write{rejected}; nothing was published "
                          "(pass --allow-empty to write an empty dataset anyway)")
     if counts.loss_tokens == 0:

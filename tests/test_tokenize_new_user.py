@@ -345,3 +345,65 @@ def test_bad_records_and_defaults_on_a_real_tokenizer(tmp_path):
 
 
 assert TINY_CHAT_TEMPLATE  # the tiny tokenizer's template is the ChatML one the cases above rely on
+
+
+def test_format_auto_content_does_not_depend_on_the_first_record(tmp_path):
+    """The EOD follows the chat template only when the command says the data is chat: shards of a mixed
+    input (one starting with text, one with chat) agree and merge into the single run, byte for byte."""
+    from prepkit import assert_same_files
+
+    tok = tokenizer_dir(tmp_path, "tok", {"chat_template": TINY_CHAT_TEMPLATE},
+                        ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    a = write_jsonl(tmp_path / "a.jsonl", text_records(3))
+    b = write_jsonl(tmp_path / "b.jsonl", chat_records(3))
+    for i in range(2):
+        code, _, err = xprep_cli("tokenize", a, b, "-o", tmp_path / f"s{i}", "--tokenizer", tok, "--num-shards", "2",
+                                 "--shard-index", str(i), timeout=60)
+        assert code == 0, err
+    code, _, err = xprep_cli("tokenize", a, b, "-o", tmp_path / "one", "--tokenizer", tok, timeout=60)
+    assert code == 0, err
+    code, _, err = xprep_cli("merge", tmp_path / "s0", tmp_path / "s1", "-o", tmp_path / "merged", timeout=60)
+    assert code == 0, err
+    assert_same_files(tmp_path / "one", tmp_path / "merged")
+    assert TokenDataset(tmp_path / "one").manifest["special_tokens"]["eod"]["token"] == "<|endoftext|>"
+
+
+def test_all_rejected_says_why_and_long_roles_share_one_kind(tmp_path, tiny_tokenizer):
+    weird = "x" * 200
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                             {"messages": [{"role": weird, "content": "hi"}]}])
+    code, _, err = xprep_cli("tokenize", src, "-o", tmp_path / "out", "--tokenizer", tiny_tokenizer,
+                             "--on-error", "skip", timeout=30)
+    one_line_error(code, err, "all 2 records were rejected (1 × no assistant message, 1 × unknown role)")
+    assert weird not in err.split("(")[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the worker processes")
+def test_sigterm_removes_the_temporary_output_and_stops_the_workers(tmp_path, tiny_tokenizer):
+    """Preemption (SIGTERM, as Slurm and Kubernetes send) unwinds like Ctrl-C: nothing is left behind."""
+    src = write_jsonl(tmp_path / "chat.jsonl", chat_records(12) * 4000)
+    script = Path(sys.executable).with_name("xprep")
+    proc = subprocess.Popen([str(script), "tokenize", str(src), "-o", str(tmp_path / "out"), "--tokenizer",
+                             str(tiny_tokenizer), "--format", "chat", "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        deadline = time.monotonic() + 20
+        workers = []
+        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            workers = _children(proc.pid, "spawn_main")
+            time.sleep(0.05)
+        assert workers, "no worker process appeared"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    no_temp_left(tmp_path)
+    assert not (tmp_path / "out").exists()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in workers if Path(f"/proc/{pid}/stat").exists()
+             and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"]
+    assert not alive, f"workers still running: {alive}"
