@@ -25,12 +25,14 @@ test: $(STAMP)
 demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(PY) -m prep.demo $(DEMO)
-	$(VENV)/bin/xprep tokenize $(DEMO)/corpus -o $(DEMO)/dataset --tokenizer $(DEMO)/tokenizer
-	$(VENV)/bin/xprep inspect $(DEMO)/dataset
-	$(VENV)/bin/xprep pack $(DEMO)/dataset -o $(DEMO)/packed --method multipack --seq-len 1024 --cp-size 2 --overlong split
+	$(VENV)/bin/xprep tokenize $(DEMO)/corpus/code.jsonl -o $(DEMO)/code --tokenizer $(DEMO)/tokenizer
+	$(VENV)/bin/xprep tokenize $(DEMO)/corpus/chat.jsonl -o $(DEMO)/chat --tokenizer $(DEMO)/tokenizer
+	$(VENV)/bin/xprep inspect $(DEMO)/chat
+	$(VENV)/bin/xprep pack $(DEMO)/code@0.7 $(DEMO)/chat@0.3 -o $(DEMO)/packed --method multipack --seq-len 1024 \
+		--cp-size 2 --overlong split --split 95,5
 	$(VENV)/bin/xprep inspect $(DEMO)/packed
 	$(VENV)/bin/xtrain run $(DEMO)/packed --model tiny --steps 20 --micro-batch-size 1 --global-batch-size 2 --lr 3e-3 --warmup 2 --sampler random \
-		--nproc-per-node 2 --cp 2 --output $(DEMO)/runs/demo
+		--eval-every 10 --eval-bins 16 --nproc-per-node 2 --cp 2 --output $(DEMO)/runs/demo
 	$(VENV)/bin/xprep inspect $(DEMO)/runs/demo
 
 bench: $(STAMP)
@@ -38,6 +40,8 @@ bench: $(STAMP)
 	$(PY) -m bench.pack
 	$(PY) -m bench.train
 	$(PY) -m bench.parallel
+	$(PY) -m bench.chunk
+	$(PY) -m bench.blend
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -5,6 +5,7 @@ Every user mistake surfaces as an ``XprepError``; ``main`` prints it as one line
 
 from __future__ import annotations
 
+import signal
 import sys
 from functools import wraps
 
@@ -34,6 +35,13 @@ def _user_errors(fn):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def xprep():
     """Offline data preparation: tokenize corpora, pack documents, inspect what is there."""
+    # SIGTERM (Slurm and Kubernetes preemption) unwinds like Ctrl-C: temporary outputs are removed and worker
+    # processes stopped on the way out, instead of being left behind by an abrupt exit.
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
 
 
 # --------------------------------------------------------------------------------------- tokenize
@@ -192,8 +200,13 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
 @click.option("--plot", default=None, metavar="FILE",
               help="Run directory: draw the loss curves (overall and per category) into FILE (.png, .pdf or "
                    ".svg; needs matplotlib). Without it nothing is written.")
+@click.option("--seen", is_flag=True,
+              help="Run directory: list the documents trained on (dataset, index, source, categories, tokens) up "
+                   "to --step, with tokens per source and per category.")
+@click.option("--step", type=int, default=None, metavar="N",
+              help="With --seen: up to step N [default: the latest checkpoint, else the last logged step].")
 @_user_errors
-def inspect(path, as_json, sample, seed, over, plot):
+def inspect(path, as_json, sample, seed, over, plot, seen, step):
     """Report on a token dataset, a pack cache (every entry, then the current one), or a run directory."""
     from prep.inspect import InspectOptions, kind_of  # deferred: numpy and the report modules load on use
     from prep.render import render, to_json
@@ -201,11 +214,15 @@ def inspect(path, as_json, sample, seed, over, plot):
     options = InspectOptions(sample=sample, seed=seed, over=over, plot=plot)
     kind = kind_of(path)
     options.check_applies(kind, path)
-    report = _report(kind, path, options)
+    if step is not None and not seen:
+        raise XprepError(f"--step {step} applies only with --seen (the documents trained on up to step N)")
+    if seen and kind != "run":
+        raise XprepError(f"--seen applies only to a run directory, and {path} is not one; drop --seen")
+    report = _report(kind, path, options, seen, step)
     click.echo(to_json(report) if as_json else render(report, color=sys.stdout.isatty()))
 
 
-def _report(kind: str, path: str, options):
+def _report(kind: str, path: str, options, seen: bool = False, step: int | None = None):
     """The report of the module that owns this kind of data (prep/ never reads a run directory)."""
     if kind == "dataset":
         from prep.dataset_report import dataset_report  # deferred: tokenizers and numpy, for this kind only
@@ -215,6 +232,10 @@ def _report(kind: str, path: str, options):
         from prep.pack_report import pack_report  # deferred: numpy, for this kind only
 
         return pack_report(path)
+    if seen:
+        from train.lineage import seen_report  # deferred: train/ is read only for a run directory
+
+        return seen_report(path, step)
     from train.report import run_report  # deferred: train/ is read only for a run directory
 
     return run_report(path, plot=options.plot)
@@ -255,9 +276,14 @@ def xtrain():
 @click.option("--output", "-o", default=None, help="Run directory [default: runs/<pack directory name>].")
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps; 0 = at the end only.")
 @click.option("--keep", type=int, default=None,
-              help="Newest checkpoints kept, plus the best by training loss [default: 2].")
+              help="Newest checkpoints kept, plus the best (by validation loss when the run evaluates, else by "
+                   "training loss) [default: 2].")
 @click.option("--resume", default=None, help="auto (latest checkpoint, if any), never, or a checkpoint path "
               "[default: auto].")
+@click.option("--eval-every", type=int, default=None,
+              help="Evaluate on the pack's validation entry (`xprep pack --split`) every N steps and after the "
+                   "last [default: after the last step only, when the pack has a validation entry].")
+@click.option("--eval-bins", type=int, default=None, help="Evaluate on the first M validation bins [default: all].")
 @click.option("--log-every", type=int, default=None, help="Console line every N steps [default: 10].")
 @click.option("--verify-data/--no-verify-data", default=None,
               help="Re-hash the dataset streams against their manifests first (catches in-place edits).")

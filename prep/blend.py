@@ -41,16 +41,17 @@ class Blend:
 
 
 @njit(cache=True)
-def greedy_blend(weights, unit, sizes, size_offsets, orders, order_offsets, total_tokens, out_source, out_index):
+def greedy_blend(weights, unit, sizes, size_offsets, counts, later, later_offsets, total_tokens, out_source,
+                 out_index, taken, delivered):
     """Fill ``out_*`` with the greedy blend until ``total_tokens`` are delivered; return the bins written.
 
-    ``sizes[size_offsets[i] + b]`` is the size of bin ``b`` of source ``i``; ``orders[order_offsets[i]:…]``
-    the bins of source ``i`` in the order they are taken, over as many epochs as were prepared. Returns -1 - i
-    when source ``i`` runs out of prepared bins (the caller prepares more epochs and calls again).
+    ``sizes[size_offsets[i] + b]`` is the size of bin ``b`` of source ``i``, which holds ``counts[i]`` bins,
+    taken first in order ``0 … counts[i]−1``, then in the orders ``later[later_offsets[i]:later_offsets[i+1]]``
+    (the later epochs prepared). ``taken``/``delivered`` (zeros on entry) end as the bins and tokens taken from
+    each source. Returns -1 - i when source ``i`` runs out of prepared bins (the caller prepares more epochs and
+    calls again).
     """
     k = len(weights)
-    taken = np.zeros(k, np.int64)
-    delivered = np.zeros(k, np.float64)
     total = 0.0
     n = 0
     while total < total_tokens:
@@ -61,58 +62,105 @@ def greedy_blend(weights, unit, sizes, size_offsets, orders, order_offsets, tota
             error = weights[i] * scale - delivered[i]
             if error > best_error:
                 best, best_error = i, error
-        pos = order_offsets[best] + taken[best]
-        if pos >= order_offsets[best + 1]:
-            return -1 - best
-        b = orders[pos]
+        t = taken[best]
+        if t < counts[best]:
+            b = t
+        else:
+            pos = later_offsets[best] + t - counts[best]
+            if pos >= later_offsets[best + 1]:
+                return -1 - best
+            b = later[pos]
         size = sizes[size_offsets[best] + b]
         out_source[n] = best
         out_index[n] = b
-        taken[best] += 1
+        taken[best] = t + 1
         delivered[best] += size
         total += size
         n += 1
     return n
 
 
-def blend_bins(bin_sizes: list[np.ndarray], weights: np.ndarray, unit: int, total_tokens: int, seed: int) -> Blend:
+def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int, total_tokens: int, seed: int
+               ) -> Blend:
     """The blend of sources with these bin sizes (in tokens) and weights, until ``total_tokens`` are delivered.
 
-    ``weights`` need not sum to 1 (they are normalized); each must be > 0 and each source must hold a bin.
+    A source given as an int is that many bins each worth ``unit`` (a fixed-capacity pack): with every source
+    so, the blend runs on bin counts alone (Megatron's exact rule, no sizes read). ``weights`` need not sum
+    to 1 (they are normalized); each must be > 0 and each source must hold a bin. Memory: the bin sizes once
+    (when given), the output, and only the later epochs' orders.
     """
     weights = np.asarray(weights, np.float64) / np.sum(weights)
     k = len(bin_sizes)
-    counts = np.array([len(s) for s in bin_sizes], np.int64)
-    tokens = np.array([int(np.sum(s, dtype=np.int64)) for s in bin_sizes], np.int64)
-    sizes = np.concatenate([np.asarray(s, np.float64) for s in bin_sizes])
-    size_offsets = np.concatenate([[0], np.cumsum(counts)])
-    # Epochs each source needs at its share, plus one: the greedy may run a few bins ahead of the share.
-    epochs = [int(np.ceil(w * total_tokens / max(t, 1))) + 1 for w, t in zip(weights, tokens, strict=True)]
+    uniform = all(isinstance(s, int | np.integer) for s in bin_sizes)
+    if not uniform:
+        bin_sizes = [np.full(s, unit, np.int32) if isinstance(s, int | np.integer) else s for s in bin_sizes]
+    counts = np.array([s if uniform else len(s) for s in bin_sizes], np.int64)
+    tokens = counts * unit if uniform else np.array([int(np.sum(s, dtype=np.int64)) for s in bin_sizes], np.int64)
+    biggest = unit if uniform else max(int(np.max(s)) for s in bin_sizes)
+    smallest = unit if uniform else min(int(np.min(s)) for s in bin_sizes)
+    # Epochs each source needs at its share, with room for the greedy running up to two bins ahead of it.
+    epochs = [max(1, int(np.ceil((w * total_tokens + 2 * biggest) / max(t, 1))))
+              for w, t in zip(weights, tokens, strict=True)]
     index_dtype = np.int32 if counts.max() < 2**31 else np.int64
-    capacity = int(np.ceil(total_tokens / max(min(np.min(s) for s in bin_sizes), 1))) + k + 1
+    capacity = int(np.ceil(total_tokens / max(smallest, 1))) + k + 1
+    out_source = np.empty(capacity, np.int16)
+    out_index = np.empty(capacity, index_dtype)
     while True:
-        orders = [epoch_orders(int(counts[i]), epochs[i], seed, i, index_dtype) for i in range(k)]
-        order_offsets = np.concatenate([[0], np.cumsum([len(o) for o in orders])])
-        out_source = np.empty(capacity, np.int16)
-        out_index = np.empty(capacity, index_dtype)
-        n = greedy_blend(weights, float(unit), sizes, size_offsets, np.concatenate(orders), order_offsets,
-                         float(total_tokens), out_source, out_index)
+        later = [later_orders(int(counts[i]), epochs[i], seed, i, index_dtype) for i in range(k)]
+        later_offsets = np.concatenate([[0], np.cumsum([len(o) for o in later])])
+        later = np.concatenate(later).astype(index_dtype)
+        taken, delivered = np.zeros(k, np.int64), np.zeros(k, np.float64)
+        if uniform:
+            n = greedy_blend_counts(weights, counts, later, later_offsets, -(-total_tokens // unit), out_source,
+                                    out_index, taken)
+            delivered = taken * float(unit)
+        else:
+            sizes = np.concatenate([np.asarray(s) for s in bin_sizes])
+            size_offsets = np.concatenate([[0], np.cumsum(counts)])
+            n = greedy_blend(weights, float(unit), sizes, size_offsets, counts, later, later_offsets,
+                             float(total_tokens), out_source, out_index, taken, delivered)
         if n >= 0:
             break
         epochs[-1 - n] *= 2  # rare: that source ran further ahead than prepared for
-    out_source, out_index = out_source[:n], out_index[:n]
-    taken = np.bincount(out_source, minlength=k).astype(np.int64)
-    delivered = np.bincount(out_source, weights=sizes[size_offsets[out_source] + out_index], minlength=k)
-    return Blend(bin_source=out_source, bin_index=out_index, bins=taken, tokens=delivered.astype(np.int64),
-                 epochs=np.maximum(1, -(-taken // counts)))
+    return Blend(bin_source=out_source[:n], bin_index=out_index[:n], bins=taken,
+                 tokens=delivered.astype(np.int64), epochs=np.maximum(1, -(-taken // counts)))
+
+
+@njit(cache=True)
+def greedy_blend_counts(weights, counts, later, later_offsets, n_bins, out_source, out_index, taken):
+    """``greedy_blend`` when every bin is worth the same: Megatron's ``w_i · max(n, 1) − c_i`` on counts."""
+    k = len(weights)
+    for n in range(n_bins):
+        scale = max(float(n), 1.0)
+        best = 0
+        best_error = weights[0] * scale - taken[0]
+        for i in range(1, k):
+            error = weights[i] * scale - taken[i]
+            if error > best_error:
+                best, best_error = i, error
+        t = taken[best]
+        if t < counts[best]:
+            b = t
+        else:
+            pos = later_offsets[best] + t - counts[best]
+            if pos >= later_offsets[best + 1]:
+                return -1 - best
+            b = later[pos]
+        out_source[n] = best
+        out_index[n] = b
+        taken[best] = t + 1
+    return n_bins
+
+
+def later_orders(n_bins: int, epochs: int, seed: int, source: int, dtype=np.int32) -> np.ndarray:
+    """Epochs 1 … epochs−1 of one source (epoch 0 is the pack's own order, never materialized)."""
+    parts = [shuffled_order(n_bins, epoch_seed(seed, source, e)).astype(dtype) for e in range(1, epochs)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 def epoch_orders(n_bins: int, epochs: int, seed: int, source: int, dtype=np.int32) -> np.ndarray:
     """The bins of one source over ``epochs`` epochs: the pack's order, then seeded permutations."""
-    parts = [np.arange(n_bins, dtype=dtype)]
-    for epoch in range(1, epochs):
-        parts.append(shuffled_order(n_bins, epoch_seed(seed, source, epoch)).astype(dtype))
-    return np.concatenate(parts)
+    return np.concatenate([np.arange(n_bins, dtype=dtype), later_orders(n_bins, epochs, seed, source, dtype)])
 
 
 def epoch_seed(seed: int, source: int, epoch: int) -> int:

@@ -11,6 +11,11 @@
    place; a killed build leaves only a temp directory, removed by the next build;
 4. ``output/manifest.json`` names the entry as current (written atomically, under its own lock).
 
+With ``--split TRAIN,VALID`` the documents are divided first (``split_documents``, a rule on each document's
+dataset content and index alone) and each part is its own entry, keyed with the split (the validation
+part also with ``"part": "validation"``); the manifest's ``"validation"`` names the validation entry
+of the current one. The validation entry is built first, so an empty validation publishes nothing.
+
 A hit reads only the datasets' manifests (and re-hashes their token indexes) and memory-maps the
 entry. An entry that exists but does not open is reported as corrupt, never silently rebuilt.
 ``PackConfig`` is defined in ``prep.packconfig`` (the packing pipeline takes it too);
@@ -27,7 +32,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,13 +40,28 @@ import numpy as np
 
 from prep.dataset import canonical_json, read_manifest, verify_streams
 from prep.errors import XprepError
-from prep.formats import MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
+from prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
 from prep.io import check_output_dir, fsync_dir, fsync_tree, read_json, write_json_atomic
+from prep.mixture import (
+    BlendEntry,
+    blend_key,
+    blend_name,
+    blend_total,
+    blend_units,
+    build_blend,
+    check_blend_config,
+    read_sources,
+    shares,
+)
 from prep.packconfig import PackConfig
 from prep.packfile import PackEntry, open_fingerprinted
-from prep.packing import Packed, pack_lengths
+from prep.packing import Packed, held_out, pack_lengths
 
 PACK_VERSION = 1  # bump when the same options and data would pack differently
+TRAIN, VALIDATION = "train", "validation"  # the parts of a --split pack
+SPLIT_RULE = ("document d of dataset D is held out for validation when u(D, d) < VALID/(TRAIN+VALID), u = splitmix64 "
+              "of (the first 8 bytes of sha256(D's fingerprint), d) as a fraction of 2**64: it depends on the "
+              "dataset content and d alone")
 
 
 def layout_of(config: PackConfig) -> str:
@@ -75,10 +95,13 @@ def read_fingerprints(paths: list[str | Path]) -> list[dict]:
     return out
 
 
-def cache_key(config: PackConfig, datasets: list[dict]) -> str:
-    """sha256 of canonical JSON: pack format and version, output-changing options, fingerprints."""
+def cache_key(config: PackConfig, datasets: list[dict], part: str | None = None) -> str:
+    """sha256 of canonical JSON: pack format and version, output-changing options, fingerprints (and the
+    ``--split`` part, for the validation one)."""
     payload = {"pack_format": PACK_FORMAT, "pack_version": PACK_VERSION, **config.key_fields(),
                "datasets": [d["fingerprint"] for d in datasets]}
+    if part == VALIDATION:
+        payload["part"] = part
     return hashlib.sha256(canonical_json(payload)).hexdigest()
 
 
@@ -89,9 +112,11 @@ def entry_name(config: PackConfig, key: str) -> str:
 # -------------------------------------------------------------------------------------------- pack
 @dataclass
 class PackOutcome:
-    entry: PackEntry
+    entry: PackEntry | BlendEntry
     hit: bool
     seconds: float
+    sources: list[PackOutcome] | None = None  # a blend's: each source's own entry, found or built
+    validation: PackEntry | None = None  # the --split validation entry
 
 
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
@@ -104,44 +129,198 @@ def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, for
     """
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
+    if weights is not None or mix is not None:
+        return _pack_blend(datasets, output, config, force, log, weights, mix)
     new_root = not Path(output).exists()
     root = _prepare_root(Path(output))
     try:
         inputs = read_fingerprints(datasets)
-        key = cache_key(config, inputs)
-        name = entry_name(config, key)
-        entry = None if force else _open_existing(root / name, key)
-        hit = entry is not None
-        if not hit:
-            entry, hit = _build_once(root, name, key, inputs, config, force, allow_empty, log)
-        check_not_empty(entry.meta["stats"], config, allow_empty)  # a hit on an entry made with --allow-empty
+        check_sizing(config, blend=weights is not None or mix is not None)
+        split = split_names(config, inputs)
+        validation = None
+        if split:
+            validation, _ = _entry(root, inputs, config.for_validation(), force, allow_empty, log, split, VALIDATION)
+        entry, hit = _entry(root, inputs, config, force, allow_empty, log, split, TRAIN)
     except BaseException:
         if new_root:
             _remove_if_only_locks(root)
         raise
     entry = _refresh_paths(root, entry, inputs)
-    _set_current(root, entry)
-    return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0)
+    validation = validation and _refresh_paths(root, validation, inputs)
+    _set_current(root, entry, validation)
+    return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, validation=validation)
+
+
+def _entry(root: Path, inputs: list[dict], config: PackConfig, force: bool, allow_empty: bool,
+           log: Callable[[str], None], split: dict | None, part: str) -> tuple[PackEntry, bool]:
+    """The entry of one part (the whole pack without --split): found, or built under its lock."""
+    key = cache_key(config, inputs, part if split else None)
+    name = entry_name(config, key)
+    entry = None if force else _open_existing(root / name, key)
+    hit = entry is not None
+    if not hit:
+        entry, hit = _build_once(root, name, key, inputs, config, force, allow_empty, log,
+                                 split and {**split, "part": part})
+    check_not_empty(entry.meta["stats"], config, allow_empty, part if split else None)  # an --allow-empty hit
+    return entry, hit
+
+
+def check_sizing(config: PackConfig, blend: bool) -> None:
+    """--total-tokens / --epochs size a chunk pack or a blend, nothing else."""
+    if config.method == "chunk" or blend:
+        return
+    option = f"--total-tokens {config.total_tokens}" if config.total_tokens is not None else (
+        f"--epochs {config.epochs:g}" if config.epochs is not None else None)
+    if option:
+        raise XprepError(f"{option} sizes a --method chunk pack or a blend (DATASET@WEIGHT, --mix), not a "
+                         f"--method {config.method} pack of every document once: leave it out")
+
+
+# ------------------------------------------------------------------------------------------- split
+def split_names(config: PackConfig, inputs: list[dict]) -> dict | None:
+    """What pack.json records of a --split pack: the shares, the rule and both entries' names."""
+    if config.split is None:
+        return None
+    train, valid = config.split
+    names = {TRAIN: entry_name(config, cache_key(config, inputs)),
+             VALIDATION: entry_name(config, cache_key(config.for_validation(), inputs, VALIDATION))}
+    return {"train": train, "valid": valid, "rule": SPLIT_RULE, "entries": names}
+
+
+def split_base(fingerprint: str) -> int:
+    """64 bits of a dataset's content: the first 8 bytes (little-endian) of sha256 of its fingerprint."""
+    return int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:8], "little")
+
+
+def split_documents(datasets: list[dict], split: tuple[int, int]) -> np.ndarray:
+    """Which global documents go to validation (bool per document), by ``SPLIT_RULE``.
+
+    ``datasets``: {"fingerprint", "documents"} each, in the pack's order (pack.json's "datasets").
+    """
+    train, valid = split
+    share = valid / (train + valid)
+    parts = [held_out(int(d["documents"]), np.uint64(split_base(d["fingerprint"])), share) for d in datasets]
+    return np.concatenate(parts) if parts else np.zeros(0, np.bool_)
+
+
+# ------------------------------------------------------------------------------------------- blend
+def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
+                log: Callable[[str], None], weights: list[float] | None, mix: str | None) -> PackOutcome:
+    """A blend (prep/mixture.py): every source packed alone by the plain path (its own entry, shared with
+    other mixtures), then the blend entry ordering their bins, built under its lock and made current."""
+    t0 = time.perf_counter()
+    check_blend_config(config)
+    sources = read_sources([str(d) for d in datasets], weights, mix)  # all checked before any packing
+    per_source = replace(config, total_tokens=None, epochs=None)  # one epoch each: the blend repeats or cuts
+    outcomes = []
+    for s in sources:
+        try:
+            outcomes.append(pack([s.path], output, per_source, force=force, log=log))
+        except XprepError as e:
+            raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
+    entries = [o.entry for o in outcomes]
+    shares_ = shares(sources)
+    total, size_option = blend_total(config, shares_, [blend_units(e) for e in entries])
+    root = Path(output)
+    entry, hit = _blend_once(root, sources, entries, config, total, size_option, force, log)
+    validation = None
+    if config.split is not None:  # the held-out parts of every source, each bin once
+        held_out = [o.validation for o in outcomes]
+        validation, _ = _blend_once(root, sources, held_out, config, sum(blend_units(e) for e in held_out),
+                                    "validation", force, log, every_bin_once=True)
+    _set_blend_current(root, entry, validation)
+    return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, sources=outcomes,
+                       validation=validation)
+
+
+def _blend_once(root: Path, sources: list, entries: list[PackEntry], config: PackConfig, total: int,
+                size_option: str, force: bool, log: Callable[[str], None], every_bin_once: bool = False
+                ) -> tuple[BlendEntry, bool]:
+    """The blend entry of these sources, built under its lock unless the cache has it; (entry, hit)."""
+    key = blend_key(entries, sources, shares(sources), config.seed, total, every_bin_once)
+    name = blend_name(key)
+    entry = None if force else _open_blend(root / name, key)
+    if entry is not None:
+        return entry, True
+    with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
+        entry = None if force else _open_blend(root / name, key)
+        if entry is not None:
+            return entry, True
+        return _build_blend(root, name, sources, entries, config, key, total, size_option, every_bin_once), False
+
+
+def _open_blend(path: Path, key: str) -> BlendEntry | None:
+    """The complete blend at ``path``, None if absent; one that does not open is an error."""
+    if not path.exists():
+        return None
+    entry = BlendEntry.open(path)
+    if entry.key != key:
+        raise XprepError(f"{path}: its blend.json has key {entry.key!r}, not {key!r}: the entry is corrupt; "
+                         "re-run with --force")
+    return entry
+
+
+def _build_blend(root: Path, name: str, sources: list, entries: list[PackEntry], config: PackConfig, key: str,
+                 total: int, size_option: str, every_bin_once: bool = False) -> BlendEntry:
+    """Blend into a fresh temp directory, blend.json last, and publish it by rename (the caller holds the lock)."""
+    for stale in [*root.glob(f".tmp-{name}-*"), *root.glob(f".old-{name}-*")]:  # from killed builds
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
+        BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
+                   sources=entries).write_arrays(tmp)
+        write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable
+        fsync_tree(tmp)
+        _publish(tmp, root / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BlendEntry.open(root / name)
+
+
+def _set_blend_current(root: Path, entry: BlendEntry, validation: BlendEntry | None = None) -> None:
+    """Record the blend (and its validation blend) in ``manifest.json``; the blend becomes current (atomic, locked)."""
+    with _locked(root / ".manifest.lock"):
+        path = root / MANIFEST
+        manifest = _read_cache_manifest(path)  # the sources' packs wrote it
+        for e in (entry, validation) if validation else (entry,):
+            manifest["entries"][e.path.name] = e.manifest_row()
+        manifest["current"] = entry.path.name
+        if validation:
+            manifest[VALIDATION] = validation.path.name
+        else:
+            manifest.pop(VALIDATION, None)
+        write_json_atomic(path, manifest)
 
 
 def _remove_if_only_locks(root: Path) -> None:
-    """Undo a cache directory this command created and failed to fill (unless another command now uses it)."""
+    """Undo a cache directory this command created and failed to fill, unless another command now uses it.
+
+    A lock another process holds (or waits on) stays, and so does the directory: only free locks are removed.
+    """
     with contextlib.suppress(OSError):
         children = list(root.iterdir())
-        if all(p.name.startswith(".") and p.name.endswith(".lock") for p in children):
-            for lock in children:
+        if not all(p.name.startswith(".") and p.name.endswith(".lock") for p in children):
+            return
+        for lock in children:
+            with open(lock, "rb") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return  # in use: leave the directory to that command
                 lock.unlink()
-            root.rmdir()
-
+        root.rmdir()
 
 def _build_once(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig, force: bool,
-                allow_empty: bool, log: Callable[[str], None]) -> tuple[PackEntry, bool]:
+                allow_empty: bool, log: Callable[[str], None], split: dict | None = None) -> tuple[PackEntry, bool]:
     """Build under the entry's lock; whoever waited for a builder finds its entry (a hit)."""
     with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
         entry = None if force else _open_existing(root / name, key)
         if entry is not None:
             return entry, True
-        return _build(root, name, key, inputs, config, allow_empty), False
+        return _build(root, name, key, inputs, config, allow_empty, split), False
 
 
 def _prepare_root(root: Path) -> Path:
@@ -159,7 +338,7 @@ def _prepare_root(root: Path) -> Path:
 
 
 def _ours(p: Path) -> bool:
-    return p.name.startswith(".") or (p / PACK_JSON).is_file()
+    return p.name.startswith(".") or (p / PACK_JSON).is_file() or (p / BLEND_JSON).is_file()
 
 
 def _open_existing(path: Path, key: str) -> PackEntry | None:
@@ -189,29 +368,41 @@ def _locked(path: Path, on_wait: Callable[[], None] = lambda: None) -> Iterator[
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool) -> None:
+def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool, part: str | None = None) -> None:
     """Refuse a pack of 0 bins, saying why it is empty and what to change."""
     if stats["bins"] or allow_empty:
         return
     n, empty, dropped = stats["documents_in"], stats["empty_documents"], stats["dropped_documents"]
     opt = f"{config.capacity_option} {config.capacity}"
+    what = f"the {part} part of --split {config.split[0]},{config.split[1]}" if part else "the pack"
+    if n == 0 and part == VALIDATION:
+        train, valid = config.split
+        raise XprepError(f"--split {train},{valid}: no document was drawn for validation (each goes there with "
+                         f"probability {valid}/{train + valid}); give validation a larger share, e.g. --split "
+                         f"{max(1, train // 10)},{valid}, pack more documents, or leave --split out")
     if n == 0:
         why, fix = "the input has no documents", "check the DATASET arguments (`xprep inspect DATASET`)"
     elif empty == n:
         why, fix = f"all {n:,} documents are empty", "re-tokenize with the right --text-field or --format"
+    elif config.method == "chunk":
+        why, fix = (f"its stream of {stats['tokens_in']:,} tokens is too short for one sample of {opt} (which needs "
+                    f"{config.capacity + 1:,})", f"lower {config.capacity_option} or repeat it with --total-tokens N")
     elif empty == 0:
         why, fix = (f"all {n:,} documents are longer than {opt} (--overlong drop)",
                     f"raise {config.capacity_option} or use --overlong split|truncate")
     else:
         why, fix = (f"{empty:,} of {n:,} documents are empty and the other {dropped:,} are longer than {opt} "
                     "(--overlong drop)", f"raise {config.capacity_option} or use --overlong split|truncate")
-    raise XprepError(f"the pack would have 0 bins: {why}; {fix}, or pass --allow-empty to publish an empty pack")
+    raise XprepError(f"{what} would have 0 bins: {why}; {fix}, or pass --allow-empty to publish an empty pack")
 
 
 # ------------------------------------------------------------------------------------------- build
 def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig,
-           allow_empty: bool = False) -> PackEntry:
-    """Pack into a fresh temp directory and publish it by rename (the caller holds the lock)."""
+           allow_empty: bool = False, split: dict | None = None) -> PackEntry:
+    """Pack into a fresh temp directory and publish it by rename (the caller holds the lock).
+
+    ``split``: what ``split_names`` gives plus the ``part`` to pack; None packs every document.
+    """
     for stale in [*root.glob(f".tmp-{name}-*"), *root.glob(f".old-{name}-*")]:  # from killed builds
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{name}-{os.getpid()}"
@@ -219,19 +410,32 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
     try:
         lengths, described = _load_lengths(inputs, root / name)
         t0 = time.perf_counter()
-        packed = pack_lengths(lengths, config)
-        check_not_empty(packed.stats, config, allow_empty)
+        docs = _part_documents(described, split)
+        packed = pack_lengths(lengths, config, docs)
+        check_not_empty(packed.stats, config, allow_empty, split and split["part"])
         meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
                 "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
                 "layout": layout_of(config), "stats": packed.stats,
                 "pack_seconds": round(time.perf_counter() - t0, 3),
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
+        if config.method == "chunk":
+            meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
+        if split:
+            meta["split"] = {**split, "documents": len(docs)}
         _write_entry(tmp, packed, meta)
         _publish(tmp, root / name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PackEntry.open(root / name)
+
+
+def _part_documents(described: list[dict], split: dict | None) -> np.ndarray | None:
+    """The global ids of the documents of this --split part, in order (None: no split, all of them)."""
+    if split is None:
+        return None
+    valid = split_documents(described, (split["train"], split["valid"]))
+    return np.flatnonzero(valid if split["part"] == VALIDATION else ~valid)
 
 
 def _load_lengths(inputs: list[dict], entry: Path) -> tuple[np.ndarray, list[dict]]:
@@ -281,18 +485,24 @@ def _refresh_paths(root: Path, entry: PackEntry, inputs: list[dict]) -> PackEntr
     return PackEntry.open(entry.path)
 
 
-def _set_current(root: Path, entry: PackEntry) -> None:
-    """Record the entry in ``manifest.json`` and make it the current one (atomic, locked)."""
+def _set_current(root: Path, entry: PackEntry, validation: PackEntry | None = None) -> None:
+    """Record the entry (and its --split validation entry) in ``manifest.json`` and make it the current one:
+    ``"current"`` names it, ``"validation"`` its validation entry (absent without one). Atomic, locked."""
     with _locked(root / ".manifest.lock"):
         path = root / MANIFEST
         empty = {"format": PACK_FORMAT, "current": None, "entries": {}}
         manifest = _read_cache_manifest(path) if path.is_file() else empty
-        stats = entry.meta["stats"]
-        manifest["entries"][entry.path.name] = {
-            "key": entry.key, "method": entry.config["method"], "capacity": entry.capacity,
-            "datasets": [d["path"] for d in entry.meta["datasets"]], "bins": stats["bins"],
-            "documents": stats["documents_in"], "created": entry.meta["created"]}
+        for e in (entry, validation) if validation else (entry,):
+            stats = e.meta["stats"]
+            manifest["entries"][e.path.name] = {
+                "key": e.key, "method": e.config["method"], "capacity": e.capacity,
+                "datasets": [d["path"] for d in e.meta["datasets"]], "bins": stats["bins"],
+                "documents": stats["documents_in"], "created": e.meta["created"]}
         manifest["current"] = entry.path.name
+        if validation:
+            manifest[VALIDATION] = validation.path.name
+        else:
+            manifest.pop(VALIDATION, None)
         write_json_atomic(path, manifest)
 
 

@@ -30,6 +30,7 @@ CATEGORY_IDS_STREAM = "category_ids"
 MANIFEST = "manifest.json"  # of a token dataset and of a pack cache
 REJECTS = "rejects.jsonl"  # records set aside by ``--on-error skip`` (and never-trainable ones)
 PACK_JSON = "pack.json"  # of one pack cache entry; written last, it marks the entry complete
+BLEND_JSON = "blend.json"  # of one blend entry (a weighted mixture of pack entries); written last, likewise
 
 
 def declared_format(manifest: str | Path) -> str | None:

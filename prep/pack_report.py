@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from prep.errors import XprepError
-from prep.packfile import MANIFEST, PACK_JSON, DatasetChanged, PackEntry, open_packed
+from prep.formats import BLEND_JSON
+from prep.mixture import BlendEntry, open_entry
+from prep.packfile import MANIFEST, PACK_JSON, DatasetChanged, PackEntry
 from prep.packing import range_bincount
 from prep.stats import length_stats
 
@@ -22,7 +24,9 @@ def pack_report(path: str | Path) -> dict:
     """JSON-able report on the current entry of a pack cache (or an entry directory), with the list
     of every entry in the cache (``None`` for an entry directory)."""
     entries = cache_entries(Path(path))
-    entry = open_packed(path)
+    entry = open_entry(path)
+    if isinstance(entry, BlendEntry):
+        return blend_report(entry, entries)
     stats = entry.meta["stats"]
     offsets = np.asarray(entry.bin_offsets)
     per_bin = bin_token_counts(offsets, np.asarray(entry.item_len))
@@ -120,22 +124,27 @@ def _named_counts(ds) -> list[tuple[str | None, int]]:
 # ----------------------------------------------------------------------------------------- entries
 def cache_entries(root: Path) -> list[dict] | None:
     """Every entry of a pack cache (those in manifest.json and those on disk), oldest first, from their
-    pack.json alone; ``current`` marks the one ``xtrain run`` trains on. ``None`` if ``root`` is no cache."""
+    pack.json alone; ``current`` marks the one ``xtrain run`` trains on, ``validation`` its ``--split``
+    validation entry (manifest.json's ``"validation"``). ``None`` if ``root`` is no cache."""
     manifest_path = root / MANIFEST
     if (root / PACK_JSON).is_file() or not manifest_path.is_file():
         return None
     try:
         manifest = json.loads(manifest_path.read_text())
         current, listed = manifest.get("current"), manifest.get("entries") or {}
+        validation = manifest.get("validation")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise XprepError(f"{manifest_path}: corrupt ({e}); re-run `xprep pack`") from None
-    names = set(listed) | {p.name for p in root.iterdir() if not p.name.startswith(".") and (p / PACK_JSON).is_file()}
-    rows = [_entry_row(root / name, name == current) for name in names]
+    names = set(listed) | {p.name for p in root.iterdir() if not p.name.startswith(".")
+                           and ((p / PACK_JSON).is_file() or (p / BLEND_JSON).is_file())}
+    rows = [_entry_row(root / name, name == current, name == validation) for name in names]
     return sorted(rows, key=lambda e: (e.get("created") or "", e["name"]))
 
 
-def _entry_row(path: Path, current: bool) -> dict:
-    row = {"name": path.name, "current": current}
+def _entry_row(path: Path, current: bool, validation: bool = False) -> dict:
+    row = {"name": path.name, "current": current, "validation": validation}
+    if (path / BLEND_JSON).is_file():
+        return {**row, **blend_row(path)}
     try:
         meta = json.loads((path / PACK_JSON).read_text())
         c, s = meta["config"], meta["stats"]
@@ -151,6 +160,7 @@ def _entry_row(path: Path, current: bool) -> dict:
             "documents_in": s["documents_in"],
             "documents_kept": s["documents_in"] - s["dropped_documents"] - s["empty_documents"],
             "tokens_in": s["tokens_in"], "tokens": s["tokens"], "created": meta.get("created"),
+            "part": (meta.get("split") or {}).get("part"),
             "datasets": [d.get("path") for d in meta.get("datasets", [])]}
 
 
@@ -164,12 +174,64 @@ def pack_flags(c: dict) -> str:
         flags.append(f"--group-size {c['group_size']}")
     if c.get("balance_dp"):
         flags.append(f"--balance-dp {c['balance_dp']} --dp-micro-batches {c['dp_micro_batches']}")
+    if c.get("total_tokens") is not None:
+        flags.append(f"--total-tokens {c['total_tokens']}")
+    if c.get("epochs") is not None:
+        flags.append(f"--epochs {c['epochs']:g}")
+    if c.get("split"):
+        flags.append(f"--split {c['split'][0]},{c['split'][1]}")
     return " ".join(flags)
+
+
+# ------------------------------------------------------------------------------------------ blends
+def blend_report(entry: BlendEntry, entries: list[dict] | None) -> dict:
+    """The report on a blend: its size and, per source, requested vs delivered share and repeat factor."""
+    meta = entry.meta
+    return {"kind": "packed", "path": str(entry.path), "key": entry.key, "config": entry.config,
+            "capacity": entry.capacity, "created": meta.get("created"), "current": entry.path.name,
+            "entries": entries, "blend": blend_summary(meta)}
+
+
+def blend_summary(meta: dict) -> dict:
+    """What a blend's report and ``xprep pack``'s summary show of it (from blend.json alone)."""
+    bins, capacity = meta["stats"]["bins"], int(meta["config"]["capacity"])
+    real = meta["stats"].get("real_tokens", 0)
+    return {"seed": meta["seed"], "size": meta["size"], "bins": bins, "tokens": meta["stats"]["tokens"],
+            "real_tokens": real, "fill": real / (bins * capacity) if bins else 0.0, "capacity": capacity,
+            "method": meta["config"]["method"], "blend_seconds": meta.get("blend_seconds"),
+            "sources": [{k: s[k] for k in ("name", "entry", "datasets", "weight", "requested_share",
+                                           "delivered_share", "requested_tokens", "delivered_tokens",
+                                           "tokens_available", "bins_available", "bins", "epochs")}
+                        for s in meta["sources"]]}
+
+
+def blend_row(path: Path) -> dict:
+    """A blend's line in the table of entries."""
+    try:
+        meta = json.loads((path / BLEND_JSON).read_text())
+        summary = blend_summary(meta)
+        sources = meta["sources"]
+        mix = " ".join(f"{s['name']}@{s['weight']:g}" for s in sources)
+        options = f"blend {mix} {meta['size']['option']} --seed {meta['seed']}; each {pack_flags(meta['config'])}"
+        kept, docs = sum(s["documents_kept"] for s in sources), sum(s["documents"] for s in sources)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return {"status": "corrupt", "problem": "unreadable blend.json: re-run its `xprep pack` with --force"}
+    return {"status": "ok", "method": "blend", "capacity": summary["capacity"], "options": options,
+            "bins": summary["bins"], "fill": summary["fill"], "documents_in": docs, "documents_kept": kept,
+            "tokens": summary["real_tokens"], "created": meta.get("created"),
+            "datasets": [p for s in sources for p in s["datasets"]], "sources": [s["entry"] for s in sources]}
 
 
 def outcome_report(outcome) -> dict:
     """What ``xprep pack`` reports about the entry it built or found (``prep.render.summary_lines``)."""
     entry = outcome.entry
+    if isinstance(entry, BlendEntry):
+        return {"kind": "pack-outcome", "path": str(entry.path), "hit": outcome.hit, "seconds": outcome.seconds,
+                "capacity": entry.capacity, "config": entry.config, "blend": blend_summary(entry.meta),
+                "sources": [{"path": str(o.entry.path), "hit": o.hit} for o in outcome.sources or []]}
+    v = outcome.validation  # the --split validation entry
     return {"kind": "pack-outcome", "path": str(entry.path), "hit": outcome.hit, "seconds": outcome.seconds,
             "capacity": entry.capacity, "config": entry.config, "stats": entry.meta["stats"],
-            "pack_seconds": entry.meta.get("pack_seconds")}
+            "pack_seconds": entry.meta.get("pack_seconds"),
+            "validation": v and {"path": str(v.path), "bins": v.meta["stats"]["bins"],
+                                 "documents": v.meta["split"]["documents"]}}

@@ -6,7 +6,7 @@ command (``prep.cache``), which depends on that pipeline.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from prep.errors import XprepError
 
@@ -47,6 +47,9 @@ class PackConfig:
             raise XprepError(f"--method {self.method!r} is unknown: choose one of {', '.join(METHODS)}")
         self._check_capacity_option()
         self._check_method_options()
+        self._check_size_options()
+        if self.method == "chunk":
+            self._check_chunk()
         if self.overlong is None:
             self.overlong = DEFAULT_OVERLONG[self.method]
         if self.overlong not in OVERLONG:
@@ -65,7 +68,8 @@ class PackConfig:
                 f"{other} does not apply to --method {self.method}: its bins are sized by {wanted}")
         value = self.capacity
         if value is None:
-            raise XprepError(f"--method {self.method} needs {wanted} N (the bin capacity in tokens)")
+            what = "the sample length in tokens" if self.method == "chunk" else "the bin capacity in tokens"
+            raise XprepError(f"--method {self.method} needs {wanted} N ({what})")
         if value < 1:
             raise XprepError(f"{wanted} {value} must be a positive number of tokens")
 
@@ -90,6 +94,30 @@ class PackConfig:
         if self.dp_micro_batches < 1:
             raise XprepError(
                 f"--dp-micro-batches {self.dp_micro_batches} must be ≥ 1 (bins per rank per step)")
+
+    def _check_size_options(self) -> None:
+        """--total-tokens or --epochs (not both), positive; whether they apply is the pack's call (chunk or blend)."""
+        if self.total_tokens is not None and self.epochs is not None:
+            raise XprepError(f"--total-tokens {self.total_tokens} and --epochs {self.epochs:g} both size the pack: "
+                             "give one of them")
+        if self.total_tokens is not None and self.total_tokens < 1:
+            raise XprepError(f"--total-tokens {self.total_tokens} must be a positive number of tokens")
+        if self.epochs is not None and not 0 < self.epochs < float("inf"):
+            raise XprepError(f"--epochs {self.epochs:g} must be a positive number of epochs, e.g. 1 or 2.5")
+
+    def _check_chunk(self) -> None:
+        """Options that mean nothing when documents are cut by the stream into --seq-len samples."""
+        if self.overlong not in (None, "split"):  # split is what chunk does (and what a rebuilt config holds)
+            raise XprepError(f"--overlong {self.overlong} does not apply to --method chunk: documents are walked as "
+                             "one stream cut into --seq-len samples, so none is dropped or truncated; leave it out")
+        if self.cp_size > 1:
+            # A chunk sample is exactly --seq-len tokens of document pieces; zigzag CP pads every piece to a
+            # multiple of 2·C (train/cp.py), which would overflow the sample.
+            raise XprepError(f"--cp-size {self.cp_size} does not apply to --method chunk: a sample is exactly "
+                             f"--seq-len {self.seq_len} tokens of document pieces and context parallelism pads "
+                             f"every piece to a multiple of 2·cp={2 * self.cp_size}, which would overflow it; pack "
+                             "chunk without --cp-size, or use --method sequential --overlong split --cp-size "
+                             f"{self.cp_size}")
 
     def _check_cp(self) -> None:
         if self.cp_size < 1:
@@ -125,7 +153,14 @@ class PackConfig:
         if self.method == "token-aware":
             fields["balance_dp"] = self.balance_dp
             fields["dp_micro_batches"] = self.dp_micro_batches
+        for name in ("total_tokens", "epochs", "split"):  # only when given: the keys of other packs stay as they were
+            if getattr(self, name) is not None:
+                fields[name] = list(self.split) if name == "split" else getattr(self, name)
         return fields
+
+    def for_validation(self) -> PackConfig:
+        """The options of the ``--split`` validation part: the same, but a chunk pack of it is one epoch."""
+        return replace(self, total_tokens=None, epochs=None)
 
     def to_json(self) -> dict:
         return {**asdict(self), "capacity": self.capacity, "align": self.align}

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from prep.chunk import chunk_items, epoch_seed, samples_for, samples_for_epochs
 from prep.packconfig import OVERLONG, PackConfig
 
 _POLICY_CODE = {policy: code for code, policy in enumerate(OVERLONG)}  # expand_items': 0 drop, 1 truncate, 2 split
@@ -75,6 +76,22 @@ def shuffled_order(n, seed):
         for j in range(starts[b + 1] - lo - 1, 0, -1):
             k = _uniform_below(seed, b + 1, j, j + 1)
             out[lo + j], out[lo + k] = out[lo + k], out[lo + j]
+    return out
+
+
+@njit(cache=True, parallel=True)
+def held_out(n_docs, base, share):
+    """Documents 0..n_docs-1 that go to validation: ``u(base, d) < share``, u uniform in [0, 1).
+
+    ``u`` is splitmix64 of (``base``, d) (``base``: 64 bits of the dataset's content, see
+    ``prep.cache.split_base``), its top 53 bits as a fraction: a document's side depends only on its
+    dataset and its index, never on the packing options.
+    """
+    out = np.empty(n_docs, np.bool_)
+    b = _mix64(np.uint64(base))
+    for d in prange(n_docs):
+        h = _mix64(b + _mix64(np.uint64(d)))
+        out[d] = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0) < share
     return out
 
 
@@ -444,9 +461,20 @@ class Packed:
     stats: dict
 
 
-def pack_lengths(lengths: np.ndarray, config: PackConfig) -> Packed:
-    """Pack documents of the given lengths (global index order) according to ``config``."""
+def pack_lengths(lengths: np.ndarray, config: PackConfig, docs: np.ndarray | None = None) -> Packed:
+    """Pack documents of the given lengths (global index order) according to ``config``.
+
+    ``docs``: the global ids of the documents to pack (a ``--split`` part), in order; None packs them all.
+    Stats then count those documents only.
+    """
     lengths = np.ascontiguousarray(lengths, np.int32)
+    if docs is not None:
+        docs = np.asarray(docs, np.int64)
+        packed = pack_lengths(lengths[docs], config)
+        packed.item_doc = docs[packed.item_doc]
+        return packed
+    if config.method == "chunk":
+        return pack_chunks(lengths, config)
     order = document_order(len(lengths), config)
     arrays = expand_items(lengths, order, config.capacity, _POLICY_CODE[config.overlong])  # doc, start, len
     costs = item_costs(arrays[2], config.align)
@@ -460,6 +488,37 @@ def pack_lengths(lengths: np.ndarray, config: PackConfig) -> Packed:
     item_doc, item_start, item_len = arrays
     stats.update(bin_stats(offsets, item_len, int(costs.sum(dtype=np.int64)), config.capacity))
     return Packed(offsets, item_doc, item_start, item_len, stats)
+
+
+def pack_chunks(lengths: np.ndarray, config: PackConfig) -> Packed:
+    """``--method chunk`` (prep/chunk.py): the non-empty documents, epoch after epoch, cut into samples.
+
+    Bin k is sample k. Stats have the keys of the other methods (no document is overlong: the stream cuts
+    them) plus ``samples``, ``epochs`` (begun) and ``epoch_tokens``.
+    """
+    nonempty = np.flatnonzero(lengths)
+    sizes = lengths[nonempty].astype(np.int64)
+    epoch_tokens, seq_len = int(sizes.sum()), config.seq_len
+    if config.epochs is not None:
+        samples, epochs = samples_for_epochs(config.epochs, epoch_tokens, seq_len)
+    else:
+        samples, epochs = samples_for(config.total_tokens, epoch_tokens, seq_len)
+    order = chunk_order(len(sizes), epochs, config)
+    offsets, pos, start, length = chunk_items(sizes[order], seq_len, samples)
+    item_doc = nonempty[order[pos]]
+    item_len = length.astype(np.int32)
+    stats = overlong_stats(lengths, np.iinfo(np.int64).max, config.overlong)  # counts the empty ones
+    stats.update({"samples": samples, "epochs": epochs, "epoch_tokens": epoch_tokens})
+    stats.update(bin_stats(offsets, item_len, int(item_len.sum(dtype=np.int64)), seq_len))
+    return Packed(offsets, item_doc, start.astype(np.int32), item_len, stats)
+
+
+def chunk_order(n_docs: int, epochs: int, config: PackConfig) -> np.ndarray:
+    """Positions 0..n_docs-1 visited epoch after epoch: in order, or epoch e permuted with ``epoch_seed(seed, e)``."""
+    if not config.shuffle:
+        return np.tile(np.arange(n_docs, dtype=np.int64), epochs)
+    parts = [shuffled_order(n_docs, epoch_seed(config.seed, e)) for e in range(epochs)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def document_order(n_docs: int, config: PackConfig) -> np.ndarray:

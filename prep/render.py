@@ -21,6 +21,8 @@ def render(report: dict, color: bool = False) -> str:
         return render_dataset(report, color)
     if kind == "packed":
         return render_pack(report)
+    if kind == "lineage":
+        return render_lineage(report)
     if kind == "run":
         return render_run(report)
     raise ValueError(f"no renderer for a report of kind {kind!r}")
@@ -136,18 +138,26 @@ def render_entries(r: dict) -> list[str]:
     entries = r.get("entries")
     if not entries:
         return []
-    rows = [["*" if e["current"] else "", e["name"], "-", "-", "-", "-", e["problem"]] if e["status"] != "ok" else
-            ["*" if e["current"] else "", e["name"], e["bins"], f"{e['fill']:.2%}",
+    rows = [[_mark(e), e["name"], "-", "-", "-", "-", e["problem"]] if e["status"] != "ok" else
+            [_mark(e), e["name"], e["bins"], f"{e['fill']:.2%}",
              f"{e['documents_kept']:,}/{e['documents_in']:,}", e["created"] or "-", e["options"]]
             for e in entries]
     head = (f"pack cache {Path(r['path']).parent}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}; "
-            "* = current, the one `xtrain run` trains on (re-run an entry's `xprep pack` options to make it current)")
+            "* = current, the one `xtrain run` trains on (re-run an entry's `xprep pack` options to make it current)"
+            + ("; v = its --split validation entry" if any(e.get("validation") for e in entries) else ""))
     lines = table(["", "entry", "bins", "fill", "documents kept", "created", "options"], rows, align="llrrrll")
     return [head, *(line.rstrip() for line in lines), ""]
 
 
+def _mark(e: dict) -> str:
+    """``*`` the current entry, ``v`` its --split validation entry."""
+    return "*" if e["current"] else "v" if e.get("validation") else ""
+
+
 # ------------------------------------------------------------------------------------------ render
 def render_pack(r: dict) -> str:
+    if r.get("blend"):
+        return "\n".join([*render_entries(r), *render_blend(r["path"], r["key"], r["blend"])])
     c = r["config"]
     lines = [*render_entries(r),
         f"pack {r['path']}  (key {r['key'][:16]}, {c['method']}, capacity {r['capacity']:,}"
@@ -203,9 +213,33 @@ def dp_line(b: dict) -> str:
             f"{change('micro_step_imbalance')}; {b['empty_bins_added']} empty bins added")
 
 
+def render_blend(path: str, key: str, b: dict) -> list[str]:
+    """A blend: its size, then per source the requested vs delivered share and how often it repeats."""
+    unit = "tokens" if b["size"]["unit"] == "tokens" else "bins × capacity"
+    lines = [f"blend {path}  (key {key[:16]}, {len(b['sources'])} sources, {b['method']} bins of "
+             f"{b['capacity']:,}, seed {b['seed']})",
+             f"  size          {b['size']['option']}: {b['size']['total_tokens']:,} tokens asked, {b['tokens']:,} "
+             f"delivered in {b['bins']:,} bins (weights count {unit})",
+             f"  fill          {b['fill']:.4%}   ({b['real_tokens']:,} real tokens)", ""]
+    return lines + blend_table(b["sources"])
+
+
+def blend_table(sources: list[dict]) -> list[str]:
+    rows = [[s["name"], f"{s['requested_share']:.2%}", f"{s['delivered_share']:.2%}", s["bins"],
+             s["bins_available"], f"{s['epochs']:.3g}x", s["entry"]] for s in sources]
+    return table(["source", "requested", "delivered", "bins", "of", "repeat", "entry"], rows, align="lrrrrrl")
+
+
 def summary_lines(o: dict) -> list[str]:
     """What ``xprep pack`` prints on stdout (``o``: pack_report.outcome_report): hit or build with documents
     kept vs removed, then the figures a user checks first. Warnings go to stderr: see ``warning_lines``."""
+    if o.get("blend"):
+        b = o["blend"]
+        packed = sum(not s["hit"] for s in o["sources"])
+        head = (f"cache hit: {o['path']} (no blending done" if o["hit"] else f"blended → {o['path']} (")
+        return [f"{head}{o['seconds']:.2f} s; {packed} of {len(o['sources'])} sources packed now, the others "
+                f"found in the cache): {b['bins']:,} bins of {b['capacity']:,}, {b['tokens']:,} tokens",
+                *("  " + line for line in blend_table(b["sources"]))]
     s, capacity = o["stats"], o["capacity"]
     kept = kept_phrase(s, capacity)
     if o["hit"]:
@@ -216,10 +250,19 @@ def summary_lines(o: dict) -> list[str]:
     lines = [head,
              f"  fill {s['fill']:.4%}, lower bound {s['lower_bound_bins']:,} bins "
              f"(gap +{s['gap_to_lower_bound']:.3%}), padding {s['padding_tokens']:,} tokens",
-             "  " + overlong_line(s, capacity, o["config"]["overlong"])]
+             "  " + (chunk_line(s) if "samples" in s else overlong_line(s, capacity, o["config"]["overlong"]))]
     if s.get("dp_balance"):
         lines.append("  " + dp_line(s["dp_balance"]))
+    if o.get("validation"):
+        v = o["validation"]
+        lines.append(f"  validation (--split): {v['documents']:,} documents held out, {v['bins']:,} bins → {v['path']}")
     return lines
+
+
+def chunk_line(s: dict) -> str:
+    """--method chunk: samples cut from the stream, how many epochs of it."""
+    return (f"chunk         {s['samples']:,} samples from {s['epochs']:,} epoch(s) of a stream of "
+            f"{s['epoch_tokens']:,} tokens")
 
 
 def kept_phrase(s: dict, capacity: int) -> str:
@@ -228,6 +271,8 @@ def kept_phrase(s: dict, capacity: int) -> str:
     kept = n_in - s["dropped_documents"] - s["empty_documents"]
     docs = f"all {_docs(n_in)}" if kept == n_in and n_in else f"{kept:,} of {_docs(n_in)}"
     toks = f"{tokens:,} tokens" if tokens == tokens_in else f"{tokens:,} of {tokens_in:,} tokens"
+    if "samples" in s:  # --method chunk: samples cut from the stream, repeated or not
+        toks = f"{tokens:,} tokens cut from a stream of {tokens_in:,}"
     notes = []
     if s["dropped_documents"]:
         notes.append(f"dropped {_docs(s['dropped_documents'])} ({s['dropped_tokens']:,} tokens) "
@@ -249,12 +294,14 @@ def _docs(n: int) -> str:
 
 def warning_lines(o: dict) -> list[str]:
     """What ``xprep pack`` prints on stderr: an empty pack, or more than 1 % of the tokens removed."""
+    if o.get("blend"):
+        return []
     s, config = o["stats"], o["config"]
     if s["bins"] == 0:
         return ["warning: the pack has 0 bins (--allow-empty): there is nothing to train on"]
     removed = s["tokens_in"] - s["tokens"]
-    if not s["tokens_in"] or removed / s["tokens_in"] <= LOUD_TOKEN_SHARE:
-        return []
+    if config["method"] == "chunk" or not s["tokens_in"] or removed / s["tokens_in"] <= LOUD_TOKEN_SHARE:
+        return []  # chunk cuts no document: it leaves only the stream's tail short of one more sample
     option = "--max-tokens" if config["method"] == "token-aware" else "--seq-len"
     if config["overlong"] == "drop":
         how, fix = "dropped as overlong", f"raise {option} or use --overlong split|truncate"
@@ -271,6 +318,10 @@ def render_run(r: dict) -> str:
     if r.get("pack"):
         p = r["pack"]
         lines.append(f"  pack          {p['path']}  (key {p['key'][:16]}, {p['bins']:,} bins of {p['capacity']:,})")
+    if r.get("validation"):
+        v = r["validation"]
+        when = f"every {v['every']:,} steps and at the end" if v.get("every") else "at the end"
+        lines.append(f"  validation    {v['path']}  ({v['eval_bins']:,} of {v['bins']:,} bins, {when})")
     if cfg:
         lines.append(f"  model         {cfg.get('model')}   sampler {cfg.get('sampler')}   lr {cfg.get('lr')} "
                      f"({cfg.get('schedule')}, warm-up {cfg.get('warmup')})")
@@ -279,19 +330,55 @@ def render_run(r: dict) -> str:
                  + (f"   tokens {r['tokens']:,}" if "tokens" in r else ""))
     ck = r["checkpoints"]
     lines.append(f"  checkpoints   {', '.join(f'step-{s}' for s in ck['steps']) or 'none'}"
-                 + (f"   (latest {ck['latest']})" if ck["latest"] else ""))
+                 + (f"   (latest {ck['latest']})" if ck["latest"] else "")
+                 + (f"   best {ck['best']} ({_BEST_BY[ck['best_by']]} {ck['best_loss']:.4f})"
+                    if ck.get("best") else ""))
     if "loss" not in r:
         lines.append("  no metrics yet")
         return "\n".join(lines)
     lines.append("")
-    rows = [_row("all", r["loss"])] + [_row(name, s) for name, s in r["categories"].items()]
-    lines += table(["category", "points", "first", "last", "best", "best step", "trend"], rows)
+    lines += _loss_table("training loss", r["loss"], r["categories"], r.get("sources") or {})
     lines.append("")
+    if r.get("eval"):
+        e = r["eval"]
+        lines += _loss_table(f"validation loss ({e['bins']:,} bins, {e['target_tokens']:,} targets)", e["loss"],
+                             e["categories"], e["sources"])
+        lines.append("")
     lines.append(f"loss curves: drawn into {r['plot']}" if r.get("plot") else
                  "loss curves: not drawn; add --plot FILE to draw them (needs matplotlib)")
     return "\n".join(lines)
 
 
+_BEST_BY = {"eval_loss": "validation loss", "loss": "training loss"}
+
+
+def _loss_table(title: str, overall: dict, categories: dict, sources: dict) -> list[str]:
+    """The loss over the run, all targets then by category and by source (the sources when more than one)."""
+    rows = [_row("all", overall)] + [_row(name, s) for name, s in categories.items()]
+    if len(sources) > 1:
+        rows += [_row(f"source {name}", s) for name, s in sources.items()]
+    return [title, *table(["", "points", "first", "last", "best", "best step", "trend"], rows)]
+
+
 def _row(name: str, s: dict) -> list:
     return [name, s["points"], round(s["first"], 4), round(s["last"], 4), round(s["best"], 4), s["best_step"],
             f"{100 * s['trend']:+.1f}%"]
+
+
+# ----------------------------------------------------------------------------------------- lineage
+def render_lineage(r: dict) -> str:
+    """``xprep inspect runs/NAME --seen``: what the model has trained on up to a step."""
+    lines = [f"run {r['run']}: trained on up to step {r['step']:,} ({r['step_from']})",
+             f"  pack          {r['pack']}  (key {r['key'][:16]})",
+             f"  sampler       {r['sampler']} (seed {r['seed']}), {r['consumed_samples']:,} bins consumed "
+             f"({r['global_batch_size']} per step)",
+             f"  documents     {len(r['documents']):,} distinct, {r['tokens']:,} tokens", ""]
+    lines += table(["source", "tokens", "documents"], [[s["name"], s["tokens"], s["documents"]]
+                                                     for s in r["sources"]])
+    lines.append("")
+    lines += table(["category", "tokens"], [[name, n] for name, n in r["categories"].items()])
+    lines.append("")
+    rows = [[d["dataset"], d["document"], d["source"], ",".join(d["categories"]), d["tokens"], d["pieces"]]
+            for d in r["documents"]]
+    lines += table(["dataset", "document", "source", "categories", "tokens", "pieces"], rows, align="lrllrr")
+    return "\n".join(lines)

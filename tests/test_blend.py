@@ -31,9 +31,10 @@ def test_equal_to_megatron_build_blending_indices():
         size = 5000
         want_source, want_index = np.zeros(size, np.int16), np.zeros(size, np.int64)
         helpers.build_blending_indices(want_source, want_index, weights, k, size, False)
-        got = blend_bins(fixed(*([size] * k), capacity=16), weights, unit=16, total_tokens=16 * size, seed=0)
-        assert np.array_equal(got.bin_source, want_source), k
-        assert np.array_equal(got.bin_index, want_index), k
+        for sizes in ([size] * k, fixed(*([size] * k), capacity=16)):  # bin counts (fast path), or sizes
+            got = blend_bins(sizes, weights, unit=16, total_tokens=16 * size, seed=0)
+            assert np.array_equal(got.bin_source, want_source), k
+            assert np.array_equal(got.bin_index, want_index), k
 
 
 @settings(max_examples=60, deadline=None)
@@ -57,6 +58,10 @@ def test_no_source_runs_ahead_of_its_weight(weights, counts, total_bins, seed):
         assert np.array_equal(mine, epoch_orders(counts[i], int(b.epochs[i]), seed, i)[: len(mine)])
     again = blend_bins(fixed(*counts[:k]), w, unit=8, total_tokens=8 * total_bins, seed=seed)
     assert np.array_equal(again.bin_source, b.bin_source) and np.array_equal(again.bin_index, b.bin_index)
+    counted = blend_bins(counts[:k], w, unit=8, total_tokens=8 * total_bins, seed=seed)  # the bin-count path
+    assert np.array_equal(counted.bin_source, b.bin_source) and np.array_equal(counted.bin_index, b.bin_index)
+    assert counted.bins.tolist() == b.bins.tolist() and counted.tokens.tolist() == b.tokens.tolist()
+    assert counted.epochs.tolist() == b.epochs.tolist()
 
 
 @settings(max_examples=40, deadline=None)

@@ -231,7 +231,8 @@ def reference_bin(docs, masks, cats, items, capacity, pad_id):
         pos += list(range(pad))
         lab_cats += [0] * pad
         cu.append(capacity)
-    return {"input_ids": ids, "labels": labels, "position_ids": pos, "category_ids": lab_cats, "cu_seqlens": cu}
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "category_ids": lab_cats,
+            "source_ids": [0] * capacity, "cu_seqlens": cu}  # a plain pack: one source
 
 
 @pytest.mark.parametrize("streams", [True, False])

@@ -17,7 +17,9 @@ published — trainer.json, rename, ``latest`` — only when every rank has fini
 which is waited for before the next save starts and before the run ends (``finish``).
 
 ``keep`` retention deletes the oldest ``step-*`` but never the one ``latest`` names nor the
-best (lowest training loss at save time). Resuming on another pack entry is refused.
+best: the lowest validation loss among the checkpoints saved at a step that evaluated
+(``eval_loss`` in trainer.json), else, when none did, the lowest training loss at save time.
+Resuming on another pack entry is refused.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from prep.errors import XprepError
 from prep.io import fsync_tree, write_atomic, write_json_atomic
 from train.dist import ParallelDims, barrier
+from train.metrics import best_step
 
 LATEST = "latest"
 TRAINER_JSON = "trainer.json"
@@ -177,19 +180,24 @@ class CheckpointManager:
         return self._async_group
 
     def _retain(self, latest: str) -> None:
-        """Keep the newest ``keep`` checkpoints, the one ``latest`` names and the best (lowest
-        training loss recorded at save time); delete the others."""
+        """Keep the newest ``keep`` checkpoints, the one ``latest`` names and the best one; delete the others."""
         steps = self.steps()
         kept = {f"step-{n}" for n in steps[-self.keep:]} | {latest}
-        losses = {}
-        for n in steps:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                losses[f"step-{n}"] = float(json.loads((self.root / f"step-{n}" / TRAINER_JSON).read_text())["loss"])
-        if losses:
-            kept.add(min(losses, key=losses.get))
+        best = self.best()
+        if best is not None:
+            kept.add(best)
         for n in steps:
             if f"step-{n}" not in kept:
                 shutil.rmtree(self.root / f"step-{n}", ignore_errors=True)
+
+    def best(self) -> str | None:
+        """The best checkpoint's name (``best_step``: by validation loss when any has one, else training loss)."""
+        states = {}
+        for n in self.steps():
+            with contextlib.suppress(OSError, ValueError):
+                states[n] = json.loads((self.root / f"step-{n}" / TRAINER_JSON).read_text())
+        best = best_step(states)
+        return f"step-{best[0]}" if best is not None else None
 
     # ----------------------------------------------------------------------------------- load
     @staticmethod

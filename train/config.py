@@ -7,10 +7,12 @@ TrainConfig   steps, epochs, seed, output, log_every           (the run itself)
   optimizer   lr, min_lr, warmup, schedule, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
   parallel    nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing → ParallelDims
   checkpoint  save_every, keep, resume, async_save                                → CheckpointManager
+  eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
 ```
 Precedence: dataclass defaults < ``--config FILE.json|yaml`` < command-line flags. Every field has
 one flag and one flat key, the flag's name with underscores (``--micro-batch-size`` ↔
-``micro_batch_size``; the model section's ``name`` is ``--model``). A config file may be nested
+``micro_batch_size``; the model section's ``name`` is ``--model``, the eval section's ``every`` and
+``bins`` are ``--eval-every`` and ``--eval-bins``). A config file may be nested
 (``{"optimizer": {"lr": 1e-3}}``), flat (``{"lr": 1e-3}``, as config.json was before the sections)
 or both. The resolved config is written to the run directory as ``config.json``, nested, and
 checked against ``schemas/train.schema.json``.
@@ -34,7 +36,9 @@ from prep.errors import XprepError
 from train.checkpoint import CheckpointManager
 from train.data import PackedDataset
 from train.dist import ParallelDims
+from train.evaluate import Validation, eval_rounds, open_validation, source_names, validation_entry
 from train.hf import build_hf_model, check_hf_model
+from train.loss import Channels
 from train.model import Transformer, load_model_config
 from train.optim import LRSchedule, build_optimizer, build_scheduler
 
@@ -186,8 +190,46 @@ class CheckpointSection:
         return CheckpointManager(run_dir, dims, self.keep, self.async_save)
 
 
+@dataclass
+class EvalSection:
+    """Validation on the pack's validation entry (``xprep pack --split``): how often, on how many bins."""
+
+    SECTION: ClassVar[str] = "eval"
+    every: int | None = None  # steps; None or 0: only after the last step
+    bins: int | None = None  # the first N validation bins; None: all
+
+    def __post_init__(self):
+        _check_types(self)
+        _check_at_least(self, 0, "every")
+        _check_at_least(self, 1, "bins")
+
+    def build(self, data: DataSection, train: PackedDataset, dims: ParallelDims, micro_batch_size: int,
+              verify_data: bool | None = None) -> Validation | None:
+        """The validation this rank runs; None when the pack has none (asking for one is then an error)."""
+        path = validation_entry(data.packed)
+        if path is None:
+            asked = [f"{_flag(self, n)} {getattr(self, n)}" for n in ("every", "bins") if getattr(self, n) is not None]
+            if asked:
+                raise XprepError(f"{' and '.join(asked)}: {data.packed} has no validation entry (no \"validation\" "
+                                 f"in {Path(data.packed) / 'manifest.json'}); hold documents out with `xprep pack "
+                                 f"... --split 99,1` and give the pack cache directory, or leave the option out")
+            return None
+        verify = data.verify_data if verify_data is None else verify_data
+        dataset = open_validation(path, train, dims.cp, verify)
+        n_bins = len(dataset) if self.bins is None else self.bins
+        if n_bins > len(dataset):
+            raise XprepError(f"{_flag(self, 'bins')} {self.bins}: the validation entry {path} has only "
+                             f"{len(dataset):,} bins; lower it, or leave it out to evaluate on all of them")
+        if n_bins == 0:
+            raise XprepError(f"validation entry {path}: has no bins; re-run `xprep pack ... --split` with a larger "
+                             "validation share")
+        channels = Channels.of(dataset.category_names, source_names(dataset))
+        return Validation(dataset, channels, eval_rounds(n_bins, dims.dp_rank, dims.dp, micro_batch_size), n_bins,
+                          self.every)
+
+
 SECTIONS = {"data": DataSection, "model": ModelSection, "optimizer": OptimizerSection, "parallel": ParallelSection,
-            "checkpoint": CheckpointSection}
+            "checkpoint": CheckpointSection, "eval": EvalSection}
 
 
 @dataclass
@@ -201,6 +243,7 @@ class TrainConfig:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     steps: int | None = None
     epochs: float | None = None
     seed: int = 0  # model init and random sampler
@@ -236,7 +279,8 @@ class TrainConfig:
 
 
 RUN_FIELDS = tuple(f.name for f in fields(TrainConfig) if f.name not in SECTIONS)
-_FLAT_NAMES = {("model", "name"): "model"}  # (section, field) whose flat key is not the field's name
+# (section, field) whose flat key is not the field's name
+_FLAT_NAMES = {("model", "name"): "model", ("eval", "every"): "eval_every", ("eval", "bins"): "eval_bins"}
 FLAT_KEYS: dict[str, tuple[str | None, str]] = {  # flat key (= flag with underscores) → (section or None, field)
     **{name: (None, name) for name in RUN_FIELDS},
     **{_FLAT_NAMES.get((s, f.name), f.name): (s, f.name) for s, cls_ in SECTIONS.items() for f in fields(cls_)},

@@ -7,9 +7,14 @@ micro-batch of that one bin, torch tensors:
     input_ids     int64 (1, capacity)  the tokens
     labels        int64 (1, capacity)  labels[t] = input_ids[t+1] when token t+1 is a target of the
                                        same item, else -100 (an item's last token never predicts the
-                                       next item's first; padding never has targets)
+                                       next item's first; padding never has targets). In a pack whose
+                                       pack.json says "lookahead": true (--method chunk), an item that
+                                       stops inside its document labels its last token with the
+                                       document's next token (if a target): never across documents
     position_ids  int64 (1, capacity)  restart at 0 at every item and at the padding document
     category_ids  int64 (1, capacity)  category of the *target* at t (aligned with labels; 0 elsewhere)
+    source_ids    int64 (1, capacity)  the bin's source (a blend's source index, ``source_names``; 0 for a
+                                       plain pack), on every position
     cu_seqlens    int32 (n_docs+1,)    document boundaries, padding document included
 
 ``collate`` puts the bins of a micro-batch one after the other in a single row (1, M·capacity)
@@ -32,11 +37,12 @@ import torch
 
 from prep.dataset import MAX_CATEGORY, CategoryTable, TokenDataset
 from prep.errors import XprepError
-from prep.packfile import PackEntry, open_packed
+from prep.mixture import PackBins, open_entry
+from prep.packfile import PackEntry
 from train.cp import padded_length
 
 IGNORE = -100
-BATCH_KEYS = ("input_ids", "labels", "position_ids", "category_ids", "cu_seqlens")
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "category_ids", "source_ids", "cu_seqlens")
 
 
 @dataclass
@@ -71,31 +77,19 @@ class PackedDataset:
         self.packed = Path(packed)
         self.verify_data = verify_data
         self.cp_size = cp_size
-        self.entry = open_packed(packed)
+        self.entry = open_entry(packed)  # a plain pack entry or a blend of several
         check_cp_size(self.entry, cp_size)
-        self.datasets = self.entry.open_datasets(verify_data)
+        self.bins = PackBins(self.entry, verify_data)  # bin → source and items over one document index
+        self.datasets = self.bins.datasets
         if not self.datasets:
             raise XprepError(f"{self.entry.path}/pack.json: lists no input datasets; re-run `xprep pack`")
         self.capacity = self.entry.capacity
+        self.lookahead = bool(self.entry.meta.get("lookahead"))  # --method chunk: items cut by sample ends
         self.pad_id = pad_token_id(self.datasets[0])
         self._sources = [_source(ds) for ds in self.datasets]
         self._category_names, self._category_maps = merge_categories([ds.category_names for ds in self.datasets])
         counts = np.array([len(ds) for ds in self.datasets], np.int64)
         self._doc_base = np.concatenate([[0], np.cumsum(counts)])
-        # Plain ndarray views of the memory maps: slicing np.memmap objects is several times slower.
-        self._bin_offsets = np.asarray(self.entry.bin_offsets).view(np.ndarray)
-        self._item_doc = np.asarray(self.entry.item_doc).view(np.ndarray)
-        self._item_start = np.asarray(self.entry.item_start).view(np.ndarray)
-        self._item_len = np.asarray(self.entry.item_len).view(np.ndarray)
-        self._check_fits()
-
-    def _check_fits(self) -> None:
-        n_docs = int(self._doc_base[-1])
-        if len(self.entry.item_doc) and int(np.max(self.entry.item_doc)) >= n_docs:
-            raise XprepError(
-                f"{self.entry.path}: refers to document {int(np.max(self.entry.item_doc))} but its datasets "
-                f"hold {n_docs}; the pack does not belong to these datasets: re-run `xprep pack`"
-            )
 
     @property
     def key(self) -> str:
@@ -107,6 +101,11 @@ class PackedDataset:
         return list(self._category_names)
 
     @property
+    def source_names(self) -> list[str]:
+        """Names by source id (``source_ids``): a blend's sources, or the one dataset of a plain pack."""
+        return list(self.bins.source_names)
+
+    @property
     def vocab_size(self) -> int | None:
         return (self.datasets[0].manifest.get("tokenizer") or {}).get("vocab_size")
 
@@ -115,21 +114,23 @@ class PackedDataset:
 
     def bin_tokens(self, bins: list[int]) -> int:
         """Real (non-padding) tokens in these bins."""
-        return sum(int(self._item_len[self._bin_offsets[b] : self._bin_offsets[b + 1]].sum()) for b in bins)
+        return self.bins.bin_tokens(bins)
 
     def __getitem__(self, b: int) -> dict[str, torch.Tensor]:
-        lo, hi = int(self._bin_offsets[b]), int(self._bin_offsets[b + 1])
-        return self.assemble(self._item_doc[lo:hi], self._item_start[lo:hi], self._item_len[lo:hi])
+        source, docs, starts, lens = self.bins.items(b)
+        return self.assemble(docs, starts, lens, source)
 
-    def assemble(self, docs: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> dict[str, torch.Tensor]:
-        """The micro-batch of one bin whose items are (doc, start, len): tensors (1, capacity)."""
-        block = np.empty((4, 1, self.capacity), np.int64)
-        out = block.reshape(4, self.capacity)
+    def assemble(self, docs: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                 source: int = 0) -> dict[str, torch.Tensor]:
+        """The micro-batch of one bin whose items are (doc, start, len), from ``source``: tensors (1, capacity)."""
+        block = np.empty((5, 1, self.capacity), np.int64)  # the fill kernels write rows 0-3; row 4: source
+        out = block.reshape(5, self.capacity)
+        out[4] = source
         cu = np.empty(len(docs) + 2, np.int32)
         if len(self._sources) == 1:
             src = self._sources[0]
             n = fill_bin(src.tokens, src.loss_mask, src.category_ids, src.offsets, docs, starts, lens,
-                         self.pad_id, out, cu)
+                         self.pad_id, out, cu, self.lookahead)
         else:
             n = self._fill_from_several(docs, starts, lens, out, cu)
         if n < 0:
@@ -137,9 +138,9 @@ class PackedDataset:
                              f"{self.capacity}; the pack is corrupt: re-run `xprep pack --force`")
         if self.cp_size > 1:
             block, cu, n = self._make_room_for_cp(block, cu, n, lens)
-        ids, labels, pos, cats = torch.from_numpy(block).unbind(0)
+        ids, labels, pos, cats, sources = torch.from_numpy(block).unbind(0)
         return {"input_ids": ids, "labels": labels, "position_ids": pos, "category_ids": cats,
-                "cu_seqlens": torch.from_numpy(cu[:n])}
+                "source_ids": sources, "cu_seqlens": torch.from_numpy(cu[:n])}
 
     def _make_room_for_cp(self, block: np.ndarray, cu: np.ndarray, n: int, lens: np.ndarray):
         """Shorten the padding document so that the items padded for CP plus it fill the capacity."""
@@ -166,8 +167,10 @@ class PackedDataset:
         for k in np.unique(which).tolist():
             sel = which == k
             src = self._sources[k]
-            fill_items(src.tokens, src.loss_mask, src.category_ids,
-                       src.offsets[docs[sel] - self._doc_base[k]] + starts[sel], lens[sel], dst[sel], out)
+            local = docs[sel] - self._doc_base[k]
+            ends = src.offsets[local + 1] if self.lookahead else _NO_ENDS
+            fill_items_upto(src.tokens, src.loss_mask, src.category_ids, src.offsets[local] + starts[sel], lens[sel],
+                            dst[sel], ends, out)
             remap = self._category_maps[k]
             if remap is not None:  # this dataset numbers its categories differently from the first
                 at = np.concatenate([np.arange(d, d + n) for d, n in zip(dst[sel].tolist(), lens[sel].tolist(),
@@ -229,24 +232,30 @@ def _source(ds: TokenDataset) -> _Source:
 
 
 _NO_STREAM = np.zeros(0, np.uint8)
+_NO_ENDS = np.zeros(0, np.int64)  # fill_items_upto without lookahead
 
 
 @numba.njit(cache=True, nogil=True)
-def fill_bin(tokens, loss_mask, category_ids, offsets, docs, starts, lens, pad_id, out, cu):  # pragma: no cover
+def fill_bin(tokens, loss_mask, category_ids, offsets, docs, starts, lens, pad_id, out, cu,
+             lookahead=False):  # pragma: no cover
     """Fill one bin from one dataset: items, then padding; returns the number of ``cu`` entries (-1:
-    the items overflow ``out``). Item i is tokens ``starts[i]:starts[i]+lens[i]`` of document ``docs[i]``."""
+    the items overflow ``out``). Item i is tokens ``starts[i]:starts[i]+lens[i]`` of document ``docs[i]``.
+    ``lookahead``: the pack says so (--method chunk); see ``fill_items_upto``."""
     n = len(docs)
     src = np.empty(n, np.int64)
     dst = np.empty(n, np.int64)
+    ends = np.empty(n if lookahead else 0, np.int64)
     used = 0
     for i in range(n):
         src[i] = offsets[docs[i]] + starts[i]
         dst[i] = used
         cu[i] = used
         used += lens[i]
+        if lookahead:
+            ends[i] = offsets[docs[i] + 1]
     if used > out.shape[1]:
         return -1
-    fill_items(tokens, loss_mask, category_ids, src, lens, dst, out)
+    fill_items_upto(tokens, loss_mask, category_ids, src, lens, dst, ends, out)
     return pad_bin(out, cu, n, used, pad_id)
 
 
@@ -276,34 +285,48 @@ def fill_items(tokens, loss_mask, category_ids, src, lens, dst, out):  # pragma:
     mask means every token but an item's first); category_ids[t] is that target's category
     (0 where there is none; an empty stream means 0).
     """
+    fill_items_upto(tokens, loss_mask, category_ids, src, lens, dst, np.empty(0, np.int64), out)
+
+
+@numba.njit(cache=True, nogil=True)
+def fill_items_upto(tokens, loss_mask, category_ids, src, lens, dst, ends, out):  # pragma: no cover - compiled
+    """``fill_items`` with lookahead: ``ends[i]`` is the flat end of item i's document (empty: none).
+
+    An item that stops before its document's end (``src[i] + lens[i] < ends[i]``) labels its last token with
+    the document's next token, when that is a target: the label a --method chunk sample owes its last
+    position. Labels still never cross a document.
+    """
     has_mask = len(loss_mask) > 0
     has_cats = len(category_ids) > 0
+    has_ends = len(ends) > 0
     for i in range(len(src)):
         a, n, d = src[i], lens[i], dst[i]
         for j in range(n):
             out[0, d + j] = tokens[a + j]
             out[2, d + j] = j
-        for j in range(n - 1):
+        last = n if has_ends and a + n < ends[i] else n - 1  # positions j < last have a next token
+        for j in range(last):
             if has_mask and loss_mask[a + j + 1] == 0:
                 out[1, d + j] = -100
                 out[3, d + j] = 0
             else:
                 out[1, d + j] = tokens[a + j + 1]
                 out[3, d + j] = category_ids[a + j + 1] if has_cats else 0
-        if n > 0:
+        if n > 0 and last < n:
             out[1, d + n - 1] = -100
             out[3, d + n - 1] = 0
 
 
-def fill_items_reference(tokens, loss_mask, category_ids, src, lens, dst, out) -> None:
-    """Slow obvious version of ``fill_items``: token by token, straight from the definition."""
+def fill_items_reference(tokens, loss_mask, category_ids, src, lens, dst, out, ends=None) -> None:
+    """Slow obvious version of ``fill_items`` (``fill_items_upto`` with ``ends``): token by token."""
     for i in range(len(src)):
         a, n, d = int(src[i]), int(lens[i]), int(dst[i])
+        more = ends is not None and len(ends) > 0 and a + n < int(ends[i])  # the document goes on after the item
         for j in range(n):
             out[0, d + j] = tokens[a + j]
             out[2, d + j] = j
             nxt = j + 1
-            target = nxt < n and (len(loss_mask) == 0 or loss_mask[a + nxt] != 0)
+            target = (nxt < n or more) and (len(loss_mask) == 0 or loss_mask[a + nxt] != 0)
             out[1, d + j] = tokens[a + nxt] if target else IGNORE
             out[3, d + j] = (category_ids[a + nxt] if len(category_ids) else 0) if target else 0
 

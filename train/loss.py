@@ -1,4 +1,4 @@
-"""Token-normalized cross-entropy and channel (per-category) loss over a whole optimizer step.
+"""Token-normalized cross-entropy and channel loss (per category, per source) over a whole optimizer step.
 
 The loss of a step is Σ CE(target tokens) / N where N counts the target tokens of *every*
 micro-batch on *every* rank, known before the forward. Each micro-batch backpropagates
@@ -6,12 +6,16 @@ micro-batch on *every* rank, known before the forward. Each micro-batch backprop
 for any split of the batch into ranks and micro-batches (a per-micro-batch mean would weight a
 token by the size of the micro-batch it landed in).
 
-Channel loss keeps the same sums per category of the target token; category 0
-("uncategorized") and categories without targets in the step are left out.
+Channel loss keeps the same sums per id of a per-token id stream of the batch, aligned with the
+labels: ``category_ids`` (category 0, "uncategorized", left out) and ``source_ids`` (the blend
+source a token came from; a batch without it is one source). The channels are laid end to end in
+one id space (``Channels``), so one vector holds every sum and one all-reduce adds them over ranks.
+Ids without targets are left out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,49 +32,114 @@ def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LossSums:
-    """Sums of one step on this rank: CE total, and per category CE and target counts."""
+    """Sums of one step on this rank: CE total and target count, and both per channel id (all channels'
+    ids end to end, as ``Channels`` lays them out)."""
 
     ce: torch.Tensor  # () float64
     targets: torch.Tensor  # () float64, Σ target tokens
-    cat_ce: torch.Tensor  # (C,) float64
-    cat_targets: torch.Tensor  # (C,) float64
+    channel_ce: torch.Tensor  # (K,) float64
+    channel_targets: torch.Tensor  # (K,) float64
 
     @classmethod
-    def zeros(cls, num_categories: int, device: torch.device | str = "cpu") -> LossSums:
+    def zeros(cls, num_ids: int, device: torch.device | str = "cpu") -> LossSums:
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)
-        return cls(z(()), z(()), z(num_categories), z(num_categories))
+        return cls(z(()), z(()), z(num_ids), z(num_ids))
 
-    def add(self, ce: torch.Tensor, labels: torch.Tensor, category_ids: torch.Tensor) -> None:
-        """Accumulate a micro-batch's per-token CE (detached) by target category."""
+    def add(self, ce: torch.Tensor, labels: torch.Tensor, *ids: torch.Tensor) -> None:
+        """Accumulate a micro-batch's per-token CE (detached); ``ids``: per channel, each token's id in the
+        joint id space (``Channels.ids``; a lone tensor of category ids is clamped to the table)."""
         ce = ce.detach().double()
-        target = labels.reshape(-1) != IGNORE
-        cats = category_ids.reshape(-1).clamp(max=len(self.cat_ce) - 1)
+        target = (labels.reshape(-1) != IGNORE).double()
         self.ce += ce.sum()
         self.targets += target.sum()
-        self.cat_ce.index_add_(0, cats, ce)
-        self.cat_targets.index_add_(0, cats, target.double())
+        for channel_ids in ids:
+            at = channel_ids.reshape(-1).clamp(max=len(self.channel_ce) - 1)
+            self.channel_ce.index_add_(0, at, ce)
+            self.channel_targets.index_add_(0, at, target)
 
     def flat(self) -> torch.Tensor:
         """One vector, so that a single all-reduce sums everything over ranks."""
-        return torch.cat([self.ce.reshape(1), self.targets.reshape(1), self.cat_ce, self.cat_targets])
+        return torch.cat([self.ce.reshape(1), self.targets.reshape(1), self.channel_ce, self.channel_targets])
 
     @classmethod
     def from_flat(cls, v: torch.Tensor) -> LossSums:
         c = (len(v) - 2) // 2
         return cls(v[0], v[1], v[2 : 2 + c], v[2 + c :])
 
+    @property
+    def loss(self) -> float:
+        """Σ CE / Σ targets (0 without targets)."""
+        return float(self.ce / self.targets.clamp(min=1))
+
+
+@dataclass(frozen=True)
+class Channel:
+    """A per-token id stream of the batch whose loss is also summed per id.
+
+    ``name`` names the metric (``<name>_loss``); ``key`` is the batch key; ``names`` the ids' names;
+    ids below ``first`` are not reported (category 0 is "uncategorized").
+    """
+
+    name: str
+    key: str
+    names: tuple[str | None, ...]
+    first: int = 0
+
+
+class Channels:
+    """Channels laid end to end in one id space: channel i owns ids ``offsets[i] … offsets[i] + len(names)``."""
+
+    def __init__(self, channels: Sequence[Channel]):
+        self.channels = tuple(channels)
+        self.offsets = [0]
+        for ch in self.channels:
+            self.offsets.append(self.offsets[-1] + max(len(ch.names), 1))
+
+    @classmethod
+    def of(cls, category_names: Sequence[str | None], source_names: Sequence[str] | None) -> Channels:
+        """Categories (0 left out) and sources (one, "all", when the data has no sources)."""
+        return cls([Channel("category", "category_ids", tuple(category_names), first=1),
+                    Channel("source", "source_ids", tuple(source_names or ("all",)))])
+
+    @property
+    def size(self) -> int:
+        return self.offsets[-1]
+
+    def zeros(self, device: torch.device | str = "cpu") -> LossSums:
+        return LossSums.zeros(self.size, device)
+
+    def ids(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Each channel's ids of a batch, moved into the joint id space; a missing key is id 0 everywhere
+        (ids past a channel's table count as its last)."""
+        out = []
+        for ch, offset in zip(self.channels, self.offsets, strict=False):
+            ids = batch.get(ch.key)
+            ids = torch.zeros_like(batch["labels"]) if ids is None else ids.clamp(max=max(len(ch.names), 1) - 1)
+            out.append(ids + offset)
+        return out
+
+    def losses(self, sums: LossSums) -> dict[str, dict[str, float]]:
+        """Mean loss per id by name, for each channel by its name (ids without targets left out)."""
+        return {ch.name: channel_means(sums.channel_ce[lo:hi], sums.channel_targets[lo:hi], ch.names, ch.first)
+                for ch, lo, hi in zip(self.channels, self.offsets, self.offsets[1:], strict=False)}
+
+
+def channel_means(ce: torch.Tensor, targets: torch.Tensor, names: Sequence[str | None],
+                  first: int = 0) -> dict[str, float]:
+    """Σ CE / Σ targets of every id from ``first`` on that has targets, by name (its number when unnamed)."""
+    out = {}
+    counts, totals = targets.tolist(), ce.tolist()
+    for i in range(first, len(counts)):
+        if counts[i] > 0:
+            out[names[i] if i < len(names) and names[i] else str(i)] = totals[i] / counts[i]
+    return out
+
 
 def step_losses(sums: LossSums, category_names: list[str | None]) -> tuple[float, dict[str, float]]:
-    """Mean loss of the step and the per-category means by name (category 0 and empty ones left out)."""
-    loss = float(sums.ce / sums.targets.clamp(min=1))
-    per_cat = {}
-    counts = sums.cat_targets.tolist()
-    totals = sums.cat_ce.tolist()
-    for cid in range(1, len(counts)):
-        if counts[cid] > 0:
-            name = category_names[cid] if cid < len(category_names) and category_names[cid] else str(cid)
-            per_cat[name] = totals[cid] / counts[cid]
-    return loss, per_cat
+    """Mean loss and the per-category means by name (category 0 and empty ones left out); the categories
+    are the first ids of the sums (as ``Channels.of`` lays them out)."""
+    n = len(category_names)
+    return sums.loss, channel_means(sums.channel_ce[:n], sums.channel_targets[:n], category_names, first=1)
 
 
 def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets_global: int) -> tuple[

@@ -1,4 +1,9 @@
-"""What a step measured, and where it goes: ``metrics.jsonl`` (every step) and the console (rank 0 only)."""
+"""What a step measured, and where it goes: ``metrics.jsonl`` (every step) and the console (rank 0 only).
+
+A step that evaluated on the validation bins carries its ``EvalMetrics``: they go on the same
+metrics.jsonl record (``eval_loss``, ``eval_category_loss``, ``eval_source_loss``, ``eval_target_tokens``,
+``eval_bins``) and on a console line of their own, whatever ``log_every`` says.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,26 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prep.io import write_atomic
+
+
+@dataclass
+class EvalMetrics:
+    """Loss over the validation bins: Σ CE / Σ targets over all of them, per category and per source."""
+
+    loss: float
+    category_loss: dict[str, float]
+    source_loss: dict[str, float]
+    targets: int
+    bins: int
+    seconds: float
+
+    def record(self) -> dict:
+        return {"eval_loss": self.loss, "eval_category_loss": self.category_loss,
+                "eval_source_loss": self.source_loss, "eval_target_tokens": self.targets, "eval_bins": self.bins}
 
 
 @dataclass
@@ -23,6 +44,8 @@ class StepMetrics:
     targets: int
     seconds: float
     consumed_samples: int
+    source_loss: dict[str, float] = field(default_factory=dict)
+    eval: EvalMetrics | None = None
 
 
 class MetricsLog:
@@ -56,10 +79,11 @@ class MetricsLog:
             return
         if self._first_step is None:
             self._first_step, self._t0 = m.step - 1, time.perf_counter() - m.seconds
-        record = {"step": m.step, "loss": m.loss, "category_loss": m.category_loss, "grad_norm": m.grad_norm,
-                  "lr": m.lr, "tokens": m.tokens, "target_tokens": m.targets,
+        record = {"step": m.step, "loss": m.loss, "category_loss": m.category_loss, "source_loss": m.source_loss,
+                  "grad_norm": m.grad_norm, "lr": m.lr, "tokens": m.tokens, "target_tokens": m.targets,
                   "tokens_per_s": m.tokens / m.seconds if m.seconds > 0 else None,
-                  "step_seconds": m.seconds, "consumed_samples": m.consumed_samples, "time": time.time()}
+                  "step_seconds": m.seconds, "consumed_samples": m.consumed_samples, "time": time.time(),
+                  **(m.eval.record() if m.eval is not None else {})}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         self._tokens += m.tokens
@@ -67,6 +91,8 @@ class MetricsLog:
         interval = m.step % self.every == 0 or m.step == self.total
         if interval or self.tty:
             self._console(m, interval)
+        if m.eval is not None:
+            self._console_eval(m.step, m.eval)
 
     def _console(self, m: StepMetrics, interval: bool) -> None:
         """A line per interval (tokens/s averaged over it); on a terminal also a live line every step."""
@@ -81,10 +107,33 @@ class MetricsLog:
         if interval:
             self._tokens, self._seconds = 0, 0.0
 
+    def _console_eval(self, step: int, e: EvalMetrics) -> None:
+        """One line per evaluation: the loss, then per category and per source (more than one source)."""
+        parts = [f"eval step {step}/{self.total}  loss {e.loss:.4f}"]
+        if e.category_loss:
+            parts.append("categories " + ", ".join(f"{k} {v:.4f}" for k, v in e.category_loss.items()))
+        if len(e.source_loss) > 1:
+            parts.append("sources " + ", ".join(f"{k} {v:.4f}" for k, v in e.source_loss.items()))
+        parts.append(f"({e.bins:,} bins, {e.targets:,} targets, {e.seconds:.1f}s)")
+        self.stream.write(("\r" if self.tty else "") + "  ".join(parts) + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def best_step(states: dict[int, dict]) -> tuple[int, str] | None:
+    """Which of several steps' records (trainer.json of checkpoints) is the best, and by which key: the
+    lowest ``eval_loss`` where any record has one (validation loss follows generalization), else the
+    lowest training ``loss``. None when no record has either."""
+    for key in ("eval_loss", "loss"):
+        losses = {step: float(s[key]) for step, s in states.items()
+                  if isinstance(s.get(key), int | float) and not isinstance(s.get(key), bool)}
+        if losses:
+            return min(losses, key=losses.get), key
+    return None
 
 
 def clock(seconds: float) -> str:

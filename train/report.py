@@ -1,5 +1,6 @@
-"""The report on a run directory (``xprep inspect runs/NAME``): loss by category over the run (first,
-last, best, trend), no torch; ``prep.render`` makes the text.
+"""The report on a run directory (``xprep inspect runs/NAME``): loss by category and by source over the
+run (first, last, best, trend), and the same of the validation loss when the run evaluated; no torch;
+``prep.render`` makes the text.
 
 Reads ``config.json``, ``run.json`` and ``metrics.jsonl``, and writes nothing: the loss curves are
 drawn (with matplotlib) only into the file ``--plot FILE`` names.
@@ -7,12 +8,14 @@ drawn (with matplotlib) only into the file ``--plot FILE`` names.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
 from prep.errors import XprepError
+from train.metrics import best_step
 
 PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
 PLOT_FORMATS = {"": "png", ".png": "png", ".pdf": "pdf", ".svg": "svg"}
@@ -49,7 +52,7 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
     info = _read_json(path / "run.json")
     records = read_metrics(path)
     report = {"kind": "run", "path": str(path), "config": config, "settings": settings(config),
-              "pack": info.get("pack"),
+              "pack": info.get("pack"), "validation": info.get("validation"),
               "plan": info.get("plan"), "steps": len(records),
               "last_step": records[-1]["step"] if records else 0,
               "checkpoints": _checkpoints(path), "plot": None}
@@ -59,14 +62,28 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
         steps = [r["step"] for r in records]
         report["loss"] = curve_summary(steps, [r["loss"] for r in records])
         report["tokens"] = sum(r.get("tokens", 0) for r in records)
-        report["categories"] = {}
-        names = sorted({n for r in records for n in r.get("category_loss", {})})
-        for name in names:
-            pts = [(r["step"], r["category_loss"][name]) for r in records if name in r.get("category_loss", {})]
-            report["categories"][name] = curve_summary([s for s, _ in pts], [v for _, v in pts])
+        report["categories"] = channel_summaries(records, "category_loss")
+        report["sources"] = channel_summaries(records, "source_loss")
+        names = list(report["categories"])
+        evals = [r for r in records if r.get("eval_loss") is not None]
+        if evals:
+            report["eval"] = {"loss": curve_summary([r["step"] for r in evals], [r["eval_loss"] for r in evals]),
+                              "categories": channel_summaries(evals, "eval_category_loss"),
+                              "sources": channel_summaries(evals, "eval_source_loss"),
+                              "bins": evals[-1].get("eval_bins"), "target_tokens": evals[-1].get("eval_target_tokens")}
         if target is not None:
             report["plot"] = draw_plot(target, records, names)
     return report
+
+
+def channel_summaries(records: list[dict], key: str) -> dict:
+    """``curve_summary`` of each name of the channel loss ``key`` (``category_loss``, ...), over the records
+    that have it."""
+    out = {}
+    for name in sorted({n for r in records for n in r.get(key) or {}}):
+        pts = [(r["step"], r[key][name]) for r in records if name in (r.get(key) or {})]
+        out[name] = curve_summary([s for s, _ in pts], [v for _, v in pts])
+    return out
 
 
 def _read_json(path: Path) -> dict:
@@ -84,7 +101,20 @@ def _checkpoints(path: Path) -> dict:
         return {"latest": None, "steps": []}
     latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
     steps = sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit())
-    return {"latest": latest, "steps": steps}
+    return {"latest": latest, "steps": steps, **_best(root, steps)}
+
+
+def _best(root: Path, steps: list[int]) -> dict:
+    """The checkpoint ``--keep`` keeps as the best, and by which loss (``best_step``, as train/checkpoint.py)."""
+    states = {}
+    for n in steps:
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            states[n] = json.loads((root / f"step-{n}" / "trainer.json").read_text())
+    best = best_step(states)
+    if best is None:
+        return {}
+    step, key = best
+    return {"best": f"step-{step}", "best_by": key, "best_loss": float(states[step][key])}
 
 
 def check_plot_target(plot: str | Path) -> Path:
@@ -114,7 +144,7 @@ def check_plot_target(plot: str | Path) -> Path:
 
 
 def draw_plot(out: Path, records: list[dict], names: list[str]) -> str:
-    """Loss over steps, overall and per category, written atomically to ``out``."""
+    """Loss over steps, overall and per category (and the validation loss), written atomically to ``out``."""
     import matplotlib  # optional (the plot extra): only --plot needs it
 
     matplotlib.use("Agg")  # no display: draw into files
@@ -125,6 +155,10 @@ def draw_plot(out: Path, records: list[dict], names: list[str]) -> str:
     for name in names:
         pts = [(r["step"], r["category_loss"][name]) for r in records if name in r.get("category_loss", {})]
         ax.plot([s for s, _ in pts], [v for _, v in pts], label=name, lw=1)
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], label="validation", color="black", lw=1.5, ls="--",
+                marker="o")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()

@@ -1,10 +1,12 @@
 """The training loop: ``Trainer`` (``train_step → forward_backward → model, loss``) and ``run``.
 
 ``run(config)`` is ``xtrain run`` in this process, whether alone or as one of the ranks that
-torchrun or train/launch.py started: open the data (every user error surfaces here, before any
-process group exists), start the process group, build model, optimizer, schedule, sampler
-(each from its config section), resume, loop, save, shut down. ``Trainer`` takes plain objects
-so tests can build one without a config.
+torchrun or train/launch.py started: open the data and the validation bins (every user error
+surfaces here, before any process group exists), start the process group, build model,
+optimizer, schedule, sampler (each from its config section), resume, loop (step, evaluate when
+due, log, save), shut down. ``Trainer.evaluate`` runs the same forward as a training step, without
+gradient, over this rank's share of the validation bins (train/evaluate.py). ``Trainer`` takes
+plain objects so tests can build one without a config.
 
 After every step (metrics logged, checkpoint saved) the loop calls each of ``STEP_END_CALLBACKS``
 with the trainer: tests install fault injection there (tests/_train_fault_worker.py).
@@ -43,8 +45,9 @@ from train.dist import (
     reduce_gradients,
     shutdown,
 )
-from train.loss import LossSums, micro_batch_loss, step_losses
-from train.metrics import MetricsLog, StepMetrics
+from train.evaluate import Validation, source_names
+from train.loss import Channels, LossSums, micro_batch_loss, token_ce
+from train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
 from train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
 
@@ -73,10 +76,12 @@ class Trainer:
         self.dataset, self.sampler, self.dims = dataset, sampler, dims
         self.grad_accum, self.device, self.grad_clip, self.autocast = grad_accum, device, grad_clip, autocast
         self.category_names = category_names if category_names is not None else dataset.category_names
+        self.channels = Channels.of(self.category_names, source_names(dataset))
         self.model_config, self.hparams = model_config, hparams  # recorded in checkpoints, compared on resume
         self.settings = optimizer_settings(optimizer, scheduler)  # this run's, put back after a checkpoint loads
         self.step = 0
         self.loss: float | None = None  # of the last step
+        self.eval_loss: float | None = None  # of the last step, when it evaluated
 
     def next_micro_batches(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """This rank's micro-batches of the next step, ready for the model; its real tokens and targets.
@@ -125,10 +130,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         total = LossSums.from_flat(all_reduce_sum(sums.flat(), self.dims))
-        loss, per_cat = step_losses(total, self.category_names)
-        self.loss = loss
-        return StepMetrics(self.step, loss, per_cat, float(full_tensor(grad_norm)), lr, n_tokens, n_targets,
-                           time.perf_counter() - t0, self.sampler.consumed_samples)
+        channel = self.channels.losses(total)
+        self.loss, self.eval_loss = total.loss, None
+        return StepMetrics(self.step, total.loss, channel["category"], float(full_tensor(grad_norm)), lr, n_tokens,
+                           n_targets, time.perf_counter() - t0, self.sampler.consumed_samples, channel["source"])
 
     def accumulate_gradients(self) -> tuple[LossSums, int, int]:
         """Forward and backward of every micro-batch of the step, gradients summed over ranks.
@@ -138,7 +143,7 @@ class Trainer:
         batches, tokens, targets = self.next_micro_batches()
         counts = torch.tensor([targets, tokens], dtype=torch.float64, device=self.device)
         n_targets, n_tokens = all_reduce_sum(counts, self.dims).tolist()  # before any forward
-        sums = LossSums.zeros(len(self.category_names), self.device)
+        sums = self.channels.zeros(self.device)
         for i, batch in enumerate(batches):
             if self.dims.fsdp:  # FSDP2 reduce-scatters once, after the step's last backward
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
@@ -148,12 +153,40 @@ class Trainer:
 
     def forward_backward(self, batch: dict[str, torch.Tensor], n_targets: float, sums: LossSums) -> None:
         """Backpropagate Σ CE / (targets of the whole step); accumulate the channel sums."""
-        with self.autocast():
-            logits = self.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"],
-                                cp=self.cp_context(batch))
-        loss, ce = micro_batch_loss(logits, batch["labels"], n_targets)
+        loss, ce = micro_batch_loss(self.forward(batch), batch["labels"], n_targets)
         loss.backward()
-        sums.add(ce, batch["labels"], batch["category_ids"])
+        sums.add(ce, batch["labels"], *self.channels.ids(batch))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's logits (1, T, V) for this rank's share of a micro-batch."""
+        with self.autocast():
+            return self.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"],
+                              cp=self.cp_context(batch))
+
+    def evaluate(self, validation: Validation) -> EvalMetrics:
+        """Loss over the validation bins: Σ CE over every rank's share / their global number of targets.
+
+        No gradient, the model in eval mode (and back in train mode after). Every rank runs as many
+        forwards (``Validation.rounds``); a filler micro-batch (an empty round) is not counted.
+        """
+        t0 = time.perf_counter()
+        channels, dataset = validation.channels, validation.dataset
+        sums = channels.zeros(self.device)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for bins in validation.rounds:
+                    batch = self.to_device(self.shard_batch(collate([dataset[b] for b in bins or [0]])))
+                    ce = token_ce(self.forward(batch), batch["labels"])
+                    if bins:
+                        sums.add(ce, batch["labels"], *channels.ids(batch))
+        finally:
+            self.model.train()
+        total = LossSums.from_flat(all_reduce_sum(sums.flat(), self.dims))
+        channel = channels.losses(total)
+        self.eval_loss = total.loss
+        return EvalMetrics(total.loss, channel["category"], channel["source"], int(total.targets), validation.bins,
+                           time.perf_counter() - t0)
 
     def state_dict(self) -> dict:
         """Everything a checkpoint records beside the model and optimizer (trainer.json): counters, sampler,
@@ -162,7 +195,7 @@ class Trainer:
         scheduler = self.scheduler.state_dict()
         scheduler["lr_lambdas"] = [None] * len(scheduler["lr_lambdas"])  # the shape follows the config
         return {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": scheduler,
-                "pack_key": self.dataset.key, "loss": self.loss,
+                "pack_key": self.dataset.key, "loss": self.loss, "eval_loss": self.eval_loss,
                 "global_batch_size": self.grad_accum * self.sampler.micro_batch_times_dp,
                 "micro_batch_size": self.sampler.micro_batch_size, "model": self.model_config,
                 "hparams": self.hparams, "schedule": self.scheduler.lr_lambdas[0].settings()}
@@ -176,7 +209,7 @@ class Trainer:
         ``nn.Module.load_state_dict`` returns its mismatches).
         """
         self.step = int(state["step"])
-        self.loss = state.get("loss")
+        self.loss, self.eval_loss = state.get("loss"), state.get("eval_loss")
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
         changed = []
@@ -198,6 +231,7 @@ class RunSetup:
     sampler: BinSampler
     ckpt: CheckpointManager
     resume_from: Path | None
+    validation: Validation | None = None
 
 
 def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None = None) -> RunSetup:
@@ -212,6 +246,7 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
         check_same_pack(saved, resume_from, dataset.key)
     plan = plan_batches(len(dataset), dataset.entry.config, dims.dp, cfg.data.micro_batch_size,
                         cfg.data.global_batch_size, cfg.steps, cfg.epochs, saved.get("global_batch_size"))
+    validation = cfg.eval.build(cfg.data, dataset, dims, plan.micro_batch_size, verify_data)
     sampler = build_sampler(cfg.data.sampler, len(dataset), plan.micro_batch_size, dims.dp_rank, dims.dp, cfg.seed,
                             plan.group)
     if not dataset.vocab_size:
@@ -222,7 +257,7 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     if dims.cp_enabled and cfg.model.hf_dir is not None:
         raise XprepError(f"--cp {dims.cp} needs the built-in model (its attention runs over the CP group): "
                          f"use a preset or a JSON model config instead of --model {cfg.model.name}")
-    return RunSetup(dataset, plan, sampler, ckpt, resume_from)
+    return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation)
 
 
 def run(cfg: TrainConfig, stream=None) -> Path:
@@ -276,19 +311,24 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
         _resume(setup, trainer, dims.is_main, out)
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_run_config(run_dir, cfg, plan, model_config, dataset, dims)
+        _write_run_config(run_dir, cfg, plan, model_config, dataset, dims, setup.validation)
     log = MetricsLog(run_dir, plan.steps, cfg.log_every, dims.is_main, stream)
     log.open(trainer.step)
     if dims.is_main:
         out.write(_pack_line(dataset) + "\n")
+        if setup.validation is not None:
+            out.write(_validation_line(setup.validation) + "\n")
         out.write(_start_line(cfg, trainer, plan) + f" → {run_dir}\n")
     if trainer.step >= plan.steps and dims.is_main:
         out.write(f"{run_dir}: already at step {trainer.step}/{plan.steps}, nothing to do "
                   "(raise --steps to continue)\n")
-    save_every = cfg.checkpoint.save_every
+    save_every, validation = cfg.checkpoint.save_every, setup.validation
     try:
         while trainer.step < plan.steps:
-            log.write(trainer.train_step())
+            metrics = trainer.train_step()
+            if validation is not None and validation.due(trainer.step, plan.steps):
+                metrics.eval = trainer.evaluate(validation)  # before the save: "best" follows it
+            log.write(metrics)
             if trainer.step == plan.steps or (save_every and trainer.step % save_every == 0):
                 ckpt.save(trainer.step, model, optimizer, trainer.state_dict())
             for callback in STEP_END_CALLBACKS:
@@ -315,6 +355,15 @@ def _pack_line(dataset: PackedDataset) -> str:
     return f"training on {entry} (entry {entry.name}, {origin})"
 
 
+def _validation_line(validation: Validation) -> str:
+    """Which entry the run evaluates on, on how many bins, and when."""
+    entry, when = validation.dataset.entry.path, "after the last step"
+    if validation.every:
+        when = f"every {validation.every:,} steps and " + when
+    return (f"validating on {entry} (entry {entry.name}, \"validation\" in {entry.parent / MANIFEST}): "
+            f"{validation.bins:,} of {len(validation.dataset):,} bins, {when}")
+
+
 def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan) -> str:
     """The model, the data, the batch arithmetic and the layout of the run about to start."""
     dims, dataset = trainer.dims, trainer.dataset
@@ -327,13 +376,18 @@ def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan) -> str:
 
 
 def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_config: dict,
-                      dataset: PackedDataset, dims: ParallelDims) -> None:
+                      dataset: PackedDataset, dims: ParallelDims, validation: Validation | None = None) -> None:
     """config.json is the resolved TrainConfig (nested, schema-checked); run.json what it resolved to."""
+    val = None
+    if validation is not None:
+        entry = validation.dataset.entry
+        val = {"path": str(entry.path), "entry": entry.path.name, "key": entry.key, "bins": len(validation.dataset),
+               "eval_bins": validation.bins, "every": validation.every}
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
     write_json_atomic(run_dir / "run.json", {
         "pack": {"path": str(dataset.entry.path), "entry": dataset.entry.path.name, "key": dataset.key,
                  "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
-        "categories": dataset.category_names,
+        "categories": dataset.category_names, "sources": source_names(dataset), "validation": val,
         "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
         "model": model_config,
     })

@@ -1,0 +1,458 @@
+"""Blends: ``xprep pack DATASET@WEIGHT ...`` or ``--mix FILE``, and reading any pack's bins as items.
+
+A blend packs each source on its own (a plain entry of the same PACKED directory, so every mixture that
+uses a dataset with the same options shares it), then orders bins from the sources with Megatron's greedy
+rule (``prep.blend``), weights in tokens. The blend is an entry of its own, made current:
+
+    PACKED/blend-<key16>/
+      blend.json        the sources (entry names and keys, weights, requested vs delivered shares, epochs),
+                        seed, size; written last, ``"complete": true``
+      bin_source.npy    int16[bins]   source of blend bin j
+      bin_index.npy     int32[bins]   bin of that source's entry (int64 for sources of ≥ 2**31 bins)
+
+Key = sha256 of canonical JSON over the blend version, the source entries' keys, names and normalized
+weights, the seed and the size in tokens. Size: ``--total-tokens N``, or ``--epochs E`` (default 1) of the
+source with the largest weight: ``total = E · tokens(that source) / its share``. A bin counts its capacity,
+or its tokens for token-aware (then the unit of the greedy rule is the token budget).
+
+Mix file, YAML (needs PyYAML) or JSON (``schemas/mix.schema.json``)::
+
+    sources:
+      - dataset: data/web   # a token dataset; a relative path is read from the mix file's directory
+        weight: 0.7         # > 0, a share of tokens (normalized over the sources)
+        name: web           # optional: the source's name in per-source loss and reports [default: directory name]
+
+``PackBins`` reads a plain entry or a blend as bins of (document, start, length) items over one global
+document index, each bin knowing its source: the trainer's dataset and ``xprep inspect --seen`` use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from prep.blend import MAX_SOURCES, Blend, blend_bins
+from prep.dataset import TokenDataset, canonical_json
+from prep.errors import XprepError
+from prep.formats import BLEND_JSON, DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, declared_format
+from prep.io import read_json
+from prep.packconfig import PackConfig
+from prep.packfile import PackEntry, open_packed
+
+BLEND_VERSION = 1  # bump when the same sources and options would blend differently
+BLEND_ARRAYS = ("bin_source", "bin_index")
+MIX_KEYS = {"dataset", "weight", "name"}
+
+
+# -------------------------------------------------------------------------------------------- sources
+@dataclass
+class Source:
+    """One dataset of a blend: where it is, its weight (a share of tokens, not normalized) and its name."""
+
+    path: Path
+    weight: float
+    name: str
+
+
+def read_sources(paths: list[str], weights: list[float] | None, mix: str | None) -> list[Source]:
+    """The sources of a blend: the ``--mix`` file's, then the ``DATASET@WEIGHT`` arguments; all checked
+    (weights, names, datasets present, one tokenizer) before anything is packed."""
+    sources = read_mix(mix) if mix is not None else []
+    sources += [Source(Path(p), float(w), Path(p).resolve().name) for p, w in zip(paths, weights or [], strict=True)]
+    where = f"--mix {mix}" if mix is not None else "the blend"
+    if len(sources) > MAX_SOURCES:
+        raise XprepError(f"{where}: {len(sources):,} sources, more than {MAX_SOURCES:,}; merge some datasets first")
+    seen_names, seen_paths = {}, {}
+    for s in sources:
+        check_dataset(s, where)
+        resolved = str(s.path.resolve())
+        if resolved in seen_paths:
+            raise XprepError(f"{where}: dataset {s.path} is listed twice ({seen_paths[resolved]} and {s.name}); "
+                             "list each dataset once, with the sum of its weights")
+        if s.name in seen_names:
+            raise XprepError(f"{where}: two sources are named {s.name!r} ({seen_names[s.name]} and {s.path}); "
+                             "give them distinct names (`name:` in a mix file)")
+        seen_paths[resolved], seen_names[s.name] = s.name, s.path
+    check_one_tokenizer(sources)
+    return sources
+
+
+def read_mix(mix: str) -> list[Source]:
+    """The sources a mix file lists; every mistake is one error naming the file and the source."""
+    path = Path(mix)
+    data = _load_mix(path)
+    listed = data.get("sources") if isinstance(data, dict) else None
+    if not isinstance(listed, list) or not listed:
+        raise XprepError(f"--mix {mix}: expected a mapping with a non-empty list `sources:` of "
+                         "{dataset, weight, name?} (see schemas/mix.schema.json)")
+    extra = set(data) - {"sources"}
+    if extra:
+        raise XprepError(f"--mix {mix}: unknown key {sorted(extra)[0]!r} at the top; only `sources:` is read")
+    return [_mix_source(item, i, path) for i, item in enumerate(listed)]
+
+
+def _load_mix(path: Path):
+    if not path.is_file():
+        raise XprepError(f"--mix {path}: no such file; give a YAML or JSON mix file")
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        return read_json(path, "mix file", "fix it, or write it as YAML (.yaml)")
+    try:
+        import yaml  # optional dependency (the yaml extra): only YAML mix files need it
+    except ImportError:
+        raise XprepError(f"--mix {path}: reading YAML needs PyYAML, which is not installed: pip install pyyaml "
+                         "(or pip install 'xprep[yaml]'), or write the mix file as JSON") from None
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise XprepError(f"--mix {path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+
+
+def _mix_source(item, i: int, path: Path) -> Source:
+    where = f"--mix {path}: source #{i + 1}"
+    if not isinstance(item, dict):
+        raise XprepError(f"{where}: expected a mapping {{dataset, weight, name?}}, got {item!r}")
+    unknown = set(item) - MIX_KEYS
+    if unknown:
+        raise XprepError(f"{where}: unknown key {sorted(unknown)[0]!r}; a source has dataset, weight and name")
+    dataset, weight, name = item.get("dataset"), item.get("weight"), item.get("name")
+    if not isinstance(dataset, str) or not dataset:
+        raise XprepError(f"{where}: `dataset:` must name a token dataset directory")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not (0 < weight < math.inf):
+        raise XprepError(f"{where} ({dataset}): the weight {weight!r} must be a positive number")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise XprepError(f"{where} ({dataset}): `name:` must be a non-empty string")
+    full = Path(dataset) if Path(dataset).is_absolute() else path.parent / dataset
+    return Source(full, float(weight), name or full.resolve().name)
+
+
+def check_dataset(source: Source, where: str) -> None:
+    """The source is a token dataset, or one error naming it."""
+    manifest = source.path / MANIFEST
+    if not manifest.is_file():
+        raise XprepError(f"{where}: source {source.name!r}: {source.path} is not a token dataset (no {MANIFEST}); "
+                         "check the path (a mix file's relative paths are read from its directory)")
+    fmt = declared_format(manifest)
+    if fmt != DATASET_FORMAT:
+        raise XprepError(f"{where}: source {source.name!r}: {source.path} holds a {fmt!r} manifest, not a token "
+                         "dataset's; blend token datasets (written by `xprep tokenize`)")
+
+
+def check_one_tokenizer(sources: list[Source]) -> None:
+    """All sources of a blend share a tokenizer: their token ids end up in the same batches."""
+    first = None
+    for s in sources:
+        manifest = read_json(s.path / MANIFEST, "dataset manifest", "re-run `xprep tokenize`")
+        sha = (manifest.get("tokenizer") or {}).get("sha256") if isinstance(manifest, dict) else None
+        if first is None:
+            first = (s, sha)
+        elif sha != first[1]:
+            raise XprepError(f"blend sources {first[0].name!r} ({first[0].path}) and {s.name!r} ({s.path}) were "
+                             "tokenized with different tokenizers (tokenizer.json sha256 differs): blend datasets "
+                             "of one tokenizer, or re-tokenize")
+
+
+def check_blend_config(config: PackConfig) -> None:
+    """Options that cannot apply to a blend, refused before any work."""
+    if config.balance_dp:
+        raise XprepError("--balance-dp does not apply to a blend: the blend interleaves the sources' bins, which "
+                         "would break the per-rank steps; drop --balance-dp")
+    if config.total_tokens is not None and config.total_tokens < 1:
+        raise XprepError(f"--total-tokens {config.total_tokens} must be a positive number of tokens")
+    if config.epochs is not None and not 0 < config.epochs < math.inf:
+        raise XprepError(f"--epochs {config.epochs} must be a positive number")
+    if config.total_tokens is not None and config.epochs is not None:
+        raise XprepError("--total-tokens and --epochs both size the blend: give one")
+
+
+# ------------------------------------------------------------------------------------------- planning
+def bin_sizes(entry: PackEntry) -> np.ndarray | int:
+    """Each bin's size in blend units: its tokens for token-aware; for the other methods every bin is worth its
+    capacity, given as the number of bins (``blend_bins`` then blends on counts alone)."""
+    if entry.config["method"] != "token-aware":
+        return entry.num_bins
+    return bin_tokens(entry)
+
+
+def bin_tokens(entry: PackEntry) -> np.ndarray:
+    """The real (non-padding) tokens of each bin."""
+    csum = np.zeros(len(entry.item_len) + 1, np.int64)
+    np.cumsum(entry.item_len, out=csum[1:])
+    offsets = np.asarray(entry.bin_offsets)
+    return (csum[offsets[1:]] - csum[offsets[:-1]]).astype(np.int32)
+
+
+def blend_units(entry: PackEntry) -> int:
+    """A source's size in blend units: bins × capacity, or its tokens for token-aware."""
+    if entry.config["method"] != "token-aware":
+        return entry.num_bins * entry.capacity
+    return int(entry.meta["stats"]["tokens"])
+
+
+def shares(sources: list[Source]) -> np.ndarray:
+    weights = np.array([s.weight for s in sources], np.float64)
+    return weights / weights.sum()
+
+
+def blend_total(config: PackConfig, shares_: np.ndarray, tokens: list[int]) -> tuple[int, str]:
+    """The blend's size in tokens, and the option that set it."""
+    if config.total_tokens is not None:
+        return int(config.total_tokens), f"--total-tokens {config.total_tokens}"
+    epochs = 1.0 if config.epochs is None else float(config.epochs)
+    big = int(np.argmax(shares_))
+    return max(1, round(epochs * tokens[big] / shares_[big])), f"--epochs {epochs:g}"
+
+
+def blend_key(entries: list[PackEntry], sources: list[Source], shares_: np.ndarray, seed: int, total: int,
+              every_bin_once: bool = False) -> str:
+    payload = {"blend_version": BLEND_VERSION, "pack_format": PACK_FORMAT, "seed": seed, "total_tokens": total,
+               "sources": [{"key": e.key, "name": s.name, "share": float(w)}
+                           for e, s, w in zip(entries, sources, shares_, strict=True)]}
+    if every_bin_once:  # the validation blend of a --split mixture
+        payload["order"] = "every bin once"
+    return hashlib.sha256(canonical_json(payload)).hexdigest()
+
+
+def blend_name(key: str) -> str:
+    return f"blend-{key[:16]}"
+
+
+def build_blend(sources: list[Source], entries: list[PackEntry], config: PackConfig, key: str, total: int,
+                size_option: str, every_bin_once: bool = False) -> tuple[Blend, dict]:
+    """The blend order and its blend.json (``"complete": true``).
+
+    ``every_bin_once``: each source's bins once, interleaved in proportion to the sources' sizes (the
+    validation blend of a ``--split`` mixture: evaluation sees every held-out bin exactly once, whatever the
+    weights, and any first M bins sample every source).
+    """
+    for s, e in zip(sources, entries, strict=True):
+        if e.num_bins == 0:
+            raise XprepError(f"blend source {s.name!r} ({s.path}) packs into 0 bins: nothing to blend from it; "
+                             "drop it from the blend or change the pack options")
+    sizes = [bin_sizes(e) for e in entries]
+    shares_ = shares(sources)
+    t0 = time.perf_counter()
+    blend = once_each(entries, config) if every_bin_once else blend_bins(sizes, shares_, config.capacity, total,
+                                                                            config.seed)
+    seconds = time.perf_counter() - t0
+    available = [blend_units(e) for e in entries]
+    delivered_total = int(blend.tokens.sum())
+    real = [int(bin_tokens(e)[blend.bin_index[blend.bin_source == i]].sum(dtype=np.int64))
+            for i, e in enumerate(entries)]
+    rows = [{**_source_row(s, e, float(w), total, blend, i, available[i], delivered_total), "real_tokens": real[i]}
+            for i, (s, e, w) in enumerate(zip(sources, entries, shares_, strict=True))]
+    meta = {"format": PACK_FORMAT, "kind": "blend", "version": BLEND_VERSION, "key": key, "name": blend_name(key),
+            "config": entries[0].config, "seed": config.seed,
+            "size": {"option": size_option, "total_tokens": total,
+                     "unit": "tokens" if config.method == "token-aware" else "capacity"},
+            "sources": rows,
+            "stats": {"bins": len(blend.bin_source), "tokens": delivered_total, "real_tokens": sum(real)},
+            "lookahead": any(bool(e.meta.get("lookahead")) for e in entries),  # --method chunk sources
+            "blend_seconds": round(seconds, 3),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
+    return blend, meta
+
+
+def _source_row(s: Source, e: PackEntry, share: float, total: int, blend: Blend, i: int, available: int,
+                delivered_total: int) -> dict:
+    stats = e.meta["stats"]
+    return {"name": s.name, "entry": e.path.name, "key": e.key, "datasets": [d["path"] for d in e.meta["datasets"]],
+            "weight": s.weight, "requested_share": share,
+            "delivered_share": int(blend.tokens[i]) / delivered_total if delivered_total else 0.0,
+            "requested_tokens": share * total, "delivered_tokens": int(blend.tokens[i]),
+            "tokens_available": available, "bins_available": e.num_bins, "bins": int(blend.bins[i]),
+            "epochs": int(blend.bins[i]) / e.num_bins, "epochs_begun": int(blend.epochs[i]),
+            "documents": stats["documents_in"],
+            "documents_kept": stats["documents_in"] - stats["dropped_documents"] - stats["empty_documents"]}
+
+
+# ---------------------------------------------------------------------------------------------- entry
+@dataclass
+class BlendEntry:
+    """One immutable blend: bin j is bin ``bin_index[j]`` of source entry ``bin_source[j]``."""
+
+    path: Path
+    meta: dict
+    bin_source: np.ndarray
+    bin_index: np.ndarray
+    sources: list[PackEntry]
+
+    @property
+    def key(self) -> str:
+        return self.meta["key"]
+
+    @property
+    def config(self) -> dict:
+        """The sources' pack options (one set for all): what the trainer plans batches by."""
+        return self.meta["config"]
+
+    @property
+    def capacity(self) -> int:
+        return int(self.meta["config"]["capacity"])
+
+    @property
+    def num_bins(self) -> int:
+        return len(self.bin_source)
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s["name"] for s in self.meta["sources"]]
+
+    def write_arrays(self, directory: Path) -> None:
+        for name in BLEND_ARRAYS:
+            np.save(directory / f"{name}.npy", getattr(self, name), allow_pickle=False)
+
+    def manifest_row(self) -> dict:
+        """The entry's line in PACKED/manifest.json."""
+        return {"key": self.key, "method": "blend", "capacity": self.capacity,
+                "datasets": [p for s in self.meta["sources"] for p in s["datasets"]],
+                "sources": [s["entry"] for s in self.meta["sources"]], "bins": self.num_bins,
+                "documents": sum(s["documents"] for s in self.meta["sources"]), "created": self.meta["created"]}
+
+    @classmethod
+    def open(cls, path: str | Path) -> BlendEntry:
+        """Open a complete blend and its source entries (siblings in the same PACKED directory)."""
+        path = Path(path)
+        fix = "re-run its `xprep pack` with --force"
+        meta = read_json(path / BLEND_JSON, "blend entry's metadata", fix)
+        if not isinstance(meta, dict) or meta.get("kind") != "blend" or not meta.get("complete"):
+            raise XprepError(f"{path / BLEND_JSON}: incomplete or foreign blend entry; {fix}")
+        arrays = {}
+        for name in BLEND_ARRAYS:
+            try:
+                arrays[name] = np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+            except (FileNotFoundError, ValueError) as e:
+                raise XprepError(f"{path / name}.npy: {e}; {fix}") from None
+        if len(arrays["bin_source"]) != len(arrays["bin_index"]) or len(arrays["bin_source"]) != meta["stats"]["bins"]:
+            raise XprepError(f"{path}: blend arrays disagree in size; {fix}")
+        return cls(path=path, meta=meta, sources=[_open_source(path, s, fix) for s in meta["sources"]], **arrays)
+
+
+def _open_source(blend: Path, row: dict, fix: str) -> PackEntry:
+    where = blend.parent / row["entry"]
+    if not (where / PACK_JSON).is_file():
+        raise XprepError(f"{blend}: its source {row['name']!r} ({where}) is missing; {fix}")
+    entry = PackEntry.open(where)
+    if entry.key != row["key"] or entry.num_bins != row["bins_available"]:
+        raise XprepError(f"{blend}: its source {row['name']!r} ({where}) is not the entry it was blended from; {fix}")
+    return entry
+
+
+def open_entry(packed: str | Path) -> PackEntry | BlendEntry:
+    """The current entry of a pack cache (or the entry directory given), a plain pack or a blend."""
+    packed = Path(packed)
+    if (packed / BLEND_JSON).is_file():
+        return BlendEntry.open(packed)
+    if not (packed / PACK_JSON).is_file() and declared_format(packed / MANIFEST) == PACK_FORMAT:
+        manifest = read_json(packed / MANIFEST, "pack cache manifest", "re-run `xprep pack`")
+        current = manifest.get("current") if isinstance(manifest, dict) else None
+        if isinstance(current, str) and (packed / current / BLEND_JSON).is_file():
+            return BlendEntry.open(packed / current)
+    return open_packed(packed)
+
+
+# ----------------------------------------------------------------------------------------------- bins
+def _view(a: np.ndarray) -> np.ndarray:
+    """A plain ndarray view of a memory map: slicing np.memmap objects is several times slower."""
+    return np.asarray(a).view(np.ndarray)
+
+
+class PackBins:
+    """The bins of a plain entry or of a blend, as (document, start, length) items over one global document
+    index: the datasets of source 0's entry, then source 1's, and so on. Every bin knows its source (0 for
+    a plain pack, whose one source is named after its dataset)."""
+
+    def __init__(self, entry: PackEntry | BlendEntry, verify_data: bool = False):
+        self.entry = entry
+        blend = isinstance(entry, BlendEntry)
+        self.parts = entry.sources if blend else [entry]
+        self.source_names = entry.source_names if blend else [_plain_name(entry)]
+        self.bin_source = _view(entry.bin_source) if blend else None
+        self.bin_index = _view(entry.bin_index) if blend else None
+        self.datasets: list[TokenDataset] = []
+        self.dataset_source: list[int] = []  # the source of each dataset
+        self.part_base: list[int] = []  # global index of each source's first document
+        self.part_docs: list[int] = []  # documents of each source
+        for s, part in enumerate(self.parts):
+            self.part_base.append(sum(len(d) for d in self.datasets))
+            opened = part.open_datasets(verify_data)
+            self.datasets += opened
+            self.dataset_source += [s] * len(opened)
+            self.part_docs.append(sum(len(d) for d in opened))
+        self.doc_base = np.cumsum([0, *(len(d) for d in self.datasets)]).astype(np.int64)
+        self._arrays = [tuple(_view(getattr(p, n)) for n in ("bin_offsets", "item_doc", "item_start", "item_len"))
+                        for p in self.parts]
+        self._check_fits()
+
+    def _check_fits(self) -> None:
+        for part, (_, docs, _, _), n_docs in zip(self.parts, self._arrays, self.part_docs, strict=True):
+            if len(docs) and int(np.max(docs)) >= n_docs:
+                raise XprepError(f"{part.path}: refers to document {int(np.max(docs))} but its datasets hold "
+                                 f"{n_docs}; the pack does not belong to these datasets: re-run `xprep pack`")
+
+    @property
+    def num_bins(self) -> int:
+        return self.entry.num_bins
+
+    def locate(self, b: int) -> tuple[int, int]:
+        """(source, bin of that source's entry) of bin ``b``."""
+        if self.bin_source is None:
+            return 0, b
+        return int(self.bin_source[b]), int(self.bin_index[b])
+
+    def items(self, b: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """(source, global documents, starts, lengths) of the items of bin ``b``."""
+        s, i = self.locate(b)
+        offsets, doc, start, length = self._arrays[s]
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        docs = doc[lo:hi] + self.part_base[s] if self.part_base[s] else doc[lo:hi]
+        return s, docs, start[lo:hi], length[lo:hi]
+
+    def bin_tokens(self, bins: list[int]) -> int:
+        """Real (non-padding) tokens in these bins."""
+        return sum(int(self.items(b)[3].sum()) for b in bins)
+
+    def items_of(self, bins: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(source, global document, start, length) of every item of these bins (repeats kept), vectorized."""
+        bins = np.asarray(bins, np.int64)
+        src = np.zeros(len(bins), np.int64) if self.bin_source is None else self.bin_source[bins].astype(np.int64)
+        idx = bins if self.bin_index is None else self.bin_index[bins].astype(np.int64)
+        out = [[], [], [], []]
+        for s in np.unique(src).tolist():
+            offsets, doc, start, length = self._arrays[s]
+            sel = idx[src == s]
+            items = expand_ranges(offsets[sel], offsets[sel + 1])
+            for k, part in enumerate((np.full(len(items), s, np.int64), doc[items] + self.part_base[s],
+                                      start[items].astype(np.int64), length[items].astype(np.int64))):
+                out[k].append(part)
+        return tuple(np.concatenate(o) if o else np.zeros(0, np.int64) for o in out)
+
+
+def expand_ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(l, h) for l, h in zip(lo, hi)])``, without the Python loop."""
+    lo, counts = np.asarray(lo, np.int64), np.asarray(hi, np.int64) - np.asarray(lo, np.int64)
+    total = int(counts.sum())
+    starts = np.cumsum(counts) - counts
+    return np.repeat(lo - starts, counts) + np.arange(total, dtype=np.int64)
+
+
+def _plain_name(entry: PackEntry) -> str:
+    datasets = entry.meta.get("datasets") or []
+    return Path(datasets[0]["path"]).name if len(datasets) == 1 else entry.path.name
+
+
+def once_each(entries: list[PackEntry], config: PackConfig) -> Blend:
+    """Every bin of every source exactly once, the sources interleaved in proportion to their sizes (bin j of
+    a source of n bins sits at fraction (j + ½)/n of the order), so the first M bins sample every source."""
+    counts = np.array([e.num_bins for e in entries], np.int64)
+    units = np.array([blend_units(e) for e in entries], np.int64)
+    dtype = np.int32 if counts.max() < 2**31 else np.int64
+    order = np.argsort(np.concatenate([(np.arange(n) + 0.5) / n for n in counts]), kind="stable")
+    return Blend(bin_source=np.repeat(np.arange(len(entries), dtype=np.int16), counts)[order],
+                 bin_index=np.concatenate([np.arange(n, dtype=dtype) for n in counts])[order],
+                 bins=counts, tokens=units, epochs=np.ones(len(entries), np.int64))
