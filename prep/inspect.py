@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prep.errors import XprepError
-from prep.formats import DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON
+from prep.formats import BLEND_JSON, DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON
 from prep.io import read_json
 
 KIND_NAMES = {"dataset": "token dataset", "packed": "pack cache", "run": "run directory"}
@@ -75,7 +75,7 @@ def kind_of(path: str | Path) -> str:
             return "dataset"
         if fmt == PACK_FORMAT:
             return "packed"
-    if (path / PACK_JSON).is_file():
+    if (path / PACK_JSON).is_file() or (path / BLEND_JSON).is_file():  # one entry of a cache, plain or a blend
         return "packed"
     if (path / "metrics.jsonl").is_file() or (path / "config.json").is_file():
         return "run"

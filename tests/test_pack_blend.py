@@ -235,3 +235,9 @@ def test_a_split_blend_holds_out_every_source_and_validates_on_each_held_out_bin
     assert ds.source_names == list(weights) and len(ds) == valid.num_bins
     again = blend(data, tmp_path / "P", weights, split=(70, 30))
     assert again.hit and again.validation.path == out.validation.path
+
+
+def test_inspect_takes_a_blend_entry_directory(data, tmp_path):
+    out = blend(data, tmp_path / "P", {"web": 0.5, "code": 0.5})
+    result = CliRunner().invoke(xprep, ["inspect", str(out.entry.path)])
+    assert result.exit_code == 0 and result.stdout.startswith(f"blend {out.entry.path}"), result.output
