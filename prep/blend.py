@@ -128,16 +128,29 @@ def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int
 
 @njit(cache=True)
 def greedy_blend_counts(weights, counts, later, later_offsets, n_bins, out_source, out_index, taken):
-    """``greedy_blend`` when every bin is worth the same: Megatron's ``w_i · max(n, 1) − c_i`` on counts."""
+    """``greedy_blend`` when every bin is worth the same: Megatron's ``w_i · max(n, 1) − c_i`` on counts.
+
+    The argmax runs as two independent chains (even and odd sources), merged with ties to the lower index:
+    the same choice as one left-to-right scan, with half the dependent compares.
+    """
     k = len(weights)
+    c = np.zeros(k, np.float64)  # taken, as the float the errors are computed with
     for n in range(n_bins):
         scale = max(float(n), 1.0)
-        best = 0
-        best_error = weights[0] * scale - taken[0]
-        for i in range(1, k):
-            error = weights[i] * scale - taken[i]
-            if error > best_error:
-                best, best_error = i, error
+        b0, e0 = 0, weights[0] * scale - c[0]
+        b1, e1 = 1, (weights[1] * scale - c[1]) if k > 1 else -np.inf
+        for i in range(2, k - 1, 2):
+            ea = weights[i] * scale - c[i]
+            eb = weights[i + 1] * scale - c[i + 1]
+            if ea > e0:
+                b0, e0 = i, ea
+            if eb > e1:
+                b1, e1 = i + 1, eb
+        if k > 2 and k % 2 == 1:
+            ea = weights[k - 1] * scale - c[k - 1]
+            if ea > e0:
+                b0, e0 = k - 1, ea
+        best = b1 if e1 > e0 or (e1 == e0 and b1 < b0) else b0
         t = taken[best]
         if t < counts[best]:
             b = t
@@ -149,6 +162,7 @@ def greedy_blend_counts(weights, counts, later, later_offsets, n_bins, out_sourc
         out_source[n] = best
         out_index[n] = b
         taken[best] = t + 1
+        c[best] += 1.0
     return n_bins
 
 
