@@ -41,6 +41,15 @@ class Blend:
 
 
 @njit(cache=True)
+def _bin_at(source, t, counts, later, later_offsets):
+    """The ``t``-th bin a source gives: its own order first, then its prepared later epochs (-1: none left)."""
+    if t < counts[source]:
+        return t
+    pos = later_offsets[source] + t - counts[source]
+    return later[pos] if pos < later_offsets[source + 1] else -1
+
+
+@njit(cache=True)
 def greedy_blend(weights, unit, sizes, size_offsets, counts, later, later_offsets, total_tokens, out_source,
                  out_index, taken, delivered):
     """Fill ``out_*`` with the greedy blend until ``total_tokens`` are delivered; return the bins written.
@@ -63,13 +72,9 @@ def greedy_blend(weights, unit, sizes, size_offsets, counts, later, later_offset
             if error > best_error:
                 best, best_error = i, error
         t = taken[best]
-        if t < counts[best]:
-            b = t
-        else:
-            pos = later_offsets[best] + t - counts[best]
-            if pos >= later_offsets[best + 1]:
-                return -1 - best
-            b = later[pos]
+        b = _bin_at(best, t, counts, later, later_offsets)
+        if b < 0:
+            return -1 - best
         size = sizes[size_offsets[best] + b]
         out_source[n] = best
         out_index[n] = b
@@ -152,13 +157,9 @@ def greedy_blend_counts(weights, counts, later, later_offsets, n_bins, out_sourc
                 b0, e0 = k - 1, ea
         best = b1 if e1 > e0 or (e1 == e0 and b1 < b0) else b0
         t = taken[best]
-        if t < counts[best]:
-            b = t
-        else:
-            pos = later_offsets[best] + t - counts[best]
-            if pos >= later_offsets[best + 1]:
-                return -1 - best
-            b = later[pos]
+        b = _bin_at(best, t, counts, later, later_offsets)
+        if b < 0:
+            return -1 - best
         out_source[n] = best
         out_index[n] = b
         taken[best] = t + 1

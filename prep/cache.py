@@ -228,7 +228,7 @@ def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConf
         held_out = [o.validation for o in outcomes]
         validation, _ = _blend_once(root, sources, held_out, config, sum(blend_units(e) for e in held_out),
                                     "validation", force, log, every_bin_once=True)
-    _set_blend_current(root, entry, validation)
+    _set_current(root, entry, validation)
     return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, sources=outcomes,
                        validation=validation)
 
@@ -278,21 +278,6 @@ def _build_blend(root: Path, name: str, sources: list, entries: list[PackEntry],
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return BlendEntry.open(root / name)
-
-
-def _set_blend_current(root: Path, entry: BlendEntry, validation: BlendEntry | None = None) -> None:
-    """Record the blend (and its validation blend) in ``manifest.json``; the blend becomes current (atomic, locked)."""
-    with _locked(root / ".manifest.lock"):
-        path = root / MANIFEST
-        manifest = _read_cache_manifest(path)  # the sources' packs wrote it
-        for e in (entry, validation) if validation else (entry,):
-            manifest["entries"][e.path.name] = e.manifest_row()
-        manifest["current"] = entry.path.name
-        if validation:
-            manifest[VALIDATION] = validation.path.name
-        else:
-            manifest.pop(VALIDATION, None)
-        write_json_atomic(path, manifest)
 
 
 def _remove_if_only_locks(root: Path) -> None:
@@ -485,7 +470,8 @@ def _refresh_paths(root: Path, entry: PackEntry, inputs: list[dict]) -> PackEntr
     return PackEntry.open(entry.path)
 
 
-def _set_current(root: Path, entry: PackEntry, validation: PackEntry | None = None) -> None:
+def _set_current(root: Path, entry: PackEntry | BlendEntry, validation: PackEntry | BlendEntry | None = None
+                 ) -> None:
     """Record the entry (and its --split validation entry) in ``manifest.json`` and make it the current one:
     ``"current"`` names it, ``"validation"`` its validation entry (absent without one). Atomic, locked."""
     with _locked(root / ".manifest.lock"):
@@ -493,11 +479,7 @@ def _set_current(root: Path, entry: PackEntry, validation: PackEntry | None = No
         empty = {"format": PACK_FORMAT, "current": None, "entries": {}}
         manifest = _read_cache_manifest(path) if path.is_file() else empty
         for e in (entry, validation) if validation else (entry,):
-            stats = e.meta["stats"]
-            manifest["entries"][e.path.name] = {
-                "key": e.key, "method": e.config["method"], "capacity": e.capacity,
-                "datasets": [d["path"] for d in e.meta["datasets"]], "bins": stats["bins"],
-                "documents": stats["documents_in"], "created": e.meta["created"]}
+            manifest["entries"][e.path.name] = e.manifest_row()
         manifest["current"] = entry.path.name
         if validation:
             manifest[VALIDATION] = validation.path.name

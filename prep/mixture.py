@@ -43,7 +43,7 @@ from prep.errors import XprepError
 from prep.formats import BLEND_JSON, DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, declared_format
 from prep.io import read_json
 from prep.packconfig import PackConfig
-from prep.packfile import PackEntry, open_packed
+from prep.packfile import EntryMeta, PackEntry, load_arrays, open_packed
 
 BLEND_VERSION = 1  # bump when the same sources and options would blend differently
 BLEND_ARRAYS = ("bin_source", "bin_index")
@@ -273,7 +273,7 @@ def _source_row(s: Source, e: PackEntry, share: float, total: int, blend: Blend,
 
 # ---------------------------------------------------------------------------------------------- entry
 @dataclass
-class BlendEntry:
+class BlendEntry(EntryMeta):
     """One immutable blend: bin j is bin ``bin_index[j]`` of source entry ``bin_source[j]``."""
 
     path: Path
@@ -281,19 +281,6 @@ class BlendEntry:
     bin_source: np.ndarray
     bin_index: np.ndarray
     sources: list[PackEntry]
-
-    @property
-    def key(self) -> str:
-        return self.meta["key"]
-
-    @property
-    def config(self) -> dict:
-        """The sources' pack options (one set for all): what the trainer plans batches by."""
-        return self.meta["config"]
-
-    @property
-    def capacity(self) -> int:
-        return int(self.meta["config"]["capacity"])
 
     @property
     def num_bins(self) -> int:
@@ -322,12 +309,7 @@ class BlendEntry:
         meta = read_json(path / BLEND_JSON, "blend entry's metadata", fix)
         if not isinstance(meta, dict) or meta.get("kind") != "blend" or not meta.get("complete"):
             raise XprepError(f"{path / BLEND_JSON}: incomplete or foreign blend entry; {fix}")
-        arrays = {}
-        for name in BLEND_ARRAYS:
-            try:
-                arrays[name] = np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
-            except (FileNotFoundError, ValueError) as e:
-                raise XprepError(f"{path / name}.npy: {e}; {fix}") from None
+        arrays = load_arrays(path, BLEND_ARRAYS, fix)
         if len(arrays["bin_source"]) != len(arrays["bin_index"]) or len(arrays["bin_source"]) != meta["stats"]["bins"]:
             raise XprepError(f"{path}: blend arrays disagree in size; {fix}")
         return cls(path=path, meta=meta, sources=[_open_source(path, s, fix) for s in meta["sources"]], **arrays)

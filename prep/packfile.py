@@ -30,8 +30,27 @@ from prep.io import read_json
 ARRAYS = ("bin_offsets", "item_doc", "item_start", "item_len")
 
 
+class EntryMeta:
+    """What every cache entry (a pack, or a blend of packs) derives from its metadata ``meta``."""
+
+    meta: dict
+
+    @property
+    def key(self) -> str:
+        return self.meta["key"]
+
+    @property
+    def config(self) -> dict:
+        """The pack options (a blend's: those of all its sources): what the trainer plans batches by."""
+        return self.meta["config"]
+
+    @property
+    def capacity(self) -> int:
+        return int(self.meta["config"]["capacity"])
+
+
 @dataclass
-class PackEntry:
+class PackEntry(EntryMeta):
     """One immutable pack: CSR arrays (memory-mapped when opened) plus its ``pack.json``."""
 
     path: Path
@@ -42,20 +61,15 @@ class PackEntry:
     item_len: np.ndarray
 
     @property
-    def key(self) -> str:
-        return self.meta["key"]
-
-    @property
-    def config(self) -> dict:
-        return self.meta["config"]
-
-    @property
-    def capacity(self) -> int:
-        return int(self.meta["config"]["capacity"])
-
-    @property
     def num_bins(self) -> int:
         return len(self.bin_offsets) - 1
+
+    def manifest_row(self) -> dict:
+        """The entry's line in PACKED/manifest.json."""
+        stats = self.meta["stats"]
+        return {"key": self.key, "method": self.config["method"], "capacity": self.capacity,
+                "datasets": [d["path"] for d in self.meta["datasets"]], "bins": stats["bins"],
+                "documents": stats["documents_in"], "created": self.meta["created"]}
 
     @property
     def dataset_paths(self) -> list[Path]:
@@ -82,17 +96,23 @@ class PackEntry:
         meta = read_json(meta_path, "pack entry's metadata", "re-run `xprep pack --force`")
         if not isinstance(meta, dict) or meta.get("format") != PACK_FORMAT or not meta.get("complete"):
             raise XprepError(f"{meta_path}: incomplete or foreign pack entry; re-run `xprep pack --force`")
-        arrays = {}
-        for name in ARRAYS:
-            try:
-                arrays[name] = np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
-            except (FileNotFoundError, ValueError) as e:
-                raise XprepError(f"{path / name}.npy: {e}; re-run `xprep pack --force`") from None
+        arrays = load_arrays(path, ARRAYS, "re-run `xprep pack --force`")
         n_items = len(arrays["item_doc"])
         if (len(arrays["item_start"]) != n_items or len(arrays["item_len"]) != n_items
                 or len(arrays["bin_offsets"]) == 0 or int(arrays["bin_offsets"][-1]) != n_items):
             raise XprepError(f"{path}: pack arrays disagree in size; re-run `xprep pack --force`")
         return cls(path=path, meta=meta, **arrays)
+
+
+def load_arrays(path: Path, names: tuple[str, ...], fix: str) -> dict[str, np.ndarray]:
+    """An entry's ``<name>.npy`` arrays, memory-mapped (never unpickled); a missing or bad one is one clear error."""
+    arrays = {}
+    for name in names:
+        try:
+            arrays[name] = np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+        except (FileNotFoundError, ValueError) as e:
+            raise XprepError(f"{path / name}.npy: {e}; {fix}") from None
+    return arrays
 
 
 def open_packed(packed: str | Path) -> PackEntry:
