@@ -121,16 +121,17 @@ class PackOutcome:
 
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
          log: Callable[[str], None] | None = None, allow_empty: bool = False, weights: list[float] | None = None,
-         mix: str | None = None) -> PackOutcome:
+         mix: str | None = None, make_current: bool = True) -> PackOutcome:
     """Return the cache entry for these datasets and options, building it unless it exists.
 
     A pack of 0 bins (no documents, or all empty or dropped) is refused before anything is published,
-    hit or build, unless ``allow_empty``: training on it would do nothing, silently.
+    hit or build, unless ``allow_empty``: training on it would do nothing, silently. ``make_current``:
+    record it as PACKED/manifest.json's current entry (a blend's sources are not: only the blend is).
     """
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
     if weights is not None or mix is not None:
-        return _pack_blend(datasets, output, config, force, log, weights, mix)
+        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty)
     new_root = not Path(output).exists()
     root = _prepare_root(Path(output))
     try:
@@ -147,7 +148,8 @@ def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, for
         raise
     entry = _refresh_paths(root, entry, inputs)
     validation = validation and _refresh_paths(root, validation, inputs)
-    _set_current(root, entry, validation)
+    if make_current:
+        _set_current(root, entry, validation)
     return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, validation=validation)
 
 
@@ -205,7 +207,8 @@ def split_documents(datasets: list[dict], split: tuple[int, int]) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------- blend
 def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
-                log: Callable[[str], None], weights: list[float] | None, mix: str | None) -> PackOutcome:
+                log: Callable[[str], None], weights: list[float] | None, mix: str | None, allow_empty: bool
+                ) -> PackOutcome:
     """A blend (prep/mixture.py): every source packed alone by the plain path (its own entry, shared with
     other mixtures), then the blend entry ordering their bins, built under its lock and made current."""
     t0 = time.perf_counter()
@@ -215,7 +218,8 @@ def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConf
     outcomes = []
     for s in sources:
         try:
-            outcomes.append(pack([s.path], output, per_source, force=force, log=log))
+            outcomes.append(pack([s.path], output, per_source, force=force, log=log, allow_empty=allow_empty,
+                                 make_current=False))
         except XprepError as e:
             raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
     entries = [o.entry for o in outcomes]

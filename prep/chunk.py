@@ -59,6 +59,9 @@ def chunk_items(lengths: np.ndarray, seq_len: int, samples: int, order: np.ndarr
     document at position ``item_pos`` of the visiting order. The stream must hold ``samples·S + 1`` tokens.
     One linear pass over samples and documents (numba), as ``build_sample_idx`` walks them.
     """
+    if samples <= 0:  # nothing to cut (an empty stream, or a size that asks for no sample)
+        empty = np.zeros(0, np.int64)
+        return np.zeros(1, np.int64), empty, empty, empty
     order = np.arange(len(lengths), dtype=np.int64) if order is None else order
     total = int(lengths[order].sum(dtype=np.int64)) if len(order) != len(lengths) else int(lengths.sum(dtype=np.int64))
     if total < samples * seq_len + 1:

@@ -226,9 +226,12 @@ def outcome_report(outcome) -> dict:
     """What ``xprep pack`` reports about the entry it built or found (``prep.render.summary_lines``)."""
     entry = outcome.entry
     if isinstance(entry, BlendEntry):
+        v = outcome.validation  # the --split validation blend
         return {"kind": "pack-outcome", "path": str(entry.path), "hit": outcome.hit, "seconds": outcome.seconds,
                 "capacity": entry.capacity, "config": entry.config, "blend": blend_summary(entry.meta),
-                "sources": [{"path": str(o.entry.path), "hit": o.hit} for o in outcome.sources or []]}
+                "sources": [outcome_report(o) for o in outcome.sources or []],
+                "validation": v and {"path": str(v.path), "bins": v.num_bins,
+                                     "documents": sum(s["documents"] for s in v.meta["sources"])}}
     v = outcome.validation  # the --split validation entry
     return {"kind": "pack-outcome", "path": str(entry.path), "hit": outcome.hit, "seconds": outcome.seconds,
             "capacity": entry.capacity, "config": entry.config, "stats": entry.meta["stats"],

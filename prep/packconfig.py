@@ -179,6 +179,8 @@ def parse_split(text: str | None) -> tuple[int, int] | None:
         raise XprepError(f"--split {text}: expected TRAIN,VALID shares as two non-negative integers, e.g. 99,1")
     if valid == 0:
         raise XprepError(f"--split {text}: leaves validation empty; give it a share, e.g. --split 99,1")
+    if train == 0:
+        raise XprepError(f"--split {text}: leaves nothing to train on; give training a share, e.g. --split 99,1")
     return train, valid
 
 

@@ -236,10 +236,11 @@ def summary_lines(o: dict) -> list[str]:
     if o.get("blend"):
         b = o["blend"]
         packed = sum(not s["hit"] for s in o["sources"])
-        head = (f"cache hit: {o['path']} (no blending done" if o["hit"] else f"blended → {o['path']} (")
-        return [f"{head}{o['seconds']:.2f} s; {packed} of {len(o['sources'])} sources packed now, the others "
-                f"found in the cache): {b['bins']:,} bins of {b['capacity']:,}, {b['tokens']:,} tokens",
-                *("  " + line for line in blend_table(b["sources"]))]
+        head = (f"cache hit: {o['path']} (no blending done, " if o["hit"] else f"blended → {o['path']} (")
+        lines = [f"{head}{o['seconds']:.2f} s; {packed} of {len(o['sources'])} sources packed now, the others "
+                 f"found in the cache): {b['bins']:,} bins of {b['capacity']:,}, {b['tokens']:,} tokens",
+                 *("  " + line for line in blend_table(b["sources"]))]
+        return lines + _validation_lines(o)
     s, capacity = o["stats"], o["capacity"]
     kept = kept_phrase(s, capacity)
     if o["hit"]:
@@ -253,10 +254,14 @@ def summary_lines(o: dict) -> list[str]:
              "  " + (chunk_line(s) if "samples" in s else overlong_line(s, capacity, o["config"]["overlong"]))]
     if s.get("dp_balance"):
         lines.append("  " + dp_line(s["dp_balance"]))
-    if o.get("validation"):
-        v = o["validation"]
-        lines.append(f"  validation (--split): {v['documents']:,} documents held out, {v['bins']:,} bins → {v['path']}")
-    return lines
+    return lines + _validation_lines(o)
+
+
+def _validation_lines(o: dict) -> list[str]:
+    v = o.get("validation")
+    if not v:
+        return []
+    return [f"  validation (--split): {v['documents']:,} documents held out, {v['bins']:,} bins → {v['path']}"]
 
 
 def chunk_line(s: dict) -> str:
@@ -293,9 +298,12 @@ def _docs(n: int) -> str:
 
 
 def warning_lines(o: dict) -> list[str]:
-    """What ``xprep pack`` prints on stderr: an empty pack, or more than 1 % of the tokens removed."""
+    """What ``xprep pack`` prints on stderr: an empty pack, or more than 1 % of the tokens removed (for a
+    blend: of each source, named)."""
     if o.get("blend"):
-        return []
+        names = [row["name"] for row in o["blend"]["sources"]]
+        return [f"{line[:9]}blend source {name!r}: {line[9:]}"
+                for name, source in zip(names, o["sources"], strict=True) for line in warning_lines(source)]
     s, config = o["stats"], o["config"]
     if s["bins"] == 0:
         return ["warning: the pack has 0 bins (--allow-empty): there is nothing to train on"]

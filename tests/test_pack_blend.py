@@ -241,3 +241,26 @@ def test_inspect_takes_a_blend_entry_directory(data, tmp_path):
     out = blend(data, tmp_path / "P", {"web": 0.5, "code": 0.5})
     result = CliRunner().invoke(xprep, ["inspect", str(out.entry.path)])
     assert result.exit_code == 0 and result.stdout.startswith(f"blend {out.entry.path}"), result.output
+
+
+def test_a_failed_blend_leaves_the_current_entry_alone(data, tmp_path):
+    """Sources are packed without becoming current: a blend that fails keeps what `xtrain run` trains on."""
+    good = blend(data, tmp_path / "P", {"web": 0.5, "code": 0.5})
+    (tmp_path / "empty").mkdir()
+    with DatasetWriter(tmp_path / "empty" / "e", 128) as w:
+        w.finish({"tokenizer": {"path": "t", "vocab_size": 128, "pad_id": 0, "eod_id": 1, "sha256": "a" * 64}},
+                 CategoryTable())
+    res = CliRunner().invoke(xprep, ["pack", f"{data / 'web'}@0.5", f"{tmp_path / 'empty' / 'e'}@0.5", "-o",
+                                     str(tmp_path / "P"), "--method", "multipack", "--seq-len", str(CAP)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    manifest = json.loads((tmp_path / "P" / "manifest.json").read_text())
+    assert manifest["current"] == good.entry.path.name
+
+
+def test_blend_warns_per_source_about_dropped_tokens_and_reports_its_validation(data, tmp_path):
+    res = CliRunner().invoke(xprep, ["pack", f"{data / 'web'}@0.5", f"{data / 'code'}@0.5", "-o",
+                                     str(tmp_path / "P"), "--method", "multipack", "--seq-len", "24",
+                                     "--split", "80,20"])
+    assert res.exit_code == 0, res.output
+    assert "warning: blend source 'web': " in res.stderr and "dropped as overlong" in res.stderr
+    assert "validation (--split): " in res.stdout

@@ -221,3 +221,18 @@ def test_size_options_need_chunk_or_a_blend(tmp_path):
         line = one_line_error(run("pack", tmp_path / "ds", "-o", tmp_path / "P", "--method", "sequential",
                                   "--seq-len", 16, *option))
         assert "sizes a --method chunk pack or a blend" in line
+
+
+def test_chunk_of_nothing_is_the_usual_empty_pack_error(tmp_path):
+    """No non-empty document (or nothing drawn for a part) is the one-line 0-bins error, not a traceback."""
+    from click.testing import CliRunner
+
+    from cli import xprep
+    from prep.dataset import CategoryTable, DatasetWriter
+
+    with DatasetWriter(tmp_path / "e", 128) as w:
+        w.finish({"tokenizer": {"path": "t", "vocab_size": 128, "pad_id": 0, "eod_id": 1, "sha256": "a" * 64}},
+                 CategoryTable())
+    res = CliRunner().invoke(xprep, ["pack", str(tmp_path / "e"), "-o", str(tmp_path / "P"), "--method", "chunk",
+                                     "--seq-len", "8"])
+    assert res.exit_code == 2 and "0 bins" in res.output and "Traceback" not in res.output, res.output

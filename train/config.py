@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -221,6 +222,9 @@ class EvalSection:
             raise XprepError(f"{_flag(self, 'bins')} {self.bins}: the validation entry {path} has only "
                              f"{len(dataset):,} bins; lower it, or leave it out to evaluate on all of them")
         if n_bins == 0:
+            if self.every is None and self.bins is None:  # an empty held-out part (--allow-empty): nothing asked
+                print(f"note: validation entry {path} has no bins: training without evaluation", file=sys.stderr)
+                return None
             raise XprepError(f"validation entry {path}: has no bins; re-run `xprep pack ... --split` with a larger "
                              "validation share")
         channels = Channels.of(dataset.category_names, source_names(dataset))
