@@ -373,6 +373,10 @@ def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool, part: st
         why, fix = "the input has no documents", "check the DATASET arguments (`xprep inspect DATASET`)"
     elif empty == n:
         why, fix = f"all {n:,} documents are empty", "re-tokenize with the right --text-field or --format"
+    elif config.method == "chunk" and (config.epochs is not None or config.total_tokens is not None):
+        size = f"--epochs {config.epochs:g}" if config.epochs is not None else f"--total-tokens {config.total_tokens}"
+        why, fix = (f"{size} asks for less than one sample of {opt} (which needs {config.capacity + 1:,} tokens of "
+                    f"the {stats['tokens_in']:,}-token stream)", f"raise {size.split()[0]} or leave it out")
     elif config.method == "chunk":
         why, fix = (f"its stream of {stats['tokens_in']:,} tokens is too short for one sample of {opt} (which needs "
                     f"{config.capacity + 1:,})", f"lower {config.capacity_option} or repeat it with --total-tokens N")

@@ -312,7 +312,13 @@ class BlendEntry(EntryMeta):
         arrays = load_arrays(path, BLEND_ARRAYS, fix)
         if len(arrays["bin_source"]) != len(arrays["bin_index"]) or len(arrays["bin_source"]) != meta["stats"]["bins"]:
             raise XprepError(f"{path}: blend arrays disagree in size; {fix}")
-        return cls(path=path, meta=meta, sources=[_open_source(path, s, fix) for s in meta["sources"]], **arrays)
+        sources = [_open_source(path, s, fix) for s in meta["sources"]]
+        if len(arrays["bin_source"]) and (
+                int(arrays["bin_source"].min()) < 0 or int(arrays["bin_source"].max()) >= len(sources)
+                or int(arrays["bin_index"].min()) < 0
+                or int(arrays["bin_index"].max()) >= max(e.num_bins for e in sources)):
+            raise XprepError(f"{path}: blend arrays point outside its sources; {fix}")
+        return cls(path=path, meta=meta, sources=sources, **arrays)
 
 
 def _open_source(blend: Path, row: dict, fix: str) -> PackEntry:

@@ -277,7 +277,7 @@ def kept_phrase(s: dict, capacity: int) -> str:
     docs = f"all {_docs(n_in)}" if kept == n_in and n_in else f"{kept:,} of {_docs(n_in)}"
     toks = f"{tokens:,} tokens" if tokens == tokens_in else f"{tokens:,} of {tokens_in:,} tokens"
     if "samples" in s:  # --method chunk: samples cut from the stream, repeated or not
-        toks = f"{tokens:,} tokens cut from a stream of {tokens_in:,}"
+        docs, toks = f"{tokens:,} tokens", f"in samples cut from a stream of {tokens_in:,} tokens, {_docs(kept)}"
     notes = []
     if s["dropped_documents"]:
         notes.append(f"dropped {_docs(s['dropped_documents'])} ({s['dropped_tokens']:,} tokens) "
@@ -294,7 +294,6 @@ def kept_phrase(s: dict, capacity: int) -> str:
 
 def _docs(n: int) -> str:
     return f"{n:,} document" if n == 1 else f"{n:,} documents"
-
 
 
 def warning_lines(o: dict) -> list[str]:

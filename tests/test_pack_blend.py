@@ -264,3 +264,14 @@ def test_blend_warns_per_source_about_dropped_tokens_and_reports_its_validation(
     assert res.exit_code == 0, res.output
     assert "warning: blend source 'web': " in res.stderr and "dropped as overlong" in res.stderr
     assert "validation (--split): " in res.stdout
+
+
+def test_a_damaged_blend_is_a_corrupt_entry_not_an_index_error(data, tmp_path):
+    from prep.errors import XprepError
+
+    out = blend(data, tmp_path / "P", {"web": 0.5, "code": 0.5})
+    index = np.load(out.entry.path / "bin_index.npy")
+    index[0] = 10**6
+    np.save(out.entry.path / "bin_index.npy", index)
+    with pytest.raises(XprepError, match="point outside its sources"):
+        BlendEntry.open(out.entry.path)
