@@ -98,3 +98,20 @@ def is_valid(instance, name: str) -> bool:
     import jsonschema
 
     return jsonschema.Draft202012Validator(schema(name)).is_valid(instance)
+
+
+def xprep_invoke(*args):
+    """``xprep ARGS`` in this process (click's runner; exceptions propagate, so a traceback fails the test)."""
+    from click.testing import CliRunner
+
+    import cli
+
+    return CliRunner().invoke(cli.xprep, list(map(str, args)), catch_exceptions=False)
+
+
+def one_line_error(result) -> str:
+    """Exit 2, nothing on stdout, one ``error: ...`` line on stderr, no traceback; returns the line."""
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert result.stdout == "" and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from prepkit import one_line_error
+from prepkit import xprep_invoke as run
 from trainkit import make_dataset, random_docs
 
-import cli
 from prep.chunk import epoch_seed
 from prep.dataset import TokenDataset
 from prep.packconfig import PackConfig
@@ -19,17 +20,6 @@ from prep.packfile import open_packed
 from prep.packing import pack_lengths, shuffled_order
 from train.data import IGNORE, PackedDataset, _source, collate, fill_items_reference, fill_items_upto
 from train.model import Transformer, load_model_config
-
-
-def run(*args):
-    return CliRunner().invoke(cli.xprep, list(map(str, args)), catch_exceptions=False)
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 2, (result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert result.stdout == "" and len(lines) == 1 and lines[0].startswith("error: "), result.output
-    return lines[0]
 
 
 def docs_with_empty(n: int = 30, seed: int = 0) -> list[np.ndarray]:
@@ -225,7 +215,6 @@ def test_size_options_need_chunk_or_a_blend(tmp_path):
 
 def test_chunk_of_nothing_is_the_usual_empty_pack_error(tmp_path):
     """No non-empty document (or nothing drawn for a part) is the one-line 0-bins error, not a traceback."""
-    from click.testing import CliRunner
 
     from cli import xprep
     from prep.dataset import CategoryTable, DatasetWriter

@@ -8,21 +8,11 @@ import shutil
 import click
 import pytest
 from click.testing import CliRunner
+from prepkit import one_line_error
+from prepkit import xprep_invoke as run
 from test_pack_cache import lengths_for, make_dataset
 
 import cli
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli.xprep, list(map(str, args)), catch_exceptions=False)
-
-
-def one_line_error(result) -> str:
-    """Exit 2, nothing on stdout, one ``error: ...`` line on stderr, no traceback; returns the line."""
-    assert result.exit_code == 2, (result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert result.stdout == "" and len(lines) == 1 and lines[0].startswith("error: "), result.output
-    return lines[0]
 
 
 @pytest.fixture

@@ -8,27 +8,14 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-from click.testing import CliRunner
-from prepkit import schema, validate
+from prepkit import one_line_error, schema, validate
+from prepkit import xprep_invoke as run
 from trainkit import make_dataset, random_docs
 
-import cli
 from prep.cache import split_base, split_documents
 from prep.dataset import TokenDataset
 from prep.packfile import PackEntry, open_packed
 from prep.packing import held_out
-
-
-def run(*args):
-    return CliRunner().invoke(cli.xprep, list(map(str, args)), catch_exceptions=False)
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 2, (result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert result.stdout == "" and len(lines) == 1 and lines[0].startswith("error: "), result.output
-    return lines[0]
-
 
 METHODS = {
     "sequential": ("--method", "sequential", "--seq-len", 64),

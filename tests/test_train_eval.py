@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from test_train_run import metrics, user_error
 from trainkit import category_pack, cp_pack, make_dataset, make_trainer, random_docs
 
 from cli import xprep, xtrain
@@ -68,19 +69,6 @@ def packed(tmp_path_factory) -> Path:
 def xtrain_proc(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*XTRAIN, *args], cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def user_error(*args: str) -> str:
-    """Run `xtrain run ARGS` in-process; assert exit 2 with one line on stderr; return it."""
-    result = CliRunner().invoke(xtrain, ["run", *args])
-    assert result.exit_code == 2, (result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 def direct_eval(packed: Path, checkpoint: Path, n_bins: int) -> tuple[float, dict[str, float]]:
