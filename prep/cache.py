@@ -136,7 +136,7 @@ def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, for
     root = _prepare_root(Path(output))
     try:
         inputs = read_fingerprints(datasets)
-        check_sizing(config, blend=weights is not None or mix is not None)
+        check_sizing(config)
         split = split_names(config, inputs)
         validation = None
         if split:
@@ -167,9 +167,9 @@ def _entry(root: Path, inputs: list[dict], config: PackConfig, force: bool, allo
     return entry, hit
 
 
-def check_sizing(config: PackConfig, blend: bool) -> None:
-    """--total-tokens / --epochs size a chunk pack or a blend, nothing else."""
-    if config.method == "chunk" or blend:
+def check_sizing(config: PackConfig) -> None:
+    """--total-tokens / --epochs size a chunk pack or a blend (which never reaches here), nothing else."""
+    if config.method == "chunk":
         return
     option = f"--total-tokens {config.total_tokens}" if config.total_tokens is not None else (
         f"--epochs {config.epochs:g}" if config.epochs is not None else None)

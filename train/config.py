@@ -37,7 +37,7 @@ from prep.errors import XprepError
 from train.checkpoint import CheckpointManager
 from train.data import PackedDataset
 from train.dist import ParallelDims
-from train.evaluate import Validation, eval_rounds, open_validation, source_names, validation_entry
+from train.evaluate import Validation, eval_rounds, open_validation, validation_entry
 from train.hf import build_hf_model, check_hf_model
 from train.loss import Channels
 from train.model import Transformer, load_model_config
@@ -227,7 +227,7 @@ class EvalSection:
                 return None
             raise XprepError(f"validation entry {path}: has no bins; re-run `xprep pack ... --split` with a larger "
                              "validation share")
-        channels = Channels.of(dataset.category_names, source_names(dataset))
+        channels = Channels.of(dataset.category_names, dataset.source_names)
         return Validation(dataset, channels, eval_rounds(n_bins, dims.dp_rank, dims.dp, micro_batch_size), n_bins,
                           self.every)
 

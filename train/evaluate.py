@@ -71,8 +71,3 @@ def open_validation(path: Path, train: PackedDataset, cp_size: int, verify_data:
         raise XprepError(f"validation entry {path}: its datasets have vocabulary size {dataset.vocab_size}, the "
                          f"training pack's {train.vocab_size}; pack both from data of the same tokenizer")
     return dataset
-
-
-def source_names(dataset: PackedDataset) -> list[str] | None:
-    """The names of the dataset's blend sources (None: a pack without sources, one source)."""
-    return getattr(dataset, "source_names", None)  # set by blends (train/data.py); absent on older datasets

@@ -45,7 +45,7 @@ from train.dist import (
     reduce_gradients,
     shutdown,
 )
-from train.evaluate import Validation, source_names
+from train.evaluate import Validation
 from train.loss import Channels, LossSums, micro_batch_loss, token_ce
 from train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
@@ -76,7 +76,7 @@ class Trainer:
         self.dataset, self.sampler, self.dims = dataset, sampler, dims
         self.grad_accum, self.device, self.grad_clip, self.autocast = grad_accum, device, grad_clip, autocast
         self.category_names = category_names if category_names is not None else dataset.category_names
-        self.channels = Channels.of(self.category_names, source_names(dataset))
+        self.channels = Channels.of(self.category_names, dataset.source_names)
         self.model_config, self.hparams = model_config, hparams  # recorded in checkpoints, compared on resume
         self.settings = optimizer_settings(optimizer, scheduler)  # this run's, put back after a checkpoint loads
         self.step = 0
@@ -387,7 +387,7 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
     write_json_atomic(run_dir / "run.json", {
         "pack": {"path": str(dataset.entry.path), "entry": dataset.entry.path.name, "key": dataset.key,
                  "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
-        "categories": dataset.category_names, "sources": source_names(dataset), "validation": val,
+        "categories": dataset.category_names, "sources": dataset.source_names, "validation": val,
         "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
         "model": model_config,
     })
