@@ -242,8 +242,10 @@ def build_blend(sources: list[Source], entries: list[PackEntry], config: PackCon
     seconds = time.perf_counter() - t0
     available = [blend_units(e) for e in entries]
     delivered_total = int(blend.tokens.sum())
-    real = [int(bin_tokens(e)[blend.bin_index[blend.bin_source == i]].sum(dtype=np.int64))
-            for i, e in enumerate(entries)]
+    per_bin = [bin_tokens(e) for e in entries]  # real tokens of every bin, all sources end to end
+    first = np.concatenate([[0], np.cumsum([len(t) for t in per_bin])])
+    taken = np.concatenate(per_bin)[first[blend.bin_source] + blend.bin_index]  # one gather, not a mask per source
+    real = np.bincount(blend.bin_source, weights=taken, minlength=len(entries)).astype(np.int64).tolist()
     rows = [{**_source_row(s, e, float(w), total, blend, i, available[i], delivered_total), "real_tokens": real[i]}
             for i, (s, e, w) in enumerate(zip(sources, entries, shares_, strict=True))]
     meta = {"format": PACK_FORMAT, "kind": "blend", "version": BLEND_VERSION, "key": key, "name": blend_name(key),
