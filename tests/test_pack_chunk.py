@@ -11,15 +11,14 @@ import torch
 from click.testing import CliRunner
 from prepkit import one_line_error
 from prepkit import xprep_invoke as run
-from trainkit import make_dataset, random_docs
+from trainkit import alone_logits, bin_logits, make_dataset, random_docs, tiny_model
 
 from prep.chunk import epoch_seed
 from prep.dataset import TokenDataset
 from prep.packconfig import PackConfig
 from prep.packfile import open_packed
 from prep.packing import pack_lengths, shuffled_order
-from train.data import IGNORE, PackedDataset, _source, collate, fill_items_reference, fill_items_upto
-from train.model import Transformer, load_model_config
+from train.data import IGNORE, PackedDataset, _source, fill_items_reference, fill_items_upto
 
 
 def docs_with_empty(n: int = 30, seed: int = 0) -> list[np.ndarray]:
@@ -140,14 +139,9 @@ def test_packed_logits_equal_each_piece_alone(tmp_path):
     entry = ds.entry
     pieces = np.bincount(np.asarray(entry.item_doc))
     assert pieces.max() >= 2  # some document is split over two samples
-    torch.manual_seed(0)
-    model = Transformer(load_model_config("tiny", 128))
-    model.init_weights(0)
+    model = tiny_model()
     for b in range(len(ds)):
-        batch = collate([ds[b]])
-        with torch.no_grad():
-            packed = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
-        cu = batch["cu_seqlens"].tolist()
+        batch, packed, cu = bin_logits(model, ds[b])
         items = entry.bin_items(b)
         assert len(cu) - 1 == items.stop - items.start  # no padding document: the sample is full
         for (s, e), d, start in zip(zip(cu[:-1], cu[1:], strict=True), entry.item_doc[items].tolist(),
@@ -155,9 +149,7 @@ def test_packed_logits_equal_each_piece_alone(tmp_path):
             alone_ids = torch.as_tensor(docs[d][start:start + e - s]).unsqueeze(0)
             assert torch.equal(batch["input_ids"][0, s:e], alone_ids[0])
             assert batch["position_ids"][0, s:e].tolist() == list(range(e - s))
-            with torch.no_grad():
-                alone = model(alone_ids, torch.arange(e - s).unsqueeze(0), torch.tensor([0, e - s], dtype=torch.int32))
-            torch.testing.assert_close(packed[0, s:e], alone[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed[0, s:e], alone_logits(model, alone_ids)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_pack_lengths_counts_empty_documents_and_reports_like_other_methods():

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
-from trainkit import make_dataset, random_docs, sequential_bins, write_pack
+from trainkit import alone_logits, bin_logits, make_dataset, random_docs, sequential_bins, tiny_model, write_pack
 
 from prep.dataset import TokenDataset
 from prep.errors import XprepError
 from train.data import IGNORE, PackedDataset, _source, collate, count_targets, fill_items, fill_items_reference
-from train.model import Transformer, load_model_config
 
 
 def rows(batch: dict) -> dict[str, list[int]]:
@@ -118,22 +117,15 @@ def test_packed_logits_equal_alone(tmp_path):
     make_dataset(tmp_path / "ds", docs, vocab_size=128)
     write_pack(tmp_path / "p", [tmp_path / "ds"], sequential_bins([len(d) for d in docs], 64), capacity=64)
     ds = PackedDataset(tmp_path / "p")
-    torch.manual_seed(0)
-    model = Transformer(load_model_config("tiny", 128))
-    model.init_weights(0)
+    model = tiny_model()
     for b in range(len(ds)):
-        batch = collate([ds[b]])
-        with torch.no_grad():
-            packed = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
-        cu = batch["cu_seqlens"].tolist()
+        batch, packed, cu = bin_logits(model, ds[b])
         lo, hi = int(ds.entry.bin_offsets[b]), int(ds.entry.bin_offsets[b + 1])
         doc_ids = ds.entry.item_doc[lo:hi].tolist()  # cu also ends with the padding document
         for (s, e), doc in zip(zip(cu[:-1], cu[1:], strict=True), doc_ids, strict=False):
             alone_ids = torch.as_tensor(docs[doc]).unsqueeze(0)
-            with torch.no_grad():
-                alone = model(alone_ids, torch.arange(e - s).unsqueeze(0), torch.tensor([0, e - s], dtype=torch.int32))
             assert torch.equal(batch["input_ids"][0, s:e], alone_ids[0])
-            torch.testing.assert_close(packed[0, s:e], alone[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed[0, s:e], alone_logits(model, alone_ids)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_real_data_batches(tmp_path, shared_data):

@@ -16,8 +16,9 @@ from prep.cache import PackConfig, pack
 from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
 from prep.packfile import MANIFEST, PACK_FORMAT, PACK_JSON, PackEntry
 from train.config import ModelSection, OptimizerSection
-from train.data import PackedDataset
+from train.data import PackedDataset, collate
 from train.dist import ParallelDims, full_tensor, parallelize
+from train.model import Transformer, load_model_config
 from train.samplers import build_sampler
 from train.trainer import Trainer
 
@@ -130,3 +131,26 @@ def cp_pack(root: Path, cp_size: int = 2, n_docs: int = 40, capacity: int = 64, 
     make_dataset(root / "ds", docs, vocab_size=128, loss_masks=masks, cats=cats, categories=["a", "b", "c"])
     pack([root / "ds"], root / "p", PackConfig(method="multipack", seq_len=capacity, cp_size=cp_size))
     return root / "p"
+
+
+def tiny_model(vocab_size: int = 128) -> Transformer:
+    """The tiny preset, seeded: for comparing a packed bin's logits with each piece's logits alone."""
+    torch.manual_seed(0)
+    model = Transformer(load_model_config("tiny", vocab_size))
+    model.init_weights(0)
+    return model
+
+
+def bin_logits(model: Transformer, sample: dict) -> tuple[dict, torch.Tensor, list[int]]:
+    """(batch, logits, cu_seqlens as a list) of one bin run as a micro-batch of one."""
+    batch = collate([sample])
+    with torch.no_grad():
+        logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
+    return batch, logits, batch["cu_seqlens"].tolist()
+
+
+def alone_logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of one sequence ``ids`` (1, T) on its own, positions from 0."""
+    n = ids.shape[1]
+    with torch.no_grad():
+        return model(ids, torch.arange(n).unsqueeze(0), torch.tensor([0, n], dtype=torch.int32))
