@@ -111,13 +111,13 @@ class PackConfig:
             raise XprepError(f"--overlong {self.overlong} does not apply to --method chunk: documents are walked as "
                              "one stream cut into --seq-len samples, so none is dropped or truncated; leave it out")
         if self.cp_size > 1:
-            # A chunk sample is exactly --seq-len tokens of document pieces; zigzag CP pads every piece to a
-            # multiple of 2·C (train/cp.py), which would overflow the sample.
-            raise XprepError(f"--cp-size {self.cp_size} does not apply to --method chunk: a sample is exactly "
-                             f"--seq-len {self.seq_len} tokens of document pieces and context parallelism pads "
-                             f"every piece to a multiple of 2·cp={2 * self.cp_size}, which would overflow it; pack "
-                             "chunk without --cp-size, or use --method sequential --overlong split --cp-size "
-                             f"{self.cp_size}")
+            check_chunk_cp(self.seq_len, self.cp_size, "--cp-size")
+            # Context parallelism zigzags a chunk sample whole, unpadded (train/cp.py), so the samples are the same
+            # for every C: --cp-size only checks that --seq-len splits into 2·C chunks, and `xtrain run --cp C`
+            # takes any chunk pack whose --seq-len does. It is therefore neither recorded nor part of the cache key:
+            # with or without --cp-size, the same command makes (or finds) the same entry, whose pack.json does not
+            # claim a CP size it was never made for (and the keys of chunk packs made before stay as they were).
+            self.cp_size = 1
 
     def _check_cp(self) -> None:
         if self.cp_size < 1:
@@ -164,6 +164,31 @@ class PackConfig:
 
     def to_json(self) -> dict:
         return {**asdict(self), "capacity": self.capacity, "align": self.align}
+
+
+def nearest_multiples(value: int, unit: int) -> list[int]:
+    """The positive multiples of ``unit`` next to ``value`` (below and above): the values to suggest for it."""
+    below = value // unit * unit
+    return [m for m in (below, below + unit) if m > 0 and m != value]
+
+
+def check_chunk_cp(seq_len: int, cp_size: int, flag: str, entry: str | None = None) -> None:
+    """Refuse context parallelism over ``cp_size`` ranks on chunk samples of ``seq_len`` tokens unless 2·C divides it.
+
+    A chunk sample is exactly ``seq_len`` tokens of document pieces, with no room for padding: context
+    parallelism cuts it into 2·C equal chunks (train/cp.py). ``flag`` is the option that set C (``--cp-size``
+    when packing, ``--cp`` when training), ``entry`` the pack being trained on (None when packing).
+    """
+    unit = 2 * cp_size
+    if seq_len % unit == 0:
+        return
+    what = f"the --seq-len of the --method chunk pack {entry}" if entry else "--seq-len with --method chunk"
+    near = " or ".join(str(m) for m in nearest_multiples(seq_len, unit))
+    fix = f"repack it with --seq-len {near}" if entry else f"use --seq-len {near}"
+    if seq_len % 2 == 0 and seq_len > 2:
+        fix += f", or {'use ' if entry else ''}a {flag} that divides {seq_len // 2}"
+    raise XprepError(f"{flag} {cp_size} needs {what} to be a multiple of 2·cp={unit} (context parallelism cuts "
+                     f"every sample into {unit} equal chunks), and {seq_len} is not: {fix}")
 
 
 def parse_split(text: str | None) -> tuple[int, int] | None:

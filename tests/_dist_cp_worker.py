@@ -2,7 +2,9 @@
 
 Every rank builds the same model and packed batch, computes the single-process reference
 itself, then the context-parallel forward/backward on its zigzag shard; gradients are summed
-over the CP group (what FSDP's sum reduction would do). Exit status 0 = equal, 1 = mismatch.
+over the CP group (what FSDP's sum reduction would do). Both kinds of zigzag units: padded
+documents, and whole samples of a chunk pack (``SAMPLE_LEN``: documents across chunk bounds).
+Exit status 0 = equal, 1 = mismatch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from train.model import PRESETS, ModelConfig, Transformer
 
 VOCAB = 101
 TOL = 1e-5
+SAMPLE_LEN = 48  # two chunk samples of documents 5, 30, 13 | 20, 28: a multiple of 2·C for C = 2 and 4
+SAMPLE_DOCS = [5, 30, 13, 20, 28]
 
 
 def make_batch(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
@@ -48,8 +52,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def check(cfg: ModelConfig, lengths: list[int], seed: int, rank: int, size: int) -> dict[str, float]:
-    """Relative errors of cp=size against the single-process run: loss, real-token logits, each grad."""
+def check(cfg: ModelConfig, lengths: list[int], seed: int, rank: int, size: int,
+          sample_len: int | None = None) -> dict[str, float]:
+    """Relative errors of cp=size against the single-process run: loss, real-token logits, each grad.
+
+    ``sample_len``: shard whole samples of that many tokens (chunk packs) instead of each document."""
     model = Transformer(cfg)
     model.init_weights(seed)
     batch = make_batch(lengths, seed)
@@ -61,7 +68,7 @@ def check(cfg: ModelConfig, lengths: list[int], seed: int, rank: int, size: int)
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    shard = shard_batch(batch, rank, size)
+    shard = shard_batch(batch, rank, size, sample_len)
     cp = CPContext.from_shard(shard, dist.group.WORLD, rank, size)
     logits = model(shard["input_ids"], shard["position_ids"], shard["cu_seqlens"], cp=cp)
     loss = loss_sum(logits, shard["labels"]) / n_targets
@@ -95,11 +102,13 @@ def main() -> int:
     ]
     failed, worst = False, 0.0
     for i, cfg in enumerate(cases):
-        for what, err in check(cfg, lengths, seed=i, rank=rank, size=size).items():
-            worst = max(worst, err)
-            if not err <= TOL:  # also catches NaN
-                failed = True
-                print(f"rank {rank} case {i} lengths {lengths}: {what} relative error {err:.2e}", file=sys.stderr)
+        for docs, sample_len in ((lengths, None), (SAMPLE_DOCS, SAMPLE_LEN)):
+            for what, err in check(cfg, docs, seed=i, rank=rank, size=size, sample_len=sample_len).items():
+                worst = max(worst, err)
+                if not err <= TOL:  # also catches NaN
+                    failed = True
+                    print(f"rank {rank} case {i} lengths {docs} sample_len {sample_len}: {what} relative error "
+                          f"{err:.2e}", file=sys.stderr)
     if not failed:
         print(f"rank {rank}: cp={size} equals cp=1 (worst relative error {worst:.1e})", flush=True)
     return 1 if failed else 0

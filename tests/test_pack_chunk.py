@@ -178,8 +178,11 @@ def test_key_changes_with_size_and_shuffle(tmp_path):
 
 
 @pytest.mark.parametrize("options, needle", [
-    (("--seq-len", 6, "--cp-size", 2), "--cp-size 2 does not apply to --method chunk"),
-    (("--seq-len", 8, "--cp-size", 2), "--cp-size 2 does not apply to --method chunk"),
+    (("--seq-len", 6, "--cp-size", 2), "--cp-size 2 needs --seq-len with --method chunk to be a multiple of "
+                                       "2·cp=4 (context parallelism cuts every sample into 4 equal chunks), and 6 "
+                                       "is not: use --seq-len 4 or 8, or a --cp-size that divides 3"),
+    (("--seq-len", 100, "--cp-size", 3), "use --seq-len 96 or 102, or a --cp-size that divides 50"),
+    (("--seq-len", 9, "--cp-size", 2), "and 9 is not: use --seq-len 8 or 12"),
     (("--seq-len", 8, "--total-tokens", 100, "--epochs", 2), "give one of them"),
     (("--seq-len", 8, "--overlong", "drop"), "--overlong drop does not apply to --method chunk"),
     (("--seq-len", 8, "--group-size", 10), "--group-size applies only to --method multipack"),
@@ -195,6 +198,19 @@ def test_bad_options_are_one_line(tmp_path, options, needle):
     line = one_line_error(run("pack", tmp_path / "ds", "-o", tmp_path / "P", "--method", "chunk", *options))
     assert needle in line, line
     assert not (tmp_path / "P").exists()
+
+
+def test_cp_size_only_checks_the_sample_length(tmp_path):
+    """--cp-size C does not change a chunk pack (CP zigzags whole samples): the same entry, recorded without it."""
+    make_dataset(tmp_path / "ds", random_docs(20, 5, 30, vocab=128), vocab_size=128)
+    base = ("pack", tmp_path / "ds", "-o", tmp_path / "P", "--method", "chunk", "--seq-len", 24)
+    assert run(*base, "--cp-size", 2).exit_code == 0
+    made = open_packed(tmp_path / "P")
+    assert made.config["cp_size"] == 1 and made.meta["key_fields"]["cp_size"] == 1
+    for cp in ((), ("--cp-size", 3)):
+        again = run(*base, *cp)
+        assert again.output.startswith("cache hit:"), again.output
+        assert open_packed(tmp_path / "P").path == made.path
 
 
 def test_size_options_need_chunk_or_a_blend(tmp_path):

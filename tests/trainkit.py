@@ -7,6 +7,7 @@ so trainer tests do not depend on the packing algorithms.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from prep.cache import PackConfig, pack
 from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
 from prep.packfile import MANIFEST, PACK_FORMAT, PACK_JSON, PackEntry
 from train.config import ModelSection, OptimizerSection
+from train.cp import CPContext
 from train.data import PackedDataset, collate
 from train.dist import ParallelDims, full_tensor, parallelize
 from train.model import Transformer, load_model_config
@@ -131,6 +133,55 @@ def cp_pack(root: Path, cp_size: int = 2, n_docs: int = 40, capacity: int = 64, 
     make_dataset(root / "ds", docs, vocab_size=128, loss_masks=masks, cats=cats, categories=["a", "b", "c"])
     pack([root / "ds"], root / "p", PackConfig(method="multipack", seq_len=capacity, cp_size=cp_size))
     return root / "p"
+
+
+def chunk_pack(root: Path, docs: list[np.ndarray], seq_len: int, **options) -> Path:
+    """``docs`` as a dataset, packed by `xprep pack --method chunk --seq-len seq_len` (PackConfig ``options``);
+    returns the cache dir."""
+    make_dataset(root / "ds", docs, vocab_size=128)
+    pack([root / "ds"], root / "p", PackConfig(method="chunk", seq_len=seq_len, **options))
+    return root / "p"
+
+
+def simulated_cp_logits(model: Transformer, shards: list[dict]) -> list[torch.Tensor]:
+    """Each CP rank's logits (1, T_local, V) of its shard (train.cp.shard_batch), the ranks simulated in this process.
+
+    One thread per rank runs the model's forward; their all-gathers meet at a barrier and concatenate
+    what every rank contributed, in rank order, as a real CP group's would. No gradient.
+    """
+    size = len(shards)
+    parts: list[torch.Tensor | None] = [None] * size
+    barrier = threading.Barrier(size, timeout=60)
+    logits: list[torch.Tensor | None] = [None] * size
+    errors: list[BaseException] = []
+
+    def gather_of(rank: int):
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            parts[rank] = x
+            barrier.wait()
+            out = torch.cat(parts)
+            barrier.wait()  # every rank has read this layer's parts before any overwrites them
+            return out
+        return gather
+
+    def run(rank: int) -> None:
+        shard = shards[rank]
+        try:
+            cp = CPContext.from_shard(shard, None, rank, size, gather=gather_of(rank))
+            with torch.no_grad():
+                logits[rank] = model(shard["input_ids"], shard["position_ids"], shard["cu_seqlens"], cp=cp)
+        except BaseException as e:  # the other ranks stop waiting at the barrier, the test sees the error
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return logits
 
 
 def tiny_model(vocab_size: int = 128) -> Transformer:

@@ -1,20 +1,30 @@
-"""Context parallelism for packed documents: zigzag sharding and all-gather K/V attention.
+"""Context parallelism for packed sequences: zigzag sharding and all-gather K/V attention.
+
+The zigzag *unit* is the range of tokens cut into 2·C equal chunks; rank r keeps chunks r and
+2C−1−r of every unit, so each rank gets the same number of tokens and about the same
+causal-attention work. Two kinds of units:
+
+- per document (every pack but chunk): every document is padded to a multiple of 2·C
+  (`padded_length`, the same rule the packer uses to reserve room with `--cp-size C`) and is
+  its own unit;
+- per sample (`--method chunk` packs, `sample_len`): a chunk sample is exactly --seq-len tokens
+  of document pieces, with no room for padding; with --seq-len a multiple of 2·C the whole
+  sample is the unit, unpadded, and the documents inside it stay separate for attention.
 
 Sharding is a chain of small pure steps (STYLE 11), each testable without a process group:
 
-    cu_seqlens --pad_documents--> padded layout --zigzag_permutation--> (C, T_pad/C) global indices
-                                                 --inverse_permutation--> gathered order -> global order
+    cu_seqlens --pad_documents / sample_units--> unit bounds --zigzag_permutation--> (C, T_pad/C) global indices
+                                                             --inverse_permutation--> gathered order -> global order
 
-Every document is padded to a multiple of 2·C (`padded_length`, the same rule the packer uses
-to reserve room with `--cp-size C`) and cut into 2·C equal chunks; rank r keeps chunks r and
-2C−1−r of every document, so each rank gets the same number of tokens and about the same
-causal-attention work. At attention time each rank all-gathers K and V over the CP group
-(autograd-aware: the backward reduce-scatters their gradients), puts them back in global order,
-and lets its local queries attend causally to their own document's keys.
+At attention time each rank all-gathers K and V over the CP group (autograd-aware: the backward
+reduce-scatters their gradients) and puts them back in global order. Its local queries, cut
+into pieces that each lie inside one document (`local_pieces`), attend causally to their own
+document's keys only. Real tokens keep their labels and positions, so the loss is that of cp=1.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -29,6 +39,7 @@ from train.attention import lower_right_causal_attention
 
 Lengths = TypeVar("Lengths", int, np.ndarray, Tensor)
 GatherFn = Callable[[Tensor], Tensor]  # (T_local, ...) -> (C·T_local, ...) concatenated in rank order
+Piece = tuple[int, int, int]  # (start, end, key_start): global query range inside one document, its keys' start
 
 # Fill values of the padding tokens, per batch key (keys not listed get 0). position_ids continue.
 PAD_FILL = {"labels": -100, "category_ids": 0, "input_ids": 0}
@@ -74,8 +85,24 @@ def pad_documents(cu_seqlens: Tensor, cp_size: int) -> tuple[Tensor, Tensor, Ten
     return cu_padded.to(torch.int32), source, pad_offset
 
 
+def sample_units(n_tokens: int, sample_len: int, cp_size: int) -> Tensor:
+    """Zigzag unit bounds of a row of whole samples (a chunk pack's bins): [0, S, 2S, …, n_tokens], int32.
+
+    Each sample is one unit, unpadded, so `sample_len` must be a multiple of 2·C (PackedDataset checks
+    the pack's --seq-len for the user) and the row whole samples (chunk bins are always full).
+    """
+    unit = cp_alignment(cp_size)
+    if sample_len < 1 or sample_len % unit or n_tokens % sample_len:
+        raise ValueError(f"a row of {n_tokens} tokens is not whole samples of {sample_len} tokens "
+                         f"(a multiple of 2·cp={unit})")
+    return torch.arange(0, n_tokens + 1, sample_len, dtype=torch.int32)
+
+
 def zigzag_owner(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
-    """The CP rank that owns each padded token (T_pad,): chunk c of 2C goes to min(c, 2C−1−c)."""
+    """The CP rank that owns each padded token (T_pad,): chunk c of 2C goes to min(c, 2C−1−c).
+
+    The bounds are those of the zigzag units: padded documents, or whole samples (`sample_units`).
+    """
     cu = cu_seqlens_padded.to("cpu", torch.int64)
     pos = torch.arange(int(cu[-1]), dtype=torch.int64)
     if cp_size == 1:
@@ -87,11 +114,12 @@ def zigzag_owner(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
 
 
 def zigzag_permutation(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
-    """Global token indices held by each rank, (C, T_pad/C): row r = chunks r and 2C−1−r of every document.
+    """Global token indices held by each rank, (C, T_pad/C): row r = chunks r and 2C−1−r of every unit.
 
-    Within a rank, tokens keep their global order (document by document, chunk r before chunk
-    2C−1−r), which is exactly a stable sort of the tokens by owner rank. Flattened, the result
-    is the order in which an all-gather concatenates the ranks' tokens.
+    Units are padded documents or whole samples (see `zigzag_owner`). Within a rank, tokens keep
+    their global order (unit by unit, chunk r before chunk 2C−1−r), which is exactly a stable sort
+    of the tokens by owner rank. Flattened, the result is the order in which an all-gather
+    concatenates the ranks' tokens.
     """
     lengths = cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]
     if bool((lengths % cp_alignment(cp_size)).any()):
@@ -108,22 +136,32 @@ def inverse_permutation(perm: Tensor) -> Tensor:
     return torch.argsort(perm.reshape(-1))
 
 
-def shard_batch(batch: dict[str, Tensor], cp_rank: int, cp_size: int) -> dict[str, Tensor]:
-    """This CP rank's share of a packed batch: pad every document, keep chunks r and 2C−1−r.
+def shard_batch(batch: dict[str, Tensor], cp_rank: int, cp_size: int, sample_len: int | None = None
+                ) -> dict[str, Tensor]:
+    """This CP rank's share of a packed batch: chunks r and 2C−1−r of every zigzag unit.
 
+    The units are the documents, each padded first (`pad_documents`), or with `sample_len` the
+    row's whole samples of that many tokens, unpadded (`sample_units`: chunk packs).
     Per-token keys (shape (1, T)) are padded (PAD_FILL; position_ids continue, so they stay
     GLOBAL positions within the document) and sliced to (1, T_pad/C). `cu_seqlens` becomes the
-    local one (the rank's tokens of each document, contiguous); added: `cu_seqlens_padded`
-    (global, padded), `global_index` (T_pad/C,) local→global token index and `cp_inverse`
-    (T_pad,) gathered→global order, which CPContext needs. Labels must already be aligned with
-    their logits position (shifted) before sharding: the loss is computed per rank, locally.
+    local one (the rank's tokens of each document, contiguous since a rank keeps global order);
+    added: `cu_seqlens_padded` (global document bounds, padded: unpadded with `sample_len`),
+    `cu_units` (global zigzag unit bounds), `global_index` (T_pad/C,) local→global token index
+    and `cp_inverse` (T_pad,) gathered→global order, which CPContext needs. Labels must already
+    be aligned with their logits position (shifted) before sharding: the loss is computed per
+    rank, locally.
     """
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} not in [0, cp_size={cp_size})")
     cu_seqlens = batch["cu_seqlens"]
     n_tokens = int(cu_seqlens[-1])
-    cu_padded, source, pad_offset = pad_documents(cu_seqlens, cp_size)
-    perm = zigzag_permutation(cu_padded, cp_size)
+    if sample_len is None:
+        cu_padded, source, pad_offset = pad_documents(cu_seqlens, cp_size)
+        cu_units = cu_padded
+    else:  # no padding: every token is its own source
+        cu_padded, cu_units = cu_seqlens.to("cpu", torch.int32), sample_units(n_tokens, sample_len, cp_size)
+        source, pad_offset = torch.arange(n_tokens), torch.zeros(n_tokens, dtype=torch.int64)
+    perm = zigzag_permutation(cu_units, cp_size)
     local = perm[cp_rank]  # (T_pad/C,)
     src, off = source[local], pad_offset[local]
     out: dict[str, Tensor] = {}
@@ -138,8 +176,9 @@ def shard_batch(batch: dict[str, Tensor], cp_rank: int, cp_size: int) -> dict[st
         else:
             taken = torch.where(off.to(value.device) > 0, PAD_FILL.get(key, 0), taken)
         out[key] = taken
-    out["cu_seqlens"] = (cu_padded // cp_size).to(torch.int32)
+    out["cu_seqlens"] = torch.searchsorted(local, cu_padded.to(torch.int64)).to(torch.int32)  # local tokens before
     out["cu_seqlens_padded"] = cu_padded
+    out["cu_units"] = cu_units
     out["global_index"] = local
     out["cp_inverse"] = inverse_permutation(perm)
     return out
@@ -155,15 +194,15 @@ def all_gather_autograd(group: dist.ProcessGroup) -> GatherFn:
 class CPContext:
     """One batch's context-parallel state, handed to the model as `cp`.
 
-    `bounds` are the padded global document boundaries as Python ints (read once per batch,
-    not per layer); `inverse` maps gathered (rank-major) tokens to global order. `gather`
+    `pieces` are this rank's query pieces (`local_pieces`) as Python ints, worked out once per
+    batch, not per layer; `inverse` maps gathered (rank-major) tokens to global order. `gather`
     defaults to the autograd all-gather over `group`; tests pass a fake one to simulate ranks.
     """
 
     group: dist.ProcessGroup | None
     rank: int
     size: int
-    bounds: list[int]
+    pieces: list[Piece]
     inverse: Tensor
     gather: GatherFn
 
@@ -181,7 +220,8 @@ class CPContext:
             if group is None:
                 raise ValueError("CPContext needs a process group or a gather function")
             gather = all_gather_autograd(group)
-        return cls(group, rank, size, shard["cu_seqlens_padded"].tolist(), shard["cp_inverse"], gather)
+        pieces = local_pieces(shard["cu_seqlens_padded"].tolist(), shard["cu_units"].tolist(), rank, size)
+        return cls(group, rank, size, pieces, shard["cp_inverse"], gather)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Local queries over the whole sequence: q (T_l, H, D), k/v (T_l, Hkv, D) -> (T_l, H, D)."""
@@ -189,33 +229,65 @@ class CPContext:
         kv = self.gather(torch.cat([k, v], dim=1))  # (C·T_l, 2·Hkv, D), one collective per layer
         kv = kv.index_select(0, self.inverse.to(kv.device))  # (T_pad, 2·Hkv, D) global order
         k_all, v_all = kv[:, :n_kv], kv[:, n_kv:]
-        return zigzag_attention(q, k_all, v_all, self.bounds, self.rank, self.size)
+        return piece_attention(q, k_all, v_all, self.pieces)
 
 
 def local_segments(doc_len: int, rank: int, size: int) -> list[tuple[int, int]]:
-    """The [start, end) ranges of a padded document that `rank` holds: chunks r and 2C−1−r (whole doc at C=1)."""
+    """The [start, end) ranges of a unit (a padded document, or a sample) that `rank` holds: chunks r and
+    2C−1−r (the whole unit at C=1)."""
     if size == 1:
         return [(0, doc_len)] if doc_len else []
     chunk = doc_len // (2 * size)
     return [(c * chunk, (c + 1) * chunk) for c in (rank, 2 * size - 1 - rank)] if chunk else []
 
 
+def local_pieces(bounds: list[int], units: list[int], rank: int, size: int) -> list[Piece]:
+    """This rank's queries as (start, end, key_start) global ranges, in local order, each inside one document.
+
+    `bounds` are the global document bounds, `units` the zigzag unit bounds (both as Python ints,
+    ending at the same T). The rank holds chunks r and 2C−1−r of every unit (`local_segments`); a
+    segment is cut where documents end, and each piece's keys start at its document's start. With
+    units == bounds (one unit per document) a segment is one piece.
+    """
+    pieces = []
+    for u_start, u_end in zip(units[:-1], units[1:], strict=True):
+        for a, b in local_segments(u_end - u_start, rank, size):
+            start, end = u_start + a, u_start + b
+            d = bisect_right(bounds, start) - 1  # the document holding `start` (the last of empty ones there)
+            while start < end:
+                stop = min(bounds[d + 1], end)
+                if stop > start:
+                    pieces.append((start, stop, bounds[d]))
+                start, d = stop, d + 1
+    return pieces
+
+
+def piece_attention(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece]) -> Tensor:
+    """Attention of a rank's query pieces over global keys: q (T_local, H, D), k/v (T, Hkv, D) -> (T_local, H, D).
+
+    q holds the pieces' queries one after the other. A piece (start, end, key_start) attends to
+    keys [key_start, end) with bottom-right causal alignment: query start + i sees keys up to
+    start + i, and none before its document's start.
+    """
+    outs = []
+    q_start = 0
+    for start, end, key_start in pieces:
+        q_seg = q[q_start : q_start + end - start]
+        outs.append(lower_right_causal_attention(q_seg, k[key_start:end], v[key_start:end]))
+        q_start += end - start
+    if not outs:
+        return q.new_zeros(q.shape)
+    return torch.cat(outs, dim=0)  # (T_local, H, D)
+
+
 def zigzag_attention(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], rank: int, size: int) -> Tensor:
-    """Attention of rank `rank`'s zigzag queries over global keys: q (T_pad/C, H, D), k/v (T_pad, Hkv, D).
+    """Attention of rank `rank`'s zigzag queries over global keys, one unit per (padded) document:
+    q (T_pad/C, H, D), k/v (T_pad, Hkv, D).
 
     A local segment [a, b) of a document starting at `start` attends to that document's keys
     [start, start + b) with bottom-right causal alignment: query a + i sees keys up to a + i.
     """
-    outs = []
-    q_start = 0
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        for a, b in local_segments(end - start, rank, size):
-            q_seg = q[q_start : q_start + b - a]
-            outs.append(lower_right_causal_attention(q_seg, k[start : start + b], v[start : start + b]))
-            q_start += b - a
-    if not outs:
-        return q.new_zeros(q.shape)
-    return torch.cat(outs, dim=0)  # (T_pad/C, H, D)
+    return piece_attention(q, k, v, local_pieces(bounds, bounds, rank, size))
 
 
 __all__ = [
@@ -224,9 +296,12 @@ __all__ = [
     "all_gather_autograd",
     "cp_alignment",
     "inverse_permutation",
+    "local_pieces",
     "local_segments",
     "pad_documents",
     "padded_length",
+    "piece_attention",
+    "sample_units",
     "shard_batch",
     "zigzag_attention",
     "zigzag_owner",

@@ -38,6 +38,7 @@ import torch
 from prep.dataset import MAX_CATEGORY, CategoryTable, TokenDataset
 from prep.errors import XprepError
 from prep.mixture import PackBins, open_entry
+from prep.packconfig import check_chunk_cp
 from prep.packfile import PackEntry
 from train.cp import padded_length
 
@@ -70,7 +71,9 @@ class PackedDataset:
     With ``cp_size`` C > 1 a bin's padding document is shortened by the room context parallelism
     needs: every document is padded to a multiple of 2·C when it is sharded (train/cp.py), and
     a pack made with ``--cp-size C`` counted that room in its bins, so once sharded every bin is
-    exactly ``capacity`` tokens again. Packs made for another CP size are refused.
+    exactly ``capacity`` tokens again. Packs made for another CP size are refused. A chunk pack's
+    bins are full samples that CP zigzags whole (``cp_sample_len``): they stay as they are, and
+    any C with 2·C dividing the sample length will do.
     """
 
     def __init__(self, packed: str | Path, verify_data: bool = False, cp_size: int = 1):
@@ -85,6 +88,7 @@ class PackedDataset:
             raise XprepError(f"{self.entry.path}/pack.json: lists no input datasets; re-run `xprep pack`")
         self.capacity = self.entry.capacity
         self.lookahead = bool(self.entry.meta.get("lookahead"))  # --method chunk: items cut by sample ends
+        self.whole_samples = is_chunk_pack(self.entry)  # bins always full: CP zigzags each bin, not each document
         self.pad_id = pad_token_id(self.datasets[0])
         self._sources = [_source(ds) for ds in self.datasets]
         self._category_names, self._category_maps = merge_categories([ds.category_names for ds in self.datasets])
@@ -104,6 +108,12 @@ class PackedDataset:
     def source_names(self) -> list[str]:
         """Names by source id (``source_ids``): a blend's sources, or the one dataset of a plain pack."""
         return list(self.bins.source_names)
+
+    @property
+    def cp_sample_len(self) -> int | None:
+        """What ``train.cp.shard_batch`` zigzags under CP: whole samples of this many tokens (a chunk pack's
+        bins), or None: each document."""
+        return self.capacity if self.whole_samples else None
 
     @property
     def vocab_size(self) -> int | None:
@@ -136,7 +146,7 @@ class PackedDataset:
         if n < 0:
             raise XprepError(f"{self.entry.path}: a bin holds {int(np.sum(lens))} tokens, more than its capacity "
                              f"{self.capacity}; the pack is corrupt: re-run `xprep pack --force`")
-        if self.cp_size > 1:
+        if self.cp_size > 1 and not self.whole_samples:
             block, cu, n = self._make_room_for_cp(block, cu, n, lens)
         ids, labels, pos, cats, sources = torch.from_numpy(block).unbind(0)
         return {"input_ids": ids, "labels": labels, "position_ids": pos, "category_ids": cats,
@@ -186,13 +196,23 @@ class PackedDataset:
         self.__init__(state["packed"], state["verify_data"], state.get("cp_size", 1))
 
 
+def is_chunk_pack(entry: PackEntry) -> bool:
+    """Whether the entry's bins are ``--method chunk`` samples (a blend's: all its sources are)."""
+    return entry.config.get("method") == "chunk"
+
+
 def check_cp_size(entry: PackEntry, cp_size: int) -> None:
     """Refuse context parallelism over C ranks on a pack that has no room for its padding.
 
     A pack made with ``--cp-size C'`` pads every document to a multiple of 2·C' in its bins;
-    that holds the padding of any C dividing C'.
+    that holds the padding of any C dividing C'. A chunk pack needs no room (CP zigzags its
+    samples whole, unpadded), whatever --cp-size it was made with, only samples that split into
+    2·C equal chunks.
     """
     if cp_size <= 1:
+        return
+    if is_chunk_pack(entry):
+        check_chunk_cp(entry.capacity, cp_size, "--cp", str(entry.path))
         return
     pack_cp = int(entry.config.get("cp_size") or 1)
     if pack_cp % cp_size or entry.capacity % (2 * cp_size):

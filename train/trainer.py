@@ -51,7 +51,7 @@ from train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
 from train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
 
-CPU_KEYS = ("cu_seqlens", "cu_seqlens_padded")  # batch keys that stay on the CPU (read as Python ints)
+CPU_KEYS = ("cu_seqlens", "cu_seqlens_padded", "cu_units")  # batch keys that stay on the CPU (read as Python ints)
 PEER_FAILURE_GRACE_S = 3.0  # a rank whose collective failed waits this long before exiting (see _report_and_exit)
 STEP_END_CALLBACKS: list[Callable[[Trainer], None]] = []  # called after every step of ``run``'s loop (tests)
 
@@ -98,15 +98,18 @@ class Trainer:
             batches.append(self.to_device(batch))
         return batches, tokens, targets
 
-    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's share of a micro-batch (on the CPU).
+    def shard_batch(self, batch: dict[str, torch.Tensor], dataset: PackedDataset | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """This rank's share of a micro-batch of ``dataset``'s bins (the training pack's by default), on the CPU.
 
         Under context parallelism every document is padded to a multiple of 2·cp and this rank
-        keeps chunks r and 2cp−1−r of each (train/cp.py). Each rank then counts and sums only
-        its own targets (padding never is one), and the all-reduce over dp×cp adds them up.
+        keeps chunks r and 2cp−1−r of each; in a chunk pack, of each whole sample instead
+        (train/cp.py). Each rank then counts and sums only its own targets (padding never is
+        one), and the all-reduce over dp×cp adds them up.
         """
         if self.dims.cp_enabled:
-            batch = shard_batch(batch, self.dims.cp_rank, self.dims.cp)
+            sample_len = (dataset or self.dataset).cp_sample_len
+            batch = shard_batch(batch, self.dims.cp_rank, self.dims.cp, sample_len)
         return batch
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -176,7 +179,7 @@ class Trainer:
         try:
             with torch.no_grad():
                 for bins in validation.rounds:
-                    batch = self.to_device(self.shard_batch(collate([dataset[b] for b in bins or [0]])))
+                    batch = self.to_device(self.shard_batch(collate([dataset[b] for b in bins or [0]]), dataset))
                     ce = token_ce(self.forward(batch), batch["labels"])
                     if bins:
                         sums.add(ce, batch["labels"], *channels.ids(batch))
