@@ -13,6 +13,14 @@ guarantees after every prefix: no source is ever more than one bin ahead of its 
 each within one bin of it; with more sources one can fall further behind (a bit under two bins in
 practice, fewer than ``k − 1`` in theory) and catches up.
 
+The rule is evaluated exactly as Megatron evaluates it: in float64, one product and one difference per
+source (``fl(fl(w_i · scale) − t_i)``, never fused), compared with ``>`` over the sources in index order.
+Every count and token total is an integer below 2**53, exact as a float64, so the choices depend on nothing
+but the weights and the bins taken so far: the kernel may keep its state however it likes (and resume from
+it) as long as it evaluates that expression. There is no shortcut through per-source schedules: merging
+"bin c of source i is due at step (c + a) / w_i" parts from the rule within a few bins for a = 0, ½ or 1
+(weights decide which lag is largest, not only when a source is due), so every bin takes an argmax.
+
 A source asked for more bins than it has is repeated epoch after epoch: its first epoch in the pack's own
 order, each later one in a fresh permutation seeded by (seed, source, epoch); a source asked for less is cut.
 """
@@ -40,48 +48,61 @@ class Blend:
     epochs: np.ndarray  # int64[k]: epochs of each source begun (1 = not repeated)
 
 
-@njit(cache=True)
-def _bin_at(source, t, counts, later, later_offsets):
-    """The ``t``-th bin a source gives: its own order first, then its prepared later epochs (-1: none left)."""
-    if t < counts[source]:
-        return t
-    pos = later_offsets[source] + t - counts[source]
-    return later[pos] if pos < later_offsets[source + 1] else -1
+@njit(cache=True, inline="always")
+def _most_behind(weights, scale, delivered):
+    """argmax_i ``weights[i] · scale − delivered[i]``, the lowest index on ties: Megatron's choice, in its float64
+    operations (a product, then a difference; a later source wins only when strictly ahead). Inlined into the
+    kernel: a call that takes arrays would cost reference counting on every bin."""
+    best, best_lag = 0, weights[0] * scale - delivered[0]
+    for i in range(1, len(weights)):
+        lag = weights[i] * scale - delivered[i]
+        if lag > best_lag:
+            best, best_lag = i, lag
+    return best
 
 
 @njit(cache=True)
 def greedy_blend(weights, unit, sizes, size_offsets, counts, later, later_offsets, total_tokens, out_source,
                  out_index, taken, delivered):
-    """Fill ``out_*`` with the greedy blend until ``total_tokens`` are delivered; return the bins written.
+    """Continue the greedy blend from ``taken``/``delivered`` until ``total_tokens`` are delivered; return the bins
+    written in all (``out_*[:n]``).
 
-    ``sizes[size_offsets[i] + b]`` is the size of bin ``b`` of source ``i``, which holds ``counts[i]`` bins,
-    taken first in order ``0 … counts[i]−1``, then in the orders ``later[later_offsets[i]:later_offsets[i+1]]``
-    (the later epochs prepared). ``taken``/``delivered`` (zeros on entry) end as the bins and tokens taken from
-    each source. Returns -1 - i when source ``i`` runs out of prepared bins (the caller prepares more epochs and
-    calls again).
+    Source ``i`` gives its ``counts[i]`` bins in order, then the later epochs' bins
+    ``later[later_offsets[i]:later_offsets[i+1]]``; ``sizes[size_offsets[i] + t]`` is the size of the ``t``-th
+    bin it gives (sizes in the order they are taken, so each source is read front to back). With ``sizes``
+    empty every bin counts 1 and ``unit`` is 1: Megatron's rule on bin counts, ``w_i · max(n, 1) − c_i``.
+    ``taken``/``delivered`` are the bins and tokens taken from each source so far (zeros for a new blend),
+    updated in place. Returns -1 - i when source ``i`` runs out of prepared bins: the caller prepares more
+    epochs and calls again, which resumes where this call stopped. The size of every source's next bin is kept
+    at hand, so a choice waits on little but the argmax (one float64 product and difference per source).
     """
     k = len(weights)
-    total = 0.0
-    n = 0
+    sized = len(sizes) > 0
+    n = np.sum(taken)
+    total = np.sum(delivered)  # integers below 2**53: exact, in any order of summation
+    ready_size = np.ones(k, np.float64)  # the size of each source's next bin, at hand before it is chosen
+    for i in range(k):
+        if sized and size_offsets[i] + taken[i] < size_offsets[i + 1]:
+            ready_size[i] = sizes[size_offsets[i] + taken[i]]
     while total < total_tokens:
-        scale = max(total, unit)
-        best = 0
-        best_error = weights[0] * scale - delivered[0]
-        for i in range(1, k):
-            error = weights[i] * scale - delivered[i]
-            if error > best_error:
-                best, best_error = i, error
+        best = _most_behind(weights, max(total, unit), delivered)
         t = taken[best]
-        b = _bin_at(best, t, counts, later, later_offsets)
-        if b < 0:
-            return -1 - best
-        size = sizes[size_offsets[best] + b]
+        if t < counts[best]:  # the t-th bin a source gives: its own order, then its later epochs'
+            b = t
+        else:
+            pos = later_offsets[best] + t - counts[best]
+            if pos >= later_offsets[best + 1]:
+                return -1 - best
+            b = later[pos]
+        size = ready_size[best] if sized else 1.0  # (a constant keeps the load off the chain of choices)
         out_source[n] = best
         out_index[n] = b
-        taken[best] = t + 1
         delivered[best] += size
         total += size
         n += 1
+        taken[best] = t + 1
+        if sized and size_offsets[best] + t + 1 < size_offsets[best + 1]:
+            ready_size[best] = sizes[size_offsets[best] + t + 1]
     return n
 
 
@@ -91,8 +112,8 @@ def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int
 
     A source given as an int is that many bins each worth ``unit`` (a fixed-capacity pack): with every source
     so, the blend runs on bin counts alone (Megatron's exact rule, no sizes read). ``weights`` need not sum
-    to 1 (they are normalized); each must be > 0 and each source must hold a bin. Memory: the bin sizes once
-    (when given), the output, and only the later epochs' orders.
+    to 1 (they are normalized); each must be > 0 and each source must hold a bin. Memory: the output, the
+    later epochs' orders, and (bin sizes given) the sizes once more, in the order they are taken.
     """
     weights = np.asarray(weights, np.float64) / np.sum(weights)
     k = len(bin_sizes)
@@ -110,67 +131,61 @@ def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int
     capacity = int(np.ceil(total_tokens / max(smallest, 1))) + k + 1
     out_source = np.empty(capacity, np.int16)
     out_index = np.empty(capacity, index_dtype)
+    taken, delivered = np.zeros(k, np.int64), np.zeros(k, np.float64)
     while True:
-        later = [later_orders(int(counts[i]), epochs[i], seed, i, index_dtype) for i in range(k)]
-        later_offsets = np.concatenate([[0], np.cumsum([len(o) for o in later])])
-        later = np.concatenate(later).astype(index_dtype)
-        taken, delivered = np.zeros(k, np.int64), np.zeros(k, np.float64)
-        if uniform:
-            n = greedy_blend_counts(weights, counts, later, later_offsets, -(-total_tokens // unit), out_source,
-                                    out_index, taken)
-            delivered = taken * float(unit)
+        later, later_offsets = later_epochs(counts, epochs, seed, index_dtype)
+        if uniform:  # every bin counts 1; the blend ends at the bins that hold total_tokens
+            n = greedy_blend(weights, 1.0, np.zeros(0, np.uint16), np.zeros(k + 1, np.int64), counts, later,
+                             later_offsets, float(-(-total_tokens // unit)), out_source, out_index, taken, delivered)
         else:
-            sizes = np.concatenate([np.asarray(s) for s in bin_sizes])
-            size_offsets = np.concatenate([[0], np.cumsum(counts)])
+            sizes, size_offsets = taken_sizes(bin_sizes, later, later_offsets, biggest)
             n = greedy_blend(weights, float(unit), sizes, size_offsets, counts, later, later_offsets,
                              float(total_tokens), out_source, out_index, taken, delivered)
+            del sizes
         if n >= 0:
             break
-        epochs[-1 - n] *= 2  # rare: that source ran further ahead than prepared for
+        epochs[-1 - n] *= 2  # rare: that source ran further ahead than prepared for; resume with more epochs
     return Blend(bin_source=out_source[:n], bin_index=out_index[:n], bins=taken,
-                 tokens=delivered.astype(np.int64), epochs=np.maximum(1, -(-taken // counts)))
+                 tokens=taken * unit if uniform else delivered.astype(np.int64),
+                 epochs=np.maximum(1, -(-taken // counts)))
 
 
-@njit(cache=True)
-def greedy_blend_counts(weights, counts, later, later_offsets, n_bins, out_source, out_index, taken):
-    """``greedy_blend`` when every bin is worth the same: Megatron's ``w_i · max(n, 1) − c_i`` on counts.
-
-    The argmax runs as two independent chains (even and odd sources), merged with ties to the lower index:
-    the same choice as one left-to-right scan, with half the dependent compares.
-    """
-    k = len(weights)
-    c = np.zeros(k, np.float64)  # taken, as the float the errors are computed with
-    for n in range(n_bins):
-        scale = max(float(n), 1.0)
-        b0, e0 = 0, weights[0] * scale - c[0]
-        b1, e1 = 1, (weights[1] * scale - c[1]) if k > 1 else -np.inf
-        for i in range(2, k - 1, 2):
-            ea = weights[i] * scale - c[i]
-            eb = weights[i + 1] * scale - c[i + 1]
-            if ea > e0:
-                b0, e0 = i, ea
-            if eb > e1:
-                b1, e1 = i + 1, eb
-        if k > 2 and k % 2 == 1:
-            ea = weights[k - 1] * scale - c[k - 1]
-            if ea > e0:
-                b0, e0 = k - 1, ea
-        best = b1 if e1 > e0 or (e1 == e0 and b1 < b0) else b0
-        t = taken[best]
-        b = _bin_at(best, t, counts, later, later_offsets)
-        if b < 0:
-            return -1 - best
-        out_source[n] = best
-        out_index[n] = b
-        taken[best] = t + 1
-        c[best] += 1.0
-    return n_bins
+def later_epochs(counts: np.ndarray, epochs: list[int], seed: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Every source's later epochs (``later_orders``) in one array, and where each source starts."""
+    offsets = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum([int(c) * (e - 1) for c, e in zip(counts, epochs, strict=True)], out=offsets[1:])
+    later = np.empty(offsets[-1], dtype)
+    for i, (c, e) in enumerate(zip(counts, epochs, strict=True)):
+        later_orders(int(c), e, seed, i, dtype, out=later[offsets[i]:offsets[i + 1]])
+    return later, offsets
 
 
-def later_orders(n_bins: int, epochs: int, seed: int, source: int, dtype=np.int32) -> np.ndarray:
+def taken_sizes(bin_sizes: list[np.ndarray], later: np.ndarray, later_offsets: np.ndarray, biggest: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Each source's bin sizes in the order the blend takes them (its own order, then its later epochs'), all
+    sources in one array, and where each source starts. Stored as uint16 when every size fits (bins of up to
+    64Ki tokens): half the memory to fill and to read."""
+    lengths = [len(s) + later_offsets[i + 1] - later_offsets[i] for i, s in enumerate(bin_sizes)]
+    offsets = np.zeros(len(bin_sizes) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    sizes = np.empty(offsets[-1], np.uint16 if biggest < 2**16 else np.int64)
+    for i, s in enumerate(bin_sizes):
+        start, mid = offsets[i], offsets[i] + len(s)
+        sizes[start:mid] = s
+        # later epochs' bins gathered from the copy just made ('wrap': the indices are in range, and numpy
+        # checks them more slowly)
+        np.take(sizes[start:mid], later[later_offsets[i]:later_offsets[i + 1]], out=sizes[mid:offsets[i + 1]],
+                mode="wrap")
+    return sizes, offsets
+
+
+def later_orders(n_bins: int, epochs: int, seed: int, source: int, dtype=np.int32, out: np.ndarray | None = None
+                 ) -> np.ndarray:
     """Epochs 1 … epochs−1 of one source (epoch 0 is the pack's own order, never materialized)."""
-    parts = [shuffled_order(n_bins, epoch_seed(seed, source, e)).astype(dtype) for e in range(1, epochs)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+    out = np.empty(n_bins * (epochs - 1), dtype) if out is None else out
+    for e in range(1, epochs):
+        out[(e - 1) * n_bins:e * n_bins] = shuffled_order(n_bins, epoch_seed(seed, source, e))
+    return out
 
 
 def epoch_orders(n_bins: int, epochs: int, seed: int, source: int, dtype=np.int32) -> np.ndarray:

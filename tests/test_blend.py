@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prep.blend import blend_bins, epoch_orders
+from prep import blend
+from prep.blend import blend_bins, epoch_orders, later_epochs
 
 
 def fixed(*counts: int, capacity: int = 8) -> list[np.ndarray]:
@@ -94,3 +95,84 @@ def test_repeated_sources_are_reshuffled_each_epoch_and_cut_ones_take_a_prefix()
     assert b.bin_index[b.bin_source == 1].tolist() == list(range(20))  # the big source: a prefix, in order
     other = blend_bins(fixed(5, 1000), np.array([0.5, 0.5]), unit=8, total_tokens=8 * 40, seed=12)
     assert not np.array_equal(other.bin_index, b.bin_index)  # the seed changes the repeated epochs
+
+
+# ------------------------------------------------------------------------------------ against a plain reference
+def reference_blend(bin_sizes: list, weights: np.ndarray, unit: int, total_tokens: int, seed: int) -> dict:
+    """The greedy rule written out plainly, one bin at a time: every source's lag ``w_i · max(T, C) − t_i`` in
+    Python floats (float64, a product then a difference), the first largest wins. Bin counts (all sources given
+    as ints) use Megatron's ``w_i · max(n, 1) − c_i`` and stop at the bins holding ``total_tokens``. A source
+    gives its bins in its epochs' orders, as many epochs as it takes."""
+    w = [float(x) for x in np.asarray(weights, np.float64) / np.sum(weights)]
+    k = len(bin_sizes)
+    counted = all(isinstance(s, int) for s in bin_sizes)
+    count = [s if isinstance(s, int) else len(s) for s in bin_sizes]
+    size = [[unit] * s if isinstance(s, int) else [int(x) for x in s] for s in bin_sizes]
+    taken, delivered, sources, indices, orders = [0] * k, [0] * k, [], [], {}
+    n_bins = -(-total_tokens // unit)
+    while (len(sources) < n_bins) if counted else (sum(delivered) < total_tokens):
+        scale = float(max(len(sources), 1)) if counted else float(max(sum(delivered), unit))
+        lags = [w[i] * scale - float(taken[i] if counted else delivered[i]) for i in range(k)]
+        best = lags.index(max(lags))
+        epoch = taken[best] // count[best]
+        if (best, epoch) not in orders:
+            orders[best, epoch] = epoch_orders(count[best], epoch + 1, seed, best)[epoch * count[best]:]
+        b = int(orders[best, epoch][taken[best] % count[best]])
+        sources.append(best)
+        indices.append(b)
+        taken[best] += 1
+        delivered[best] += size[best][b]
+    return {"bin_source": sources, "bin_index": indices, "bins": taken, "tokens": delivered,
+            "epochs": [max(1, -(-t // c)) for t, c in zip(taken, count, strict=True)]}
+
+
+WEIGHT_KINDS = ["random", "ties", "decimal", "far apart"]
+
+
+def random_case(rng: np.random.Generator, kind: str) -> tuple[list, np.ndarray, int, int]:
+    """Sources (bin counts, bin sizes or a mix), weights of one kind, a unit, and a total of a few hundred bins."""
+    k = int(rng.integers(1, 7))
+    weights = {"random": lambda: rng.random(k) + 1e-3,
+               "ties": lambda: rng.integers(1, 3, k).astype(np.float64),  # equal weights: ties every few bins
+               "decimal": lambda: rng.choice([0.1, 0.2, 0.3, 0.7], k),  # products that round onto each other
+               "far apart": lambda: 10.0 ** rng.uniform(-4, 0, k)}[kind]()
+    unit = int(rng.choice([8, 64]))
+    sizes = []
+    for _ in range(k):
+        n = int(rng.integers(1, 30))  # few bins: the heavier sources repeat many times
+        form = rng.integers(3)
+        sizes.append(n if form == 0 else np.full(n, unit, np.int64) if form == 1
+                     else rng.integers(1, unit + 1, n).astype(rng.choice([np.int32, np.int64])))
+    if rng.random() < 0.3:
+        sizes = [s if isinstance(s, int) else len(s) for s in sizes]  # bin counts only
+    return sizes, weights, unit, unit * int(rng.integers(1, 400))
+
+
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+def test_equal_to_a_plain_reference_greedy(kind):
+    """Bit for bit, ties included, with token-aware bins, mixed sources and weights 10⁴ apart."""
+    rng = np.random.default_rng(WEIGHT_KINDS.index(kind))
+    for case in range(40):
+        sizes, weights, unit, total = random_case(rng, kind)
+        got = blend_bins(sizes, weights, unit, total, seed=case)
+        want = reference_blend(sizes, weights, unit, total, seed=case)
+        for field, value in want.items():
+            assert getattr(got, field).tolist() == value, (case, field)
+
+
+def test_a_source_running_out_resumes_where_it_stopped(monkeypatch):
+    """When a source has no prepared bin left the kernel stops; more epochs are prepared and it carries on."""
+    prepared = []
+
+    def first_without_later_epochs(counts, epochs, seed, dtype):
+        prepared.append(list(epochs))
+        return later_epochs(counts, [1] * len(epochs) if len(prepared) == 1 else epochs, seed, dtype)
+
+    monkeypatch.setattr(blend, "later_epochs", first_without_later_epochs)
+    for sizes in ([7, 50, 3], [np.arange(1, 8), np.full(50, 8), np.array([8, 1, 5])]):
+        prepared.clear()
+        got = blend.blend_bins(sizes, np.array([0.5, 0.3, 0.2]), 8, 8 * 120, seed=5)
+        want = reference_blend(sizes, np.array([0.5, 0.3, 0.2]), 8, 8 * 120, seed=5)
+        assert len(prepared) == 2 and max(want["epochs"]) > 1
+        for field, value in want.items():
+            assert getattr(got, field).tolist() == value, field
