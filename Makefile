@@ -42,6 +42,8 @@ bench: $(STAMP)
 	$(PY) -m bench.parallel
 	$(PY) -m bench.chunk
 	$(PY) -m bench.blend
+	$(PY) -m bench.html
+	$(PY) -m bench.distributed
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

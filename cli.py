@@ -49,7 +49,10 @@ def _terminated(signum, frame):
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, help="Output dataset directory (must not exist or be empty).")
 @click.option("--tokenizer", "tokenizer", required=True,
-              help="tokenizer.json, or a directory with tokenizer.json (+ tokenizer_config.json).")
+              help="tokenizer.json; GPT-2 vocab.json/encoder.json + merges.txt/vocab.bpe; a SentencePiece .model; "
+                   "a tiktoken file; or a directory holding one (searched in that order, tokenizer.json first) "
+                   "(+ tokenizer_config.json). Formats other than tokenizer.json are converted once to one "
+                   "(see README).")
 @click.option("--format", "fmt", type=click.Choice(RECORD_FORMATS), default="auto",
               show_default=True, help="Record kind; auto decides per record.")
 @click.option("--text-field", default="text", show_default=True, help="Field holding plain text.")
@@ -79,11 +82,15 @@ def _terminated(signum, frame):
               help="fail: stop at the first bad record; skip: write it to rejects.jsonl and go on.")
 @click.option("--limit", type=int, default=None, help="Read at most N records.")
 @click.option("--eod-token", default=None,
-              help="End-of-document token [default: the tokenizer_config.json eos_token, else a usual one "
-                   "found in the vocabulary, said on the console].")
+              help="End-of-document token [default: the tokenizer_config.json eos_token, else the one the tokenizer "
+                   "files name (SentencePiece's eos piece, GPT-2's <|endoftext|>), else a usual one found in the "
+                   "vocabulary, said on the console]. For GPT-2, SentencePiece or tiktoken files a token the "
+                   "vocabulary lacks is added (TOKEN=ID chooses its id).")
 @click.option("--bos-token", default=None,
               help="BOS token that chat templates render as bos_token ('' for none) [default: the "
-                   "tokenizer_config.json bos_token, else a usual one found in the vocabulary].")
+                   "tokenizer_config.json bos_token, else the one the tokenizer files name, else a usual one found "
+                   "in the vocabulary]. For GPT-2, SentencePiece or tiktoken files a token the vocabulary lacks is "
+                   "added (TOKEN=ID chooses its id).")
 @click.option("--role-map", default=None,
               help="Extra chat roles as FROM=TO,... with TO one of system, user, assistant, tool "
                    "(e.g. chatgpt=assistant; common ShareGPT names are known already).")
@@ -91,12 +98,22 @@ def _terminated(signum, frame):
               help="Publish a dataset even when no document (or no target token) is left.")
 @click.option("--progress-every", type=float, default=30.0, show_default=True,
               help="Seconds between progress lines when stderr is not a terminal (logs, Slurm); 0 = none.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None, metavar="[auto|ADDRESS]",
+              help="Run the shards as tasks on a Ray cluster: auto = RAY_ADDRESS or the `ray start` cluster here, "
+                   "else a local one; HOST:PORT = that cluster. Same output as without it.")
+@click.option("--shard-size", default="256MB", show_default=True,
+              help="With --ray: input bytes per task (JSON Lines files are cut at lines, Parquet at row groups).")
+@click.option("--max-retries", type=int, default=3, show_default=True,
+              help="With --ray: times a task lost with its worker or node is run again.")
 @_user_errors
 def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on, category,
              category_field, append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit,
-             eod_token, bos_token, role_map, allow_empty, progress_every):
-    """Tokenize INPUT files/dirs/globs into a Megatron-compatible token dataset."""
-    from prep.tokenize import TokenizeConfig, run_tokenize  # deferred: tokenizers and numpy load for this command only
+             eod_token, bos_token, role_map, allow_empty, progress_every, ray_address, shard_size, max_retries):
+    """Tokenize INPUT files/dirs/globs (local, or fsspec URLs such as s3://bucket/data/*.jsonl.zst) into a
+    Megatron-compatible token dataset (-o may be a URL too)."""
+    from prep.shards import parse_size  # deferred: as below
+    from prep.tokenize import TokenizeConfig  # deferred: tokenizers and numpy load for this command only
+    from prep.tokenize_run import run_tokenize
 
     config = TokenizeConfig(
         inputs=list(inputs), output=output, tokenizer=tokenizer, format=fmt, text_field=text_field,
@@ -104,6 +121,7 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
         append_eod=append_eod, workers=workers, backend=backend, dtype=dtype, num_shards=num_shards,
         shard_index=shard_index, on_error=on_error, limit=limit, eod_token=eod_token, bos_token=bos_token,
         role_map=role_map, allow_empty=allow_empty, progress_every=progress_every,
+        ray=ray_address, shard_size=parse_size(shard_size), max_retries=max_retries,
     )
     run_tokenize(config)
 
@@ -139,7 +157,8 @@ def merge(datasets, output):
                    "drop for multipack and token-aware (SFT).")
 @click.option("--cp-size", type=int, default=1, show_default=True,
               help="Context-parallel size C: each document counts as its length rounded up to a multiple "
-                   "of 2·C; the capacity must be a multiple of 2·C.")
+                   "of 2·C; the capacity must be a multiple of 2·C. For --method chunk it only checks that 2·C "
+                   "divides --seq-len (whole samples are zigzagged, nothing is padded).")
 @click.option("--group-size", type=int, default=None,
               help="multipack: documents per independently packed group [default: 100000].")
 @click.option("--balance-dp", type=int, default=None,
@@ -162,9 +181,12 @@ def merge(datasets, output):
 @click.option("--split", default=None, metavar="TRAIN,VALID",
               help="Hold out documents for validation, e.g. 99,1: a seeded rule by document keeps each one "
                    "in the same split however the data is re-packed; the validation part is its own entry.")
+@click.option("--cache-dir", default=None, metavar="DIR",
+              help="Where datasets given as URLs (s3://…) are copied before packing, by fingerprint "
+                   "[default: $XPREP_CACHE or ~/.cache/xprep].")
 @_user_errors
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
-         dp_micro_batches, shuffle, seed, force, allow_empty, mix, total_tokens, epochs, split):
+         dp_micro_batches, shuffle, seed, force, allow_empty, mix, total_tokens, epochs, split, cache_dir):
     """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
     from prep.cache import PackConfig  # deferred here and below: numba/numpy load only for the command run
     from prep.cache import pack as run_pack
@@ -173,6 +195,7 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     from prep.render import summary_lines, warning_lines
 
     paths, weights = parse_sources(datasets, mix)
+    paths = [_local_dataset(p, cache_dir) for p in paths]
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
                         cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
                         dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed, total_tokens=total_tokens,
@@ -184,10 +207,25 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
         click.echo(line, err=True)
 
 
+def _local_dataset(path: str, cache_dir: str | None) -> str:
+    """A dataset at a URL is synced into the local cache (once per fingerprint) and packed from there."""
+    from prep.remote import is_url, local_path, sync_dataset  # deferred: fsspec, for URLs only
+
+    if not is_url(path):
+        return local_path(path)
+    local = sync_dataset(path, cache_dir)
+    click.echo(f"xprep pack: {path} → {local}", err=True)
+    return str(local)
+
+
 # ---------------------------------------------------------------------------------------- inspect
 @xprep.command()
-@click.argument("path")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of tables.")
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a JSON report instead of tables (a list of reports for several paths).")
+@click.option("--html", "html", default=None, metavar="OUT.html",
+              help="Also write one self-contained page for every PATH (datasets, packs and runs in any mix): "
+                   "charts and tables, viewable offline; several runs are overlaid.")
 @click.option("--sample", type=int, default=None, metavar="N",
               help="Token dataset: print N documents decoded with the dataset's tokenizer, target tokens "
                    "marked (colour on a terminal, [[...]] otherwise) and category names shown; the first N "
@@ -206,20 +244,31 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
 @click.option("--step", type=int, default=None, metavar="N",
               help="With --seen: up to step N [default: the latest checkpoint, else the last logged step].")
 @_user_errors
-def inspect(path, as_json, sample, seed, over, plot, seen, step):
-    """Report on a token dataset, a pack cache (every entry, then the current one), or a run directory."""
-    from prep.inspect import InspectOptions, kind_of  # deferred: numpy and the report modules load on use
+def inspect(paths, as_json, sample, seed, over, plot, seen, step, html):
+    """Report on token datasets, pack caches (every entry, then the current one) and run directories."""
+    from prep.html_report import check_target, write_page  # deferred: numpy and the report modules load on use
+    from prep.inspect import InspectOptions, kind_of
     from prep.render import render, to_json
 
     options = InspectOptions(sample=sample, seed=seed, over=over, plot=plot)
-    kind = kind_of(path)
-    options.check_applies(kind, path)
+    found = [(path, kind_of(path)) for path in paths]
+    options.check_applies_to(found)
     if step is not None and not seen:
         raise XprepError(f"--step {step} applies only with --seen (the documents trained on up to step N)")
-    if seen and kind != "run":
-        raise XprepError(f"--seen applies only to a run directory, and {path} is not one; drop --seen")
-    report = _report(kind, path, options, seen, step)
-    click.echo(to_json(report) if as_json else render(report, color=sys.stdout.isatty()))
+    if seen and (len(found) > 1 or html is not None):
+        raise XprepError("--seen lists what one run directory trained on: give one path, without --html")
+    if seen and found[0][1] != "run":
+        raise XprepError(f"--seen applies only to a run directory, and {paths[0]} is not one; drop --seen")
+    if html is not None:
+        check_target(html)  # before any work
+    reports = [_report(kind, path, options, seen, step) for path, kind in found]
+    if html is not None:
+        write_page(reports, html)
+        click.echo(f"page written to {html} ({len(reports)} report{'s' * (len(reports) > 1)})", err=True)
+    if as_json:
+        click.echo(to_json(reports[0] if len(reports) == 1 else reports))
+    else:
+        click.echo("\n\n".join(render(r, color=sys.stdout.isatty()) for r in reports))
 
 
 def _report(kind: str, path: str, options, seen: bool = False, step: int | None = None):

@@ -37,16 +37,29 @@ def dataset_report(path: str | Path, options: InspectOptions | None = None) -> d
         "documents": counts["documents"],
         "tokens": counts["tokens"],
         "loss_tokens": counts["loss_tokens"],
+        "target_share": share(counts["loss_tokens"], counts["tokens"]),
         "lengths": length_stats(ds.lengths),
         "histogram": histogram(ds.lengths),
         "categories": counts["categories"],
+        "category_shares": category_shares(counts["categories"], counts["tokens"]),
         "rejects": m["rejects"],
         "sources": len(m.get("sources", [])),
+        "source_files": [{k: s.get(k) for k in ("path", "size")} for s in m.get("sources", [])],
         "over": over_counts(ds.lengths, options.over or default_over(ds.lengths)),
     }
     if options.sample:
         report["sample"] = sample_documents(ds, options.sample, options.seed)
     return report
+
+
+def share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def category_shares(categories: dict, tokens: int) -> dict:
+    """Per category: its share of all tokens, and the share of its own tokens that are targets."""
+    return {name: {"tokens": share(c["tokens"], tokens), "targets": share(c["loss_tokens"], c["tokens"])}
+            for name, c in categories.items()}
 
 
 # ----------------------------------------------------------------------------------------- --sample

@@ -22,6 +22,7 @@ import numpy as np
 
 from prep.errors import XprepError
 from prep.io import file_sha256, write_json_atomic
+from prep.tokenizer_files import TOKENIZER_JSON, Converted, TokenizerFiles, convert, find_tokenizer_files
 
 # Whitespace runs, digits, mixed scripts, emoji, odd unicode and special-token look-alikes:
 # where BPE re-implementations usually disagree.
@@ -45,7 +46,7 @@ BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 END_OF_TURN_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>",
                           "<|endoftext|>")
 MIN_SAMPLE_IDS = 8  # distinct ids the built-in sample must encode to: fewer means an (almost) empty vocabulary
-FACTS_VERSION = 2  # bump when _tokenizer_facts computes something new
+FACTS_VERSION = 3  # bump when _tokenizer_facts computes something new
 SELF_CHECK_VERSION = 1  # bump when _self_check checks something new (another sample, another comparison)
 
 
@@ -53,7 +54,7 @@ SELF_CHECK_VERSION = 1  # bump when _self_check checks something new (another sa
 class TokenizerInfo:
     """What the manifest records about a tokenizer, and what workers need to rebuild it."""
 
-    path: str  # the tokenizer.json
+    path: str  # the tokenizer.json (for GPT-2, SentencePiece or tiktoken files: the one converted from them)
     sha256: str
     vocab_size: int
     eod_id: int | None
@@ -66,10 +67,15 @@ class TokenizerInfo:
     eod_from: str = "tokenizer_config.json"  # where eos_token/eod_id came from (see special_tokens)
     bos_from: str = "tokenizer_config.json"
     known_ids: dict[str, int | None] = field(default_factory=dict)  # ids of the special tokens looked up
+    source: dict | None = None  # files converted to ``path``: format, names and sha256s (prep/tokenizer_files.py)
+    notes: tuple[str, ...] = ()  # what the conversion says (said on the console with the defaults used)
+    origin: str = ""  # the file --tokenizer named (for a converted tokenizer the first of its files), for messages
 
     def describe(self) -> dict:
-        return {"path": self.path, "sha256": self.sha256, "vocab_size": self.vocab_size,
-                "eod_id": self.eod_id, "pad_id": self.pad_id}
+        """The manifest's ``tokenizer``; ``source`` only for a converted tokenizer (a tokenizer.json's is as it was)."""
+        described = {"path": self.path, "sha256": self.sha256, "vocab_size": self.vocab_size,
+                     "eod_id": self.eod_id, "pad_id": self.pad_id}
+        return {**described, "source": self.source} if self.source is not None else described
 
     def special_tokens(self) -> dict:
         """End-of-document and BOS tokens with where each came from (the manifest's ``special_tokens``)."""
@@ -82,7 +88,7 @@ class TokenizerInfo:
 
         BOS only matters to chat templates (text gets the post-processor's own special tokens).
         """
-        lines = []
+        lines = list(self.notes)
         if self.eod_from.startswith("default"):
             lines.append(f"end-of-document token {self.eos_token!r} (id {self.eod_id}) is a {self.eod_from}; "
                          "pass --eod-token TOKEN to choose another")
@@ -102,37 +108,36 @@ def _token_str(value) -> str | None:
 
 
 def load_tokenizer_info(spec: str, eod_token: str | None = None, bos_token: str | None = None) -> TokenizerInfo:
-    """Resolve ``--tokenizer`` (a tokenizer.json or a directory holding one) and read its config.
+    """Resolve ``--tokenizer`` (a tokenizer.json, GPT-2/SentencePiece/tiktoken files, or a directory holding them;
+    see prep/tokenizer_files.py) and read the tokenizer_config.json beside it.
 
-    ``eod_token``/``bos_token`` (``--eod-token``/``--bos-token``) override the config's eos/bos; where
-    neither names one, the first of the usual candidates found in the vocabulary is taken, and
-    ``eod_from``/``bos_from`` say so.
+    ``eod_token``/``bos_token`` (``--eod-token``/``--bos-token``) override the config's eos/bos; where neither names
+    one, the token the format itself names (a SentencePiece model's eos/bos pieces, GPT-2's <|endoftext|>) is
+    taken, else the first of the usual candidates found in the vocabulary, and ``eod_from``/``bos_from`` say so.
+    For converted formats a flag's token the vocabulary lacks is added to it (``TOKEN=ID`` chooses its id).
     """
-    path = Path(spec)
-    if not path.exists():
-        raise XprepError(f"--tokenizer {spec}: no such file or directory; pass a tokenizer.json or the "
-                         "directory holding it")
-    if path.is_dir():
-        if not (path / "tokenizer.json").is_file():
-            raise XprepError(f"--tokenizer {spec}: the directory holds no tokenizer.json; pass a tokenizer.json "
-                             "or the directory holding it")
-        path = path / "tokenizer.json"
-    path = path.resolve()
+    files = find_tokenizer_files(spec)
+    path, converted, eod_token, bos_token = _tokenizer_json(files, eod_token, bos_token)
+    named = converted.named if converted else {}
     sha = file_sha256(path, "check the file or pass another --tokenizer")
-    cfg_path = path.with_name("tokenizer_config.json")
+    cfg_path = files.directory / "tokenizer_config.json"
     config = _read_config(cfg_path)
     eos, bos, pad = (_token_str(config.get(k)) for k in ("eos_token", "bos_token", "pad_token"))
-    named = [t for t in (eod_token, bos_token, eos, bos, pad) if t]
+    pad = pad or named.get("pad_token")
+    candidates = [t for t in (eod_token, bos_token, eos, bos, pad, *named.values()) if t]
     facts = _tokenizer_facts(path, sha, list(dict.fromkeys(
-        [*named, *EOD_CANDIDATES, *BOS_CANDIDATES, *END_OF_TURN_CANDIDATES])))
+        [*candidates, *EOD_CANDIDATES, *BOS_CANDIDATES, *END_OF_TURN_CANDIDATES])))
     ids = facts["ids"]
     _check_encodes_text(path, facts)
-    eos, eod_from = _pick_special(ids, eod_token, "--eod-token", eos, "eos_token", cfg_path, EOD_CANDIDATES)
+    from_format = (named.get("eos_token"), converted.named_from) if converted else (None, "")
+    eos, eod_from = _pick_special(ids, eod_token, "--eod-token", eos, "eos_token", cfg_path, EOD_CANDIDATES,
+                                  from_format)
     if bos_token is None and "bos_token" in config:  # the config names it, possibly as null: no BOS
         bos_token, bos_from = bos, "tokenizer_config.json"
     else:
+        from_format = (named.get("bos_token"), converted.named_from) if converted else (None, "")
         bos_token, bos_from = _pick_special(ids, bos_token, "--bos-token", bos, "bos_token", cfg_path,
-                                            BOS_CANDIDATES)
+                                            BOS_CANDIDATES, from_format)
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: use "default"
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
@@ -153,7 +158,22 @@ def load_tokenizer_info(spec: str, eod_token: str | None = None, bos_token: str 
         eod_from=eod_from,
         bos_from=bos_from,
         known_ids=ids,
+        source=converted.source if converted else None,
+        notes=converted.notes if converted else (),
+        origin=str(files.files[0]),
     )
+
+
+def _tokenizer_json(files: TokenizerFiles, eod_token: str | None, bos_token: str | None
+                    ) -> tuple[Path, Converted | None, str | None, str | None]:
+    """(The tokenizer.json to load, its conversion from other files or None, the flags' tokens): a flag value
+    ``TOKEN=ID`` becomes ``TOKEN`` once the conversion has put it at ``ID``."""
+    if files.format == TOKENIZER_JSON:
+        return files.files[0], None, eod_token, bos_token
+    flags = [(f, v) for f, v in (("--eod-token", eod_token), ("--bos-token", bos_token)) if v]
+    converted = convert(files, flags, cache_dir())
+    eod_token, bos_token = (converted.flag_tokens.get(v, v) if v else v for v in (eod_token, bos_token))
+    return converted.path, converted, eod_token, bos_token
 
 
 def _read_config(cfg_path: Path) -> dict:
@@ -169,8 +189,10 @@ def _read_config(cfg_path: Path) -> dict:
 
 
 def _pick_special(ids: dict, flag_value: str | None, flag: str, configured: str | None, key: str, cfg_path: Path,
-                  candidates: tuple[str, ...]) -> tuple[str | None, str]:
-    """(token, where it came from): the flag, else the config's ``key``, else the first candidate in the vocabulary."""
+                  candidates: tuple[str, ...], from_format: tuple[str | None, str] = (None, "")
+                  ) -> tuple[str | None, str]:
+    """(token, where it came from): the flag, else the config's ``key``, else the token the tokenizer files name
+    (``from_format``: token, where), else the first candidate in the vocabulary."""
     if flag_value is not None:
         if flag_value and ids.get(flag_value) is None:
             raise XprepError(f"{flag} {flag_value}: not a token of this tokenizer's vocabulary; pass a special token "
@@ -178,6 +200,8 @@ def _pick_special(ids: dict, flag_value: str | None, flag: str, configured: str 
         return flag_value or None, flag
     if configured and ids.get(configured) is not None:
         return configured, "tokenizer_config.json"
+    if from_format[0] and ids.get(from_format[0]) is not None:
+        return from_format
     found = next((t for t in candidates if ids.get(t) is not None), None)
     if configured:
         why = f"{cfg_path.name}'s {key} {configured!r} is not in the vocabulary"
@@ -257,8 +281,9 @@ def _tokenizer_facts(path: Path, sha: str, tokens: list[str]) -> dict:
         at = _find(with_special, plain)
         sample = "\n".join(SELF_CHECK_SAMPLE)
         sample_ids = hf.encode(sample, add_special_tokens=False).ids
-        return {
-            "vocab_size": hf.get_vocab_size(with_added_tokens=True),
+        return {  # ids may have holes (tiktoken's special tokens): the size is the highest id + 1
+            "vocab_size": max(hf.get_vocab_size(with_added_tokens=True),
+                              max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1),
             "ids": {t: hf.token_to_id(t) for t in tokens},
             "prefix": with_special[:at],
             "suffix": with_special[at + len(plain):],
@@ -403,7 +428,8 @@ def _self_check(info: TokenizerInfo) -> tuple[bool, str]:
     try:
         fast = Encoder(info, "gigatoken")
     except Exception as e:  # any failure to load means: do not use it
-        return False, f"gigatoken cannot load this tokenizer ({type(e).__name__}: {e})"
+        first_line = next(iter(str(e).splitlines()), "")  # its messages go on with a source location
+        return False, f"gigatoken cannot load this tokenizer ({type(e).__name__}: {first_line})"
     got_flat, got_len = fast.encode(SELF_CHECK_SAMPLE)
     want = [fast.hf.encode(t).ids for t in SELF_CHECK_SAMPLE]
     want_flat = np.array([i for ids in want for i in ids], np.int64)

@@ -1,8 +1,9 @@
 """``xprep inspect``: its options, and what kind of directory a path is.
 
-The command dispatches (cli.py): ``kind_of`` says what the path is, the module that owns that kind of
+The command dispatches (cli.py): ``kind_of`` says what each path is, the module that owns that kind of
 data builds the report (``prep/dataset_report.py``, ``prep/pack_report.py``, ``train/report.py``) and
-``prep/render.py`` turns it into text; ``--json`` prints the report itself.
+``prep/render.py`` turns it into text; ``--json`` prints the report itself (a list of them for several paths),
+and ``--html FILE`` draws them all on one page (``prep/html_report.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,22 @@ class InspectOptions:
             if value is not None and wanted[flag] != kind:
                 raise XprepError(f"{flag} applies only to a {KIND_NAMES[wanted[flag]]}, and {path} is a "
                                  f"{KIND_NAMES[kind]}; drop {flag}")
+
+
+    def check_applies_to(self, found: list[tuple[str, str]]) -> None:
+        """Every option given applies to some of the paths (``(path, kind)`` pairs); ``--plot`` draws one run
+        directory alone."""
+        if len(found) == 1:
+            self.check_applies(found[0][1], Path(found[0][0]))
+            return
+        if self.plot is not None:
+            raise XprepError(f"--plot draws one run directory, and {len(found)} paths are given; give one, or "
+                             "overlay the runs with --html FILE")
+        kinds = {kind for _, kind in found}
+        for flag, value in (("--sample", self.sample), ("--over", self.over)):
+            if value is not None and "dataset" not in kinds:
+                raise XprepError(f"{flag} applies only to a token dataset, and none of the {len(found)} paths is "
+                                 f"one; drop {flag}")
 
 
 def parse_over(text: str) -> tuple[int, ...]:

@@ -39,9 +39,7 @@ def merge_datasets(paths: list[str], output: str) -> dict:
     sources: list[dict] = []
     with DatasetWriter(output, first["tokenizer"]["vocab_size"], dtype) as writer:
         for ds in datasets:
-            lut = _category_lut(ds, categories)
-            _copy(ds, writer, lut)
-            _copy_rejects(ds, writer)
+            append_dataset(ds, writer, categories)
             for src in ds.manifest.get("sources", []):
                 if not sources or sources[-1]["path"] != src["path"]:
                     sources.append(src)
@@ -62,6 +60,17 @@ def _check_shards(datasets: list[TokenDataset]) -> None:
             f"shards given in index order {got} (of --num-shards {count}): pass every shard of the run "
             f"exactly once, in order 0..{count - 1}"
         )
+
+
+def append_dataset(ds: TokenDataset, writer: DatasetWriter, categories: CategoryTable,
+                   line_shift: dict[str, int] | None = None) -> None:
+    """Append every document and reject of ``ds`` to ``writer``, its categories remapped into ``categories``.
+
+    ``line_shift`` adds, per source path, a number of lines to its rejects' line numbers (a Ray shard
+    numbers the lines of a cut file from its own start; see prep/shards.py).
+    """
+    _copy(ds, writer, _category_lut(ds, categories))
+    _copy_rejects(ds, writer, line_shift or {})
 
 
 def _category_lut(ds: TokenDataset, categories: CategoryTable) -> np.ndarray:
@@ -88,11 +97,12 @@ def _copy(ds: TokenDataset, writer: DatasetWriter, lut: np.ndarray) -> None:
         doc = stop
 
 
-def _copy_rejects(ds: TokenDataset, writer: DatasetWriter) -> None:
+def _copy_rejects(ds: TokenDataset, writer: DatasetWriter, line_shift: dict[str, int]) -> None:
     path = Path(ds.path) / REJECTS
     if not path.is_file():
         return
     with open(path) as f:
         for line in f:
             r = json.loads(line)
-            writer.reject(r["source"], r["line"], r["reason"], r.get("record"), r.get("kind"))
+            number = r["line"] + line_shift.get(r["source"], 0) if r["line"] else r["line"]  # 0: the whole file
+            writer.reject(r["source"], number, r["reason"], r.get("record"), r.get("kind"))

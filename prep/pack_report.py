@@ -17,7 +17,9 @@ from prep.formats import BLEND_JSON
 from prep.mixture import BlendEntry, open_entry
 from prep.packfile import MANIFEST, PACK_JSON, DatasetChanged, PackEntry
 from prep.packing import range_bincount
-from prep.stats import length_stats
+from prep.stats import count_histogram, fill_histogram, length_stats, ratio_histogram
+
+DP_STEPS_SHOWN = 48  # steps of a --balance-dp pack whose per-rank Σlen² the report lists in full
 
 
 def pack_report(path: str | Path) -> dict:
@@ -33,6 +35,7 @@ def pack_report(path: str | Path) -> dict:
     tokens, n_bins, capacity = int(per_bin.sum()), entry.num_bins, entry.capacity
     lower = -(-tokens // capacity)
     categories, note = category_tokens(entry)
+    documents_per_bin = np.diff(offsets)
     return {
         "kind": "packed",
         "path": str(entry.path),
@@ -49,15 +52,21 @@ def pack_report(path: str | Path) -> dict:
         "gap_to_lower_bound": (n_bins - lower) / lower if lower else 0.0,
         "padding_tokens": n_bins * capacity - tokens,
         "cp_padding_tokens": stats["cost_tokens"] - stats["tokens"],
-        "documents_per_bin": length_stats(np.diff(offsets)),
+        "unused_tokens": n_bins * capacity - stats["cost_tokens"],  # padding beyond the CP rounding
+        "documents_per_bin": length_stats(documents_per_bin),
         "tokens_per_bin": length_stats(per_bin),
+        "fill_histogram": fill_histogram(per_bin, capacity),
+        "documents_per_bin_histogram": count_histogram(documents_per_bin),
         "overlong": {k: stats[k] for k in _OVERLONG_KEYS},
         "documents_in": stats["documents_in"],
         "tokens_in": stats["tokens_in"],
         "empty_documents": stats["empty_documents"],
         "categories": categories,
+        "category_shares": category_shares(categories),
         "categories_note": note,
         "dp_balance": stats.get("dp_balance"),
+        "dp_steps": dp_steps(offsets, np.asarray(entry.item_len), stats["dp_balance"])
+        if stats.get("dp_balance") else None,
         "pack_seconds": entry.meta.get("pack_seconds"),
         "created": entry.meta.get("created"),
         "current": entry.path.name,
@@ -74,6 +83,40 @@ def bin_token_counts(offsets: np.ndarray, item_len: np.ndarray) -> np.ndarray:
     csum = np.zeros(len(item_len) + 1, np.int64)
     np.cumsum(item_len, out=csum[1:])
     return csum[offsets[1:]] - csum[offsets[:-1]]
+
+
+def bin_square_sums(offsets: np.ndarray, item_len: np.ndarray) -> np.ndarray:
+    """Σlen² of each bin (the attention work --balance-dp balances), int64, by cumulative sums."""
+    csum = np.zeros(len(item_len) + 1, np.int64)
+    np.cumsum(item_len.astype(np.int64) ** 2, out=csum[1:])
+    return csum[offsets[1:]] - csum[offsets[:-1]]
+
+
+def dp_steps(offsets: np.ndarray, item_len: np.ndarray, balance: dict) -> dict:
+    """Σlen² per rank in each step of a ``--balance-dp`` pack as stored (balanced): of the first steps in full
+    (``rank_loads[r][s]``), and the max/mean imbalance of every step as a histogram.
+
+    Position ``j·ranks + r`` of a step is rank r's bin of micro-step j (prep/packing.py), so the bins of a
+    step reshape to (micro-steps, ranks); a short last step is padded with empty bins, which weigh nothing.
+    The arrangement before balancing is not stored: pack.json keeps its summary (``dp_balance``).
+    """
+    ranks, per_rank = balance["ranks"], balance["micro_batches_per_rank"]
+    work = bin_square_sums(offsets, item_len)
+    work = np.concatenate([work, np.zeros(-len(work) % (ranks * per_rank), np.int64)])
+    loads = work.reshape(-1, per_rank, ranks).sum(axis=1)  # (steps, ranks)
+    mean = loads.mean(axis=1)
+    imbalance = np.divide(loads.max(axis=1), mean, out=np.ones(len(mean)), where=mean > 0)
+    return {"ranks": ranks, "micro_batches_per_rank": per_rank, "steps": len(loads),
+            "rank_loads": loads[:DP_STEPS_SHOWN].T.tolist(),  # per rank: its Σlen² in each of the first steps
+            "imbalance_histogram": ratio_histogram(imbalance)}
+
+
+def category_shares(categories: dict | None) -> dict | None:
+    """Each category's share of the packed tokens."""
+    if categories is None:
+        return None
+    total = sum(categories.values())
+    return {name: n / total if total else 0.0 for name, n in categories.items()}
 
 
 def category_tokens(entry: PackEntry) -> tuple[dict | None, str | None]:
@@ -187,9 +230,26 @@ def pack_flags(c: dict) -> str:
 def blend_report(entry: BlendEntry, entries: list[dict] | None) -> dict:
     """The report on a blend: its size and, per source, requested vs delivered share and repeat factor."""
     meta = entry.meta
+    tokens, documents = blend_bin_counts(entry)
     return {"kind": "packed", "path": str(entry.path), "key": entry.key, "config": entry.config,
             "capacity": entry.capacity, "created": meta.get("created"), "current": entry.path.name,
-            "entries": entries, "blend": blend_summary(meta)}
+            "entries": entries, "blend": blend_summary(meta),
+            "padding_tokens": len(tokens) * entry.capacity - int(tokens.sum()),
+            "tokens_per_bin": length_stats(tokens), "documents_per_bin": length_stats(documents),
+            "fill_histogram": fill_histogram(tokens, entry.capacity),
+            "documents_per_bin_histogram": count_histogram(documents),
+            "source_reports": [pack_report(source.path) for source in entry.sources]}
+
+
+def blend_bin_counts(entry: BlendEntry) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and documents of each bin of a blend, in blend order: one gather from its sources' bins."""
+    offsets = [np.asarray(s.bin_offsets) for s in entry.sources]
+    tokens = np.concatenate([bin_token_counts(o, np.asarray(s.item_len)) for o, s in
+                             zip(offsets, entry.sources, strict=True)] or [np.zeros(0, np.int64)])
+    documents = np.concatenate([np.diff(o) for o in offsets] or [np.zeros(0, np.int64)])
+    first = np.concatenate([[0], np.cumsum([len(o) - 1 for o in offsets])])
+    at = first[np.asarray(entry.bin_source, np.int64)] + np.asarray(entry.bin_index, np.int64)
+    return tokens[at], documents[at]
 
 
 def blend_summary(meta: dict) -> dict:

@@ -34,6 +34,9 @@ def to_json(report: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ tables
 def render_histogram(hist: list[dict], width: int = 40) -> list[str]:
+    """Rows from the first to the last that count something (the empty ends say nothing)."""
+    full = [k for k, h in enumerate(hist) if h["count"]]
+    hist = hist[full[0]:full[-1] + 1] if full else []
     top = max((h["count"] for h in hist), default=0) or 1
     return [f"  {h['lo']:>8,}-{h['hi']:<8,} {h['count']:>10,} {'#' * round(width * h['count'] / top)}"
             for h in hist]
@@ -105,11 +108,10 @@ def render_dataset(r: dict, color: bool = False) -> str:
     ]
     if r.get("chat_template"):
         lines.append(f"  chat template {r['chat_template'].get('name')}")
-    share = r["loss_tokens"] / r["tokens"] if r["tokens"] else 0.0
     lines += [
         f"  documents     {r['documents']:,}   (from {r['sources']} sources, {r['rejects']['count']:,} rejected)",
         f"  tokens        {r['tokens']:,}",
-        f"  target tokens {r['loss_tokens']:,}  ({share:.1%})",
+        f"  target tokens {r['loss_tokens']:,}  ({r['target_share']:.1%})",
     ]
     if r["lengths"]["count"]:
         p = r["lengths"]["percentiles"]
@@ -120,8 +122,7 @@ def render_dataset(r: dict, color: bool = False) -> str:
         lines += render_histogram(r["histogram"])
         lines += ["", *render_over(r["over"])]
     lines.append("")
-    rows = [[name, c["tokens"], c["loss_tokens"],
-             f"{c['tokens'] / r['tokens']:.1%}" if r["tokens"] else "-"]
+    rows = [[name, c["tokens"], c["loss_tokens"], f"{r['category_shares'][name]['tokens']:.1%}" if r["tokens"] else "-"]
             for name, c in r["categories"].items()]
     lines += table(["category", "tokens", "target tokens", "share"], rows)
     if r["rejects"]["count"]:
@@ -181,9 +182,8 @@ def render_pack(r: dict) -> str:
     if r["categories"] is None:
         lines.append(f"categories: {r['categories_note']}")
     else:
-        total = sum(r["categories"].values()) or 1
         lines += table(["category", "packed tokens", "share"],
-                       [[k, v, f"{v / total:.1%}"] for k, v in r["categories"].items()])
+                       [[k, v, f"{r['category_shares'][k]:.1%}"] for k, v in r["categories"].items()])
     return "\n".join(lines)
 
 

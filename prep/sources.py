@@ -3,10 +3,14 @@
 Supported: JSON Lines (``.jsonl``/``.json``, optionally ``.gz``/``.zst``), Parquet, Arrow IPC
 files/streams, ``datasets.save_to_disk`` directories, and ``.txt`` (one document per file).
 
+Inputs may be fsspec URLs (``s3://bucket/prefix/*.jsonl.zst``): they are listed, globbed and streamed
+the same way (prep/remote.py); local ``.arrow`` files are memory-mapped, remote ones streamed.
+
 Sharding (``--num-shards N --shard-index i``) splits the concatenated input bytes into N
 contiguous ranges; a JSON line belongs to the shard holding its first byte, any other file to
 the shard holding its first byte. Shards are therefore contiguous runs of the single-run
-order, and concatenating their outputs reproduces a single run.
+order, and concatenating their outputs reproduces a single run. ``xprep tokenize --ray`` plans
+its own pieces (prep/shards.py) with the same rule.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import gzip
 import io
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +29,7 @@ import zstandard
 
 from prep.errors import XprepError
 from prep.formats import MANIFEST, OUTPUT_FORMATS, declared_format
+from prep.remote import filesystem, is_url, local_path, mtime_ns, open_binary, url_of
 
 LINE_SUFFIXES = (".jsonl", ".json", ".ndjson")
 COMPRESSIONS = (".gz", ".zst")
@@ -91,8 +97,8 @@ class Unreadable:
     reason: str
 
 
-def _kind_of(path: Path) -> tuple[str, str | None] | None:
-    name = path.name.lower()
+def _kind_of(path: Path | str) -> tuple[str, str | None] | None:
+    name = str(path).rstrip("/").rsplit("/", 1)[-1].lower()
     compression = next((c for c in COMPRESSIONS if name.endswith(c)), None)
     if compression:
         name = name[: -len(compression)]
@@ -114,8 +120,10 @@ def resolve_inputs(inputs: list[str]) -> list[SourceFile]:
     files: list[SourceFile] = []
     seen: set[str] = set()
     for spec in inputs:
-        for path in _expand(spec):
-            key = str(path.resolve())
+        spec = local_path(spec)
+        remote = is_url(spec)
+        for path in _expand_url(spec) if remote else _expand(spec):
+            key = path if remote else str(Path(path).resolve())
             if key in seen:
                 continue
             seen.add(key)
@@ -144,6 +152,35 @@ def _expand(spec: str) -> list[Path]:
             f"{spec}: unsupported file type; expected .jsonl/.json(.gz/.zst), .parquet, .arrow or .txt"
         )
     return [path]
+
+
+def _expand_url(spec: str) -> list[str]:
+    """Files, directories and globs at a URL, as URLs, in sorted order (as ``_expand`` does locally)."""
+    fs, inner = filesystem(spec)
+    try:
+        if any(ch in inner for ch in "*?["):
+            matches = sorted(fs.glob(inner))
+            if not matches:
+                raise XprepError(f"{spec}: the pattern matches no file")
+        elif fs.isdir(inner):
+            matches = [inner]
+        elif fs.exists(inner):
+            if _kind_of(inner) is None:
+                raise XprepError(f"{spec}: unsupported file type; expected .jsonl/.json(.gz/.zst), .parquet, "
+                                 ".arrow or .txt")
+            return [url_of(fs, inner)]
+        else:
+            raise XprepError(f"{spec}: no such file or directory")
+        found = []
+        for m in matches:
+            children = sorted(fs.find(m)) if fs.isdir(m) else [m]
+            found += [url_of(fs, c) for c in children if _kind_of(c) is not None
+                      and not any(part.startswith(".") for part in c[len(m):].split("/") if part)]
+    except OSError as e:
+        raise XprepError(f"{spec}: cannot list it ({e})") from None
+    if not found:
+        raise XprepError(f"{spec}: holds no .jsonl/.json/.parquet/.arrow/.txt file")
+    return found
 
 
 def _dir_files(directory: Path) -> list[Path]:
@@ -176,15 +213,21 @@ def _hf_disk_files(directory: Path, state: Path) -> list[Path]:
     return [directory / n for n in names]
 
 
-def _source(path: Path) -> SourceFile:
+def _source(path: Path | str) -> SourceFile:
     kind, compression = _kind_of(path) or ("lines", None)
     try:
-        st = path.stat()
+        if is_url(path):
+            fs, inner = filesystem(str(path))
+            info = fs.info(inner)
+            size, mtime = int(info["size"]), mtime_ns(info)
+        else:
+            st = Path(path).stat()
+            size, mtime = st.st_size, st.st_mtime_ns
     except OSError as e:
-        raise XprepError(f"{path}: cannot read ({e.strerror})") from None
-    source = SourceFile(str(path), kind, st.st_size, st.st_mtime_ns, compression)
+        raise XprepError(f"{path}: cannot read ({e.strerror or e})") from None
+    source = SourceFile(str(path), kind, size, mtime, compression)
     if kind == "lines" and _first_byte(source) == b"[":
-        source = SourceFile(str(path), "array", st.st_size, st.st_mtime_ns, compression)
+        source = SourceFile(str(path), "array", size, mtime, compression)
     return source
 
 
@@ -203,11 +246,19 @@ def _first_byte(src: SourceFile) -> bytes:
 
 @dataclass(frozen=True)
 class Assignment:
-    """What one shard reads of one source: a byte range for plain JSONL, else the whole file."""
+    """What one shard reads of one source: a byte range for plain JSONL, a range of row groups of a
+    Parquet file, else the whole file.
+
+    ``first_line`` is the number given to the first line read when ``start`` > 0; None counts the
+    newlines before ``start`` (one read of the file's head). ``xprep tokenize --ray`` numbers a piece from
+    1 instead and shifts the numbers when it merges, by the lines the pieces before it read.
+    """
 
     source: int
     start: int  # byte where records start (line files), 0 otherwise
     stop: int  # records must start before this byte
+    row_groups: tuple[int, int] | None = None  # Parquet: [first, last) row group; rows numbered from first_line
+    first_line: int | None = None
 
 
 def plan_shard(sources: list[SourceFile], num_shards: int, shard_index: int) -> list[Assignment]:
@@ -229,14 +280,25 @@ def plan_shard(sources: list[SourceFile], num_shards: int, shard_index: int) -> 
     return plan
 
 
-def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int | None = None
-                 ) -> Iterator[RawBatch | Unreadable]:
-    """Yield record batches in order; a file that cannot be read (on) yields an ``Unreadable``."""
+def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int | None = None,
+                 lines_read: list[int] | None = None) -> Iterator[RawBatch | Unreadable]:
+    """Yield record batches in order; a file that cannot be read (on) yields an ``Unreadable``.
+
+    ``lines_read``, when given, gets one number per assignment read to its end: the lines (blank ones
+    included) of a JSON Lines range, 0 for other kinds.
+    """
     remaining = limit
     for a in plan:
         src = sources[a.source]
         try:
-            for batch in _read_source(a, src):
+            reader = _read_source(a, src)
+            while True:
+                try:
+                    batch = next(reader)
+                except StopIteration as done:
+                    if lines_read is not None:
+                        lines_read.append(done.value or 0)
+                    break
                 if remaining is not None:
                     if remaining <= 0:
                         return
@@ -249,23 +311,25 @@ def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int |
 
 
 def _read_source(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
+    """The batches of one assignment; returns the number of lines read (JSON Lines) or 0."""
     if src.kind == "lines":
-        yield from _read_lines(a, src)
-    elif src.kind == "array":
+        return (yield from _read_lines(a, src))
+    if src.kind == "array":
         yield from _read_array(a.source, src)
     elif src.kind == "text":
-        with open(src.path, "rb") as f:
+        with open_binary(src.path) as f:
             yield RawBatch(a.source, [f.read()], [1], TEXT_FILE)
     else:
-        yield from _read_table(a.source, src)
+        yield from _read_table(a, src)
+    return 0
 
 
 def _open_lines(src: SourceFile):
     if src.compression == ".gz":
-        return gzip.open(src.path, "rb")
+        return gzip.open(open_binary(src.path), "rb")
     if src.compression == ".zst":
         return io.BufferedReader(_ZstdReader(src.path), CHUNK)
-    return open(src.path, "rb")
+    return open_binary(src.path)
 
 
 class _ZstdReader(io.RawIOBase):
@@ -273,7 +337,7 @@ class _ZstdReader(io.RawIOBase):
     (zstandard's stream_reader would silently return the truncated data)."""
 
     def __init__(self, path: str):
-        self._raw = open(path, "rb")
+        self._raw = open_binary(path)
         self._frame = zstandard.ZstdDecompressor().decompressobj()
         self._pending = b""
         self._started = False
@@ -314,7 +378,8 @@ def _read_lines(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
     lines: list[int] = []
     try:
         with _open_lines(src) as f:
-            line_no, pos = (1, 0) if a.start == 0 else _seek_line_start(f, a.start)
+            line_no, pos = (1, 0) if a.start == 0 else _seek_line_start(f, a.start, a.first_line)
+            first = line_no
             stop = a.stop if src.splittable else float("inf")  # compressed: sizes are not positions
             size = 0
             # compressed streams are read in smaller steps: a damaged one loses at most one step
@@ -336,6 +401,7 @@ def _read_lines(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
         raise
     if items:
         yield RawBatch(a.source, items, lines, LINES)
+    return line_no - first
 
 
 def _iter_lines(f, chunk_size: int) -> Iterator[bytes]:
@@ -404,13 +470,17 @@ def _read_array(source: int, src: SourceFile) -> Iterator[RawBatch]:
         yield RawBatch(source, items, numbers, ROWS)
 
 
-def _seek_line_start(f, start: int) -> tuple[int, int]:
+def _seek_line_start(f, start: int, first_line: int | None = None) -> tuple[int, int]:
     """Position ``f`` at the first line starting at or after byte ``start``.
 
-    Returns (line number, byte position). Counts newlines before it for error messages.
+    Returns (line number, byte position). Counts newlines before it for error messages, unless
+    ``first_line`` gives the number (then it seeks straight there).
     """
     newlines = 0
     remaining = start - 1  # the byte before `start` tells whether a line starts at `start`
+    if first_line is not None:
+        f.seek(remaining)
+        newlines, remaining = first_line - 2, 0
     while remaining > 0:
         block = f.read(min(CHUNK, remaining))
         if not block:
@@ -426,26 +496,38 @@ def _seek_line_start(f, start: int) -> tuple[int, int]:
     return newlines + 2, pos
 
 
-def _read_table(source: int, src: SourceFile) -> Iterator[RawBatch]:
+def _read_table(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:
     # deferred: pyarrow takes ~0.2 s to import and only Parquet/Arrow input needs it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    row = 1
-    if src.kind == "parquet":
-        batches = pq.ParquetFile(src.path).iter_batches(batch_size=1024)
-    else:
-        batches = _arrow_batches(src.path, pa)
-    for rb in batches:
-        rows = rb.to_pylist()
-        yield RawBatch(source, rows, list(range(row, row + len(rows))), ROWS)
-        row += len(rows)
+    row = a.first_line or 1
+    with open_binary(src.path) if is_url(src.path) or src.kind == "parquet" else nullcontext() as f:
+        # (a local Arrow file is memory-mapped by path instead)
+        if src.kind == "parquet":
+            groups = range(*a.row_groups) if a.row_groups else None
+            batches = pq.ParquetFile(f).iter_batches(batch_size=1024, row_groups=groups)
+        else:
+            batches = _arrow_batches(f or src.path, pa)
+        for rb in batches:
+            rows = rb.to_pylist()
+            yield RawBatch(a.source, rows, list(range(row, row + len(rows))), ROWS)
+            row += len(rows)
 
 
-def _arrow_batches(path: str, pa):
+def parquet_row_groups(path: str) -> list[tuple[int, int]]:
+    """(rows, bytes) of each row group of a Parquet file, from its footer alone."""
+    import pyarrow.parquet as pq  # deferred: as in _read_table
+
+    with open_binary(path) as f:
+        meta = pq.ParquetFile(f).metadata
+        return [(meta.row_group(i).num_rows, meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)]
+
+
+def _arrow_batches(file, pa):
     import pyarrow.ipc as ipc  # deferred: as in _read_table
 
-    with pa.memory_map(path, "r") as mm:
+    with pa.memory_map(file, "r") if isinstance(file, str) else file as mm:
         try:
             reader = ipc.open_file(mm)
             for i in range(reader.num_record_batches):

@@ -6,6 +6,11 @@ import numpy as np
 
 PERCENTILES = (0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 100)
 DEFAULT_OVER = tuple(1024 << k for k in range(8))  # 1,024 … 131,072 tokens
+LENGTH_BINS = 24  # rows of a length histogram: a factor of ~1.6 a row over 1 … 100k tokens
+COUNT_BINS = 48  # documents per bin: one row per count up to this many distinct counts
+FILL_BINS = 40  # fill per bin: slices of 2.5 % of the capacity
+RATIO_BINS = 20  # max/mean imbalance per step
+BINCOUNT_LIMIT = 1 << 22  # histograms of values below this count per value (32 MB at most): faster than a search
 
 
 def length_stats(lengths: np.ndarray) -> dict:
@@ -21,15 +26,67 @@ def length_stats(lengths: np.ndarray) -> dict:
     }
 
 
-def histogram(lengths: np.ndarray, bins: int = 12) -> list[dict]:
-    """Log-spaced length histogram (lengths span orders of magnitude)."""
+def histogram(lengths: np.ndarray, bins: int = LENGTH_BINS) -> list[dict]:
+    """Log-spaced length histogram (lengths span orders of magnitude); ``hi`` is inclusive."""
     if len(lengths) == 0:
         return []
-    hi = max(int(lengths.max()), 2)
-    edges = np.unique(np.geomspace(1, hi + 1, bins + 1).astype(np.int64))
-    counts, edges = np.histogram(lengths, bins=edges)
-    return [{"lo": int(a), "hi": int(b) - 1, "count": int(c)} for a, b, c in zip(edges[:-1], edges[1:], counts,
-                                                                                 strict=True)]
+    return _rows(lengths, log_edges(max(int(lengths.max()), 2), bins))
+
+
+def count_histogram(values: np.ndarray, bins: int = COUNT_BINS) -> list[dict]:
+    """Histogram of small whole numbers (documents per bin): one row per value from the least to the most
+    when that fits in ``bins`` rows, else log-spaced rows as ``histogram``."""
+    if len(values) == 0:
+        return []
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo < bins:
+        edges = np.arange(lo, hi + 2, dtype=np.int64)
+    else:
+        edges = log_edges(hi, bins)
+        edges = np.concatenate([[0], edges]) if lo == 0 else edges
+    return _rows(values, edges)
+
+
+def fill_histogram(tokens: np.ndarray, capacity: int, bins: int = FILL_BINS) -> list[dict]:
+    """Bins' tokens in ``bins`` equal slices of the capacity (``lo``/``hi`` in tokens, ``hi`` inclusive; the
+    last slice ends at the capacity): how full the bins are, in whole tokens so the edges are exact."""
+    if len(tokens) == 0 or capacity < 1:
+        return []
+    edges = np.unique(np.round(np.linspace(0, capacity, bins + 1)).astype(np.int64))
+    edges[-1] = max(capacity, int(tokens.max())) + 1  # the full bins (and, defensively, any beyond) count last
+    return _rows(tokens, edges)
+
+
+def ratio_histogram(ratios: np.ndarray, bins: int = RATIO_BINS) -> list[dict]:
+    """Histogram of ratios ≥ 1 (max/mean imbalance) in ``bins`` equal slices from 1 up to the largest,
+    edges rounded to 4 decimals so they read exactly; ``hi`` is the slice's end (the last one inclusive)."""
+    if len(ratios) == 0:
+        return []
+    top = max(np.ceil(float(ratios.max()) * 1e4) / 1e4, 1.001)
+    counts, edges = np.histogram(ratios, bins=np.round(np.linspace(1.0, top, bins + 1), 4))
+    return [{"lo": float(a), "hi": float(b), "count": int(c)}
+            for a, b, c in zip(edges[:-1], edges[1:], counts, strict=True)]
+
+
+def log_edges(hi: int, bins: int) -> np.ndarray:
+    """Distinct integer edges from 1 to ``hi + 1``, spaced evenly on a log scale."""
+    return np.unique(np.geomspace(1, hi + 1, bins + 1).astype(np.int64))
+
+
+def _rows(values: np.ndarray, edges: np.ndarray) -> list[dict]:
+    """``{"lo", "hi", "count"}`` per slice ``[edges[k], edges[k+1])`` of whole numbers (``hi`` inclusive),
+    counted in vectorized passes however many values there are: a count per value (``np.bincount``) summed
+    over each slice where the values are small, else each value's slice found by ``np.searchsorted``."""
+    top = int(edges[-1])
+    if top <= BINCOUNT_LIMIT and (len(values) == 0 or int(values.min()) >= 0):
+        per_value = np.bincount(values, minlength=top)[:top]
+        counts = np.add.reduceat(per_value, edges[:-1])
+    else:
+        slot = np.searchsorted(edges, values, side="right") - 1
+        inside = (slot >= 0) & (slot < len(edges) - 1)
+        counts = np.bincount(slot[inside], minlength=len(edges) - 1)
+    return [{"lo": int(a), "hi": int(b) - 1, "count": int(c)}
+            for a, b, c in zip(edges[:-1], edges[1:], counts, strict=True)]
 
 
 def default_over(lengths: np.ndarray) -> tuple[int, ...]:

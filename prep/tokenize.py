@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import sys
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -22,7 +21,6 @@ from prep.dataset import CategoryTable, DatasetWriter, token_dtype
 from prep.encoder import Encoder, TokenizerInfo, add_around, choose_backend, load_tokenizer_info
 from prep.errors import XprepError
 from prep.formats import AUTO, CHAT, RECORD_FORMATS, REJECTS, TEXT, TOKENS
-from prep.io import check_output_dir
 from prep.progress import Progress
 from prep.sources import LINES, ROWS, TEXT_FILE, RawBatch, Unreadable, plan_shard, read_batches, resolve_inputs
 from prep.templates import (
@@ -64,6 +62,9 @@ class TokenizeConfig:
     role_map: str | None = None
     allow_empty: bool = False
     progress_every: float = 30.0  # seconds between progress lines when stderr is not a terminal; 0 = none
+    ray: str | None = None  # --ray: "auto" or HOST:PORT of a Ray cluster to run the shards on (prep/cluster.py)
+    shard_size: int = 256 * 10**6  # --shard-size: bytes of input per Ray task
+    max_retries: int = 3  # --max-retries: of a Ray task lost with its worker or node
 
     def __post_init__(self) -> None:
         if self.format not in RECORD_FORMATS:
@@ -81,6 +82,15 @@ class TokenizeConfig:
             raise XprepError(f"--limit {self.limit}: must be ≥ 1")
         if self.progress_every < 0:
             raise XprepError(f"--progress-every {self.progress_every}: must be ≥ 0 seconds (0 = no progress lines)")
+        if self.ray is not None:
+            if self.num_shards > 1:
+                raise XprepError("--ray plans its own shards: leave out --num-shards/--shard-index (they are the "
+                                 "route without a cluster, e.g. Slurm arrays + xprep merge)")
+            if self.limit is not None:
+                raise XprepError("--limit reads the first N records in order, which a cluster does not: try the "
+                                 "command without --ray")
+            if self.max_retries < 0:
+                raise XprepError(f"--max-retries {self.max_retries}: must be ≥ 0")
 
 
 @dataclass(frozen=True)
@@ -495,7 +505,7 @@ def _work(batch: RawBatch) -> Encoded:
     return _PROCESSOR(batch)
 
 
-class _Pipeline:
+class Pipeline:
     """Ordered map of a Processor over batches: inline, or over N processes with bounded lookahead.
 
     Worker processes come from ``concurrent.futures``: unlike ``multiprocessing.Pool`` it notices a
@@ -539,9 +549,28 @@ def _result(item) -> Encoded | Unreadable:
                          "run again, with fewer --workers if memory is short") from None
 
 
-def run_tokenize(config: TokenizeConfig) -> dict:
-    """Run ``xprep tokenize``; returns the written manifest."""
-    check_output_dir(config.output)
+@dataclass
+class Job:
+    """What a tokenize run settled before reading a record: inputs, tokenizer, template, options, and the
+    head of the manifest they make. Picklable: Ray tasks get it whole."""
+
+    sources: list
+    info: TokenizerInfo
+    dtype: np.dtype
+    template: TemplateSpec | None
+    options: Options
+    backend: str
+    backend_reason: str
+    chat: bool  # the data is (or starts as) chat: sizes the worker pool and says which defaults matter
+    head: dict  # tokenizer, special_tokens, chat_template, options: the manifest before sources and counts
+
+    @property
+    def processor_args(self) -> tuple:
+        return self.info, self.backend, self.template, self.options
+
+
+def prepare(config: TokenizeConfig) -> Job:
+    """Resolve inputs, tokenizer, template and options: everything but the records."""
     sources = resolve_inputs(config.inputs)
     info = load_tokenizer_info(config.tokenizer, config.eod_token, config.bos_token)
     dtype = _dtype(config.dtype, info.vocab_size)
@@ -556,43 +585,32 @@ def run_tokenize(config: TokenizeConfig) -> dict:
         info = _chat_eod(info, compiled) if chat_declared else info
     append_eod = config.append_eod
     if info.eod_id is None and (append_eod or (append_eod is None and config.format in (AUTO, TEXT))):
-        raise XprepError(f"{info.path}: no end-of-document token found (eos_token); pass --eod-token TOKEN "
-                         "or --no-append-eod")
+        raise XprepError(f"{info.origin or info.path}: no end-of-document token found (eos_token); pass "
+                         "--eod-token TOKEN or --no-append-eod")
     options = Options(config.format, config.text_field, config.train_on, config.category,
                       config.category_field, append_eod, info.eod_id, info.vocab_size,
                       parse_role_map(config.role_map))
     backend, reason = choose_backend(info, config.backend)
-    workers = config.workers or _auto_workers(chat, _planned_bytes(sources, plan))
-    manifest = {
+    head = {
         "tokenizer": info.describe(),
         "special_tokens": info.special_tokens(),
         "chat_template": template.describe() if template is not None else None,
         "options": {**options.describe(), "dtype": dtype.name, "limit": config.limit},
     }
-    with DatasetWriter(config.output, info.vocab_size, dtype) as writer:
-        categories = _write_all(config, sources, plan, writer, _Pipeline((info, backend, template, options), workers))
-        manifest["sources"] = [sources[p.source].describe() for p in plan]
-        if config.num_shards > 1:
-            manifest["shard"] = {"index": config.shard_index, "count": config.num_shards}
-        if plan or config.num_shards == 1:  # a shard given no input (more shards than files) is empty by design
-            _check_not_empty(config, writer)
-        manifest = writer.finish(manifest, categories)
-    for line in info.defaults_used(chat=template is not None and chat):  # after the work: errors stay one line
-        print(f"xprep tokenize: note: {line}", file=sys.stderr)
-    c = manifest["counts"]
-    print(f"xprep tokenize: {c['documents']:,} documents, {c['tokens']:,} tokens "
-          f"({c['loss_tokens']:,} targets), {manifest['rejects']['count']:,} rejected → {config.output} "
-          f"[{backend}: {reason}, {workers} worker{'s' if workers > 1 else ''}]", file=sys.stderr)
-    return manifest
+    return Job(sources, info, dtype, template, options, backend, reason, chat, head)
 
 
-def _write_all(config: TokenizeConfig, sources, plan, writer: DatasetWriter, pipeline: _Pipeline) -> CategoryTable:
-    """Feed every batch of the shard through ``pipeline`` and append the results in input order."""
+def write_all(config: TokenizeConfig, sources, plan, writer: DatasetWriter, pipeline: Pipeline,
+               lines_read: list[int] | None = None, progress: Progress | None = None) -> CategoryTable:
+    """Feed every batch of the shard through ``pipeline`` and append the results in input order.
+
+    ``lines_read`` gets the lines each assignment read (see ``read_batches``)."""
     categories = CategoryTable()
-    progress = Progress("tokenize", total_bytes=_planned_bytes(sources, plan), interval=config.progress_every)
+    if progress is None:
+        progress = Progress("tokenize", total_bytes=planned_bytes(sources, plan), interval=config.progress_every)
     ok = False
     try:
-        for result in pipeline.map(read_batches(sources, plan, config.limit)):
+        for result in pipeline.map(read_batches(sources, plan, config.limit, lines_read)):
             if isinstance(result, Unreadable):
                 rejected = Rejected(result.line, "unreadable file", result.reason, None, fatal=True)
                 _reject(writer, config.on_error, sources[result.source].path, rejected)
@@ -632,7 +650,7 @@ def _chat_eod(info: TokenizerInfo, template: ChatTemplate) -> TokenizerInfo:
     return info.with_eod(marker, f"{info.eod_from[:-1]}; the chat template ends turns with it)")
 
 
-def _auto_workers(chat: bool, planned_bytes: int | None) -> int:
+def auto_workers(chat: bool, planned_bytes: int | None) -> int:
     """``--workers 0``: one process per core (at most 8) for chat, whose template rendering is Python, unless the
     input is too small to pay for starting them; one otherwise (gigatoken already encodes on every core).
 
@@ -656,7 +674,7 @@ def _starts_with_chat(sources, plan) -> bool:
     return isinstance(record, dict) and (record.get("messages") is not None or record.get("conversations") is not None)
 
 
-def _check_not_empty(config: TokenizeConfig, writer: DatasetWriter) -> None:
+def check_not_empty(config: TokenizeConfig, writer: DatasetWriter) -> None:
     """A run that yields no document, or nothing to train on, is a mistake unless ``--allow-empty`` says otherwise."""
     if config.allow_empty:
         return
@@ -675,11 +693,23 @@ def _check_not_empty(config: TokenizeConfig, writer: DatasetWriter) -> None:
                          "(check --tokenizer and --train-on, or pass --allow-empty)")
 
 
+class BadInput(XprepError):
+    """A fatal bad record under ``--on-error fail``: where it is and why, kept apart for the Ray driver,
+    which renumbers lines of a shard that counted them from its own start."""
+
+    def __init__(self, path: str, line: int, reason: str):
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {reason} (use --on-error skip to set bad records aside in {REJECTS})")
+        self.path, self.line, self.reason = path, line, reason
+
+    def __reduce__(self):
+        return BadInput, (self.path, self.line, self.reason)
+
+
 def _reject(writer: DatasetWriter, on_error: str, path: str, rejected: Rejected) -> None:
     """Fail on a fatal bad record under --on-error fail; otherwise set it aside in rejects.jsonl."""
     if rejected.fatal and on_error == "fail":
-        where = f"{path}:{rejected.line}" if rejected.line else path
-        raise XprepError(f"{where}: {rejected.reason} (use --on-error skip to set bad records aside in {REJECTS})")
+        raise BadInput(path, rejected.line, rejected.reason)
     writer.reject(path, rejected.line, rejected.reason, rejected.record, rejected.kind)
 
 
@@ -706,7 +736,7 @@ def _dtype(choice: str, vocab_size: int) -> np.dtype:
     return np.dtype(choice)
 
 
-def _planned_bytes(sources, plan) -> int | None:
+def planned_bytes(sources, plan) -> int | None:
     """Bytes the shard will read, when that is known up front (not for compressed files or tables)."""
     if not all(sources[a.source].sized for a in plan):
         return None

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from prep.tokenize import TokenizeConfig, run_tokenize
+from prep.tokenize import TokenizeConfig
+from prep.tokenize_run import run_tokenize
 
 
 def tokenize(inputs, out: Path, tokenizer, **options) -> dict:

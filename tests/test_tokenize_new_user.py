@@ -287,11 +287,11 @@ def test_auto_format_on_chat_uses_the_chat_worker_count(tmp_path, tiny_tokenizer
     """--format auto sizes the pool by what the first record is, as --format chat does (issue 9: it took 1)."""
     import gzip
 
-    from prep.tokenize import CHAT_POOL_MIN_BYTES, _auto_workers
+    from prep.tokenize import CHAT_POOL_MIN_BYTES, auto_workers
 
     cores = min(os.cpu_count(), 8)
-    assert _auto_workers(True, CHAT_POOL_MIN_BYTES) == _auto_workers(True, None) == cores
-    assert _auto_workers(True, CHAT_POOL_MIN_BYTES - 1) == _auto_workers(False, None) == 1
+    assert auto_workers(True, CHAT_POOL_MIN_BYTES) == auto_workers(True, None) == cores
+    assert auto_workers(True, CHAT_POOL_MIN_BYTES - 1) == auto_workers(False, None) == 1
     big = write_jsonl(tmp_path / "chat.jsonl", chat_records(10))  # compressed: its size is unknown up front
     (tmp_path / "chat.jsonl.gz").write_bytes(gzip.compress(big.read_bytes()))
     for fmt in ("auto", "chat"):

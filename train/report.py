@@ -71,9 +71,45 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
                               "categories": channel_summaries(evals, "eval_category_loss"),
                               "sources": channel_summaries(evals, "eval_source_loss"),
                               "bins": evals[-1].get("eval_bins"), "target_tokens": evals[-1].get("eval_target_tokens")}
+        report["curves"] = curves(records)
         if target is not None:
             report["plot"] = draw_plot(target, records, names)
     return report
+
+
+CURVE_POINTS = 2000  # points per series at most in ``curves``: enough for a page, small for any run length
+CURVE_SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")  # mfu: where the trainer logs it
+
+
+def curves(records: list[dict]) -> dict:
+    """The metrics.jsonl series over steps, as drawn by ``xprep inspect --html``: the training series of
+    ``CURVE_SERIES`` that some record has, the channel losses (``None`` where a step has no such target),
+    and the same of the evaluations under ``eval``. A long run keeps ``CURVE_POINTS`` evenly spaced steps
+    (its first and last among them); evaluations are few and kept whole."""
+    kept = thin(records, CURVE_POINTS)
+    out = {"step": [r["step"] for r in kept]}
+    out |= {key: [r.get(key) for r in kept] for key in CURVE_SERIES if any(key in r for r in records)}
+    out["category_loss"] = channel_series(kept, "category_loss")
+    out["source_loss"] = channel_series(kept, "source_loss")
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    out["eval"] = {"step": [r["step"] for r in evals], "loss": [r["eval_loss"] for r in evals],
+                   "category_loss": channel_series(evals, "eval_category_loss"),
+                   "source_loss": channel_series(evals, "eval_source_loss")}
+    return out
+
+
+def thin(records: list[dict], points: int) -> list[dict]:
+    """At most ``points`` records, evenly spaced, the first and the last included."""
+    if len(records) <= points:
+        return records
+    step = (len(records) - 1) / (points - 1)
+    return [records[round(i * step)] for i in range(points)]
+
+
+def channel_series(records: list[dict], key: str) -> dict[str, list]:
+    """Each name of the channel loss ``key``: its value at every record, ``None`` where it has none."""
+    names = sorted({n for r in records for n in r.get(key) or {}})
+    return {name: [(r.get(key) or {}).get(name) for r in records] for name in names}
 
 
 def channel_summaries(records: list[dict], key: str) -> dict:

@@ -1,0 +1,338 @@
+"""``xprep tokenize --ray``: the same dataset, tokenized as shards on a Ray cluster.
+
+The driver plans shards (prep/shards.py), runs each as one Ray task (``num_cpus=1``, retried by Ray
+up to ``--max-retries`` times when its worker or node is lost), and merges the finished shards in
+shard order through the same writer as a single run, so the published dataset is byte for byte the
+one the command writes without ``--ray``, manifest included.
+
+Shards live in a staging area (prep/staging.py) beside the output, ``OUT.xprep-shards`` (a directory, or a URL for an
+object-store output), which every node must see. A task writes its shard dataset completely, then
+publishes it (a rename, or an upload) and writes its completion marker ``KEY.done`` last; a shard
+whose marker exists is finished, so a retried or duplicated task is harmless and a rerun of the
+same command after a crash reuses every finished shard. The staging area is removed once the
+dataset is published.
+
+Under ``--on-error fail`` the first bad record in input order ends the run: a shard that hits one
+cancels the shards after it, the shards before it still finish (one of them may hold an earlier
+bad record), and the error names the file and its line. Lines of a cut file are counted from each
+piece's start on the worker and renumbered by the driver, so no worker reads the file before its
+piece.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
+from prep.errors import XprepError
+from prep.indexed import bin_path
+from prep.merge import append_dataset
+from prep.progress import Progress
+from prep.remote import is_url
+from prep.shards import Shard, plan_shards
+from prep.sources import plan_shard
+from prep.staging import ShardDone, ShardOutcome, Staging
+from prep.tokenize import BadInput, Job, Pipeline, TokenizeConfig, check_not_empty, write_all
+
+
+def tokenize_shard(config: TokenizeConfig, job: Job, shard: Shard, key: str, root: str, cwd: str) -> ShardOutcome:
+    """The Ray task: tokenize one shard into the staging area at ``root`` (or find it already there)."""
+    if os.path.isdir(cwd):
+        os.chdir(cwd)  # inputs and the tokenizer may be given relative to where the command ran
+    staging = Staging(root)
+    done = staging.finished(key)
+    if done is not None:  # a duplicate of a task that already finished
+        return ShardOutcome(done=done)
+    scratch = staging.scratch()
+    out = os.path.join(scratch, "dataset")
+    lines_read: list[int] = []
+    try:
+        with DatasetWriter(out, job.info.vocab_size, job.dtype) as writer:
+            pipeline = _pipeline(job)
+            quiet = Progress("shard", interval=0, stream=open(os.devnull, "w"))
+            categories = write_all(config, job.sources, list(shard.pieces), writer, pipeline, lines_read, quiet)
+            manifest = {**job.head, "sources": [job.sources[p.source].describe() for p in shard.pieces]}
+            manifest = writer.finish(manifest, categories)
+        nbytes = sum(p.stop - p.start for p in shard.pieces)
+        done = ShardDone(manifest["counts"]["documents"], manifest["counts"]["tokens"], nbytes, tuple(lines_read))
+        staging.publish(out, key, done)
+        return ShardOutcome(done=done)
+    except BadInput as e:
+        return ShardOutcome(bad=(e.path, e.line, e.reason))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+_PIPELINES: dict[int, Pipeline] = {}  # per worker process: tokenizer and template are loaded once, not per task
+
+
+def _pipeline(job: Job) -> Pipeline:
+    key = hash(repr(job.processor_args))
+    if key not in _PIPELINES:
+        _PIPELINES.clear()
+        _PIPELINES[key] = Pipeline(job.processor_args, 1)
+    return _PIPELINES[key]
+
+
+def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str) -> tuple[dict, str]:
+    """Tokenize on the cluster ``config.ray`` names and publish into ``out``: (manifest, how it ran)."""
+    ray = _import_ray()
+    shards = plan_shards(job.sources, config.shard_size)
+    key_head = {**job.head, "on_error": config.on_error}
+    keys = [s.key(job.sources, key_head) for s in shards]
+    staging = Staging.beside(config.output)
+    started_here = _connect(ray, config.ray)
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if len(nodes) > 1:
+            _check_shared(ray, nodes, staging, job, config)
+        staging.prune(set(keys))
+        results: dict[int, ShardDone] = {}
+        for k, key in enumerate(keys):
+            done = staging.finished(key)
+            if done is not None:
+                results[k] = done
+        reused = len(results)
+        t0 = time.perf_counter()
+        with DatasetWriter(out, job.info.vocab_size, job.dtype) as writer, tempfile.TemporaryDirectory() as tmp:
+            merge = Merge(job, shards, keys, results, staging, writer, tmp)
+            retried = _run_shards(ray, config, job, shards, keys, staging, results, merge.advance)
+            t1 = time.perf_counter()
+            manifest = merge.finish(config)
+        t2 = time.perf_counter()
+    finally:
+        if started_here:
+            ray.shutdown()
+    staging.remove()
+    merged = _bin_bytes(out, manifest)
+    print(f"xprep tokenize: ray: shards ran in {t1 - t0:.2f} s; the merge copied {merged / 1e6:,.1f} MB in "
+          f"{merge.seconds:.2f} s ({merged / 1e6 / max(merge.seconds, 1e-9):,.0f} MB/s), {t2 - t1:.2f} s of it after "
+          "the last shard", file=sys.stderr)
+    how = (f"ray: {len(shards)} shard{'s' if len(shards) != 1 else ''} on {len(nodes)} node"
+           f"{'s' if len(nodes) != 1 else ''}, {reused} reused, {retried} retried")
+    return manifest, how
+
+
+def _bin_bytes(out: str, manifest: dict) -> int:
+    """Bytes of the published streams' .bin files: what the merge copied."""
+    return sum(bin_path(os.path.join(out, name)).stat().st_size for name in manifest["streams"])
+
+
+def _run_shards(ray, config, job, shards, keys, staging, results, on_result) -> int:
+    """Run every shard not in ``results`` and add it there (then call ``on_result``); returns how many tasks
+    were run again.
+
+    A task lost with its worker or node (killed, out of memory, node gone) is submitted again, up to
+    --max-retries times, by this loop rather than by Ray, so every retry is counted; an error of the
+    task's own (a bug, a missing file) is reported with the shard and the worker's message.
+    """
+    lost = (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
+            ray.exceptions.OutOfMemoryError, ray.exceptions.LocalRayletDiedError)
+    # one CPU per task: the encoder's own thread pool is held to it (it would take every core of the node)
+    env = {"RAYON_NUM_THREADS": "1", **_store_environment(job, config)}
+    task = ray.remote(tokenize_shard).options(num_cpus=1, max_retries=0, runtime_env={"env_vars": env})
+    job_ref = ray.put(job)
+    progress = Progress("tokenize", total_bytes=sum(s.size for s in job.sources), interval=config.progress_every,
+                        total_parts=len(shards), part_name="shards")
+    for done in results.values():
+        progress.update(done.documents, done.tokens, done.bytes, parts=1)
+    on_result()
+    pending: dict = {}
+
+    def submit(k: int) -> None:
+        pending[task.remote(config, job_ref, shards[k], keys[k], staging.root, os.getcwd())] = k
+
+    for k in range(len(shards)):
+        if k not in results:
+            submit(k)
+    runs = dict.fromkeys(range(len(shards)), 0)
+    first_bad: tuple[int, tuple[str, int, str]] | None = None
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            for ref in ready:
+                k = pending.pop(ref)
+                try:
+                    outcome = ray.get(ref)
+                except ray.exceptions.TaskCancelledError:
+                    continue
+                except lost as e:
+                    if runs[k] < config.max_retries:
+                        runs[k] += 1
+                        submit(k)
+                        continue
+                    raise XprepError(f"shard {k + 1} of {len(shards)} ({shards[k].describe(job.sources)}) lost its "
+                                     f"worker {runs[k] + 1} times (--max-retries {config.max_retries}): "
+                                     f"{_task_message(e)}") from None
+                except ray.exceptions.RayError as e:
+                    raise XprepError(f"shard {k + 1} of {len(shards)} ({shards[k].describe(job.sources)}) failed: "
+                                     f"{_task_message(e)}") from None
+                if outcome.bad is not None:
+                    if first_bad is None or k < first_bad[0]:
+                        first_bad = (k, outcome.bad)
+                    _cancel(ray, [r for r, j in pending.items() if j > k])
+                    continue
+                results[k] = outcome.done
+                progress.update(outcome.done.documents, outcome.done.tokens, outcome.done.bytes, parts=1)
+                if first_bad is None:
+                    on_result()
+    finally:
+        _cancel(ray, list(pending))
+        progress.close()
+    if first_bad is not None:
+        k, (path, line, reason) = first_bad
+        raise BadInput(path, line + _line_shift(job, shards, results, k).get(path, 0) if line else 0, reason)
+    return sum(runs.values())
+
+
+class Merge:
+    """Appends finished shards in shard order into one writer while later shards still run: the single run's
+    bytes, with the copy hidden behind the tokenizing (``advance`` after each result, ``finish`` at the end)."""
+
+    def __init__(self, job, shards, keys, results, staging, writer: DatasetWriter, tmp: str):
+        self.job, self.shards, self.keys, self.results = job, shards, keys, results
+        self.staging, self.writer, self.tmp = staging, writer, tmp
+        self.categories = CategoryTable()
+        self.next = 0  # the first shard not appended yet
+        self.seconds = 0.0
+
+    def advance(self) -> None:
+        """Append every shard that is finished and next in order."""
+        t0 = time.perf_counter()
+        while self.next in self.results:
+            k, key = self.next, self.keys[self.next]
+            local = self.staging.fetch(key, os.path.join(self.tmp, key))
+            shift = _line_shift(self.job, self.shards, self.results, k)
+            append_dataset(TokenDataset(local), self.writer, self.categories, shift)
+            if local.startswith(self.tmp):
+                shutil.rmtree(local, ignore_errors=True)
+            self.next += 1
+        self.seconds += time.perf_counter() - t0
+
+    def finish(self, config: TokenizeConfig) -> dict:
+        """Publish: every shard appended, the single run's manifest written."""
+        self.advance()
+        t0 = time.perf_counter()
+        manifest = {**self.job.head, "sources": [self.job.sources[p.source].describe()
+                                                 for p in plan_shard(self.job.sources, 1, 0)]}
+        check_not_empty(config, self.writer)
+        manifest = self.writer.finish(manifest, self.categories)
+        self.seconds += time.perf_counter() - t0
+        return manifest
+
+
+def _line_shift(job: Job, shards: list[Shard], results: dict[int, ShardDone], k: int) -> dict[str, int]:
+    """Lines to add to shard ``k``'s line numbers, per path: the lines its file's earlier pieces read."""
+    before: dict[int, int] = {}
+    for j in range(k):
+        for piece, n in zip(shards[j].pieces, results[j].lines_read, strict=True):
+            before[piece.source] = before.get(piece.source, 0) + n
+    return {job.sources[p.source].path: before.get(p.source, 0) for p in shards[k].pieces}
+
+
+STORE_ENV_PREFIXES = ("AWS_", "FSSPEC_", "GOOGLE_", "GCS_", "AZURE_")
+
+
+def _store_environment(job: Job, config: TokenizeConfig) -> dict[str, str]:
+    """The object-store settings of this command's environment (AWS_*, FSSPEC_*, …), given to its tasks when it
+    reads or writes URLs: a worker started before them would not see them otherwise. Nodes with their own
+    credentials (instance roles) need none; what is set here wins for this job's tasks."""
+    if not (is_url(config.output) or any(is_url(s.path) for s in job.sources)):
+        return {}
+    return {k: v for k, v in os.environ.items() if k.startswith(STORE_ENV_PREFIXES)}
+
+
+def _cancel(ray, refs) -> None:
+    for ref in refs:
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:  # noqa: BLE001 - already finished or gone: nothing to cancel
+            pass
+
+
+def _task_message(error) -> str:
+    """The worker's own words for a failed task, without Ray's traceback."""
+    cause = getattr(error, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    text = str(error).strip().splitlines()
+    return text[-1] if text else type(error).__name__
+
+
+def _import_ray():
+    try:
+        import ray  # optional extra: xprep[ray]
+    except ImportError:
+        raise XprepError("--ray needs the ray package: pip install 'xprep[ray]' (on every node)") from None
+    return ray
+
+
+def _connect(ray, address: str) -> bool:
+    """Join the cluster ``--ray`` names; with ``auto`` and none running, start a local one. True if started here."""
+    quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
+    if ray.is_initialized():
+        return False
+    if address != "auto":
+        try:
+            ray.init(address=address, **quiet)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise XprepError(f"--ray {address}: cannot join a Ray cluster there ({e}); is `ray start --head` "
+                             "running at that address?") from None
+        return True
+    if os.environ.get("RAY_ADDRESS"):
+        try:
+            ray.init(address="auto", **quiet)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise XprepError(f"--ray auto: cannot join the Ray cluster RAY_ADDRESS={os.environ['RAY_ADDRESS']} "
+                             f"names ({e})") from None
+        return True
+    try:
+        ray.init(address="auto", **quiet)  # the cluster `ray start` left on this machine
+    except (ConnectionError, ValueError, RuntimeError):
+        print("xprep tokenize: no Ray cluster found (RAY_ADDRESS unset, no `ray start`): starting a local one",
+              file=sys.stderr)
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
+    return True
+
+
+def _check_shared(ray, nodes: list[dict], staging: Staging, job: Job, config: TokenizeConfig) -> None:
+    """With several nodes, every node must see the staging area, local inputs and the tokenizer: ask each one."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # ray is an optional extra
+
+    probe_dir = None if staging.remote else staging._path("probe")
+    token = uuid.uuid4().hex
+    if probe_dir is not None:
+        os.makedirs(probe_dir, exist_ok=True)
+        Path(probe_dir, token).touch()
+    paths = [os.path.abspath(p) for p in [job.info.path, *(s.path for s in job.sources)] if not is_url(p)]
+    if probe_dir is not None:
+        paths.insert(0, os.path.join(os.path.abspath(probe_dir), token))
+    look = ray.remote(num_cpus=0)(_missing)
+    refs = {look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(paths):
+            n for n in nodes}
+    try:
+        for ref, node in refs.items():
+            missing = ray.get(ref, timeout=60)
+            if missing:
+                raise XprepError(
+                    f"--ray: node {node.get('NodeManagerAddress')} cannot see {missing}; with a cluster of "
+                    f"{len(nodes)} nodes, -o {config.output}, local inputs and --tokenizer must be on a file system "
+                    "every node mounts (NFS, Lustre, …), or inputs and -o must be object-store URLs")
+    finally:
+        if probe_dir is not None:
+            shutil.rmtree(probe_dir, ignore_errors=True)
+
+
+def _missing(paths: list[str]) -> str | None:
+    """The first of ``paths`` this node cannot see (runs on each node)."""
+    return next((p for p in paths if not os.path.exists(p)), None)
+
+
+__all__ = ["tokenize_on_ray", "tokenize_shard"]

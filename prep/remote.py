@@ -1,0 +1,176 @@
+"""Object stores and other fsspec file systems: ``s3://``, ``gs://``, ``file://`` paths wherever a path is taken.
+
+Local paths stay plain paths (``file://`` URLs become one); anything else with a scheme goes through
+fsspec, whose file systems take their credentials from their usual environment (AWS_* variables and
+profiles for s3fs, application-default credentials for gcsfs).
+
+- inputs are streamed: ``open_binary`` returns a seekable file that fetches ranges as they are read;
+- a dataset is written to a URL from a finished local directory (``upload_dataset``), its files first and
+  the completion marker ``COMPLETE`` last, so a reader that finds the marker finds the whole dataset;
+- ``sync_dataset`` brings a dataset at a URL into a local cache directory keyed by its fingerprint (files
+  checked against the manifest's sizes), for commands that memory-map it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from prep.errors import XprepError
+from prep.formats import MANIFEST
+from prep.indexed import bin_path, idx_path
+from prep.io import file_sha256
+
+COMPLETE = "COMPLETE"  # written last into a dataset at a URL: its content is the manifest's fingerprint
+DEFAULT_CACHE = "~/.cache/xprep"
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a non-local file system (``s3://…``); ``file://`` is local."""
+    text = str(path)
+    return "://" in text and not text.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    """``file:///a/b`` → ``/a/b``; anything else unchanged."""
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def filesystem(url: str):
+    """(fsspec file system, path inside it) for ``url``; a missing fsspec implementation is one clear error."""
+    import fsspec  # deferred: only URLs need it
+
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        scheme = url.split("://", 1)[0]
+        package = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(scheme, "")
+        hint = f" (pip install {package})" if package else ""
+        raise XprepError(f"{url}: no file system for {scheme}:// is installed{hint}: {e}") from None
+    except ValueError as e:
+        raise XprepError(f"{url}: not a URL fsspec understands ({e})") from None
+
+
+def join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+def url_of(fs, path: str) -> str:
+    """The URL of a path returned by ``fs`` (globs and listings drop the scheme)."""
+    return fs.unstrip_protocol(path)
+
+
+def open_binary(path: str, block_size: int = 8 << 20):
+    """A binary file for reading: local, or streamed from a URL in ``block_size`` ranges (seekable)."""
+    if not is_url(path):
+        return open(local_path(path), "rb")
+    fs, inner = filesystem(path)
+    return fs.open(inner, "rb", block_size=block_size)
+
+
+def mtime_ns(info: dict) -> int:
+    """A listing entry's modification time in ns (0 when the file system gives none): what the manifest records."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            value = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        if isinstance(value, dt.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=dt.timezone.utc)
+            return int(value.timestamp() * 1e9)
+        return int(float(value) * 1e9)
+    return 0
+
+
+def exists(url: str) -> bool:
+    fs, inner = filesystem(url)
+    return fs.exists(inner)
+
+
+def check_output_url(url: str, option: str = "-o") -> None:
+    """The URL must not hold a dataset already (nothing is overwritten in place)."""
+    fs, inner = filesystem(url)
+    try:
+        taken = fs.exists(f"{inner.rstrip('/')}/{MANIFEST}") or fs.exists(f"{inner.rstrip('/')}/{COMPLETE}")
+    except OSError as e:
+        raise XprepError(f"{option} {url}: cannot reach it ({e})") from None
+    if taken:
+        raise XprepError(f"{option} {url}: already holds a dataset; remove it or choose another {option}")
+
+
+def upload_dataset(local: str | Path, url: str) -> None:
+    """Copy a finished dataset directory to ``url``: data files, then the manifest, then the ``COMPLETE`` marker."""
+    local = Path(local)
+    fs, inner = filesystem(url)
+    inner = inner.rstrip("/")
+    names = sorted(p.name for p in local.iterdir() if p.is_file() and p.name != MANIFEST)
+    for name in [*names, MANIFEST]:
+        fs.put_file(str(local / name), f"{inner}/{name}")
+    fingerprint = json.loads((local / MANIFEST).read_text())["fingerprint"]
+    fs.pipe_file(f"{inner}/{COMPLETE}", fingerprint.encode())
+
+
+def read_complete_manifest(url: str) -> dict:
+    """The manifest of the dataset at ``url``, once its ``COMPLETE`` marker says it is whole."""
+    fs, inner = filesystem(url)
+    inner = inner.rstrip("/")
+    try:
+        marker = fs.cat_file(f"{inner}/{COMPLETE}").decode().strip()
+    except FileNotFoundError:
+        raise XprepError(f"{url}: no complete dataset there (no {COMPLETE} marker: not written by xprep, or its "
+                         "upload has not finished)") from None
+    try:
+        manifest = json.loads(fs.cat_file(f"{inner}/{MANIFEST}"))
+    except (FileNotFoundError, ValueError) as e:
+        raise XprepError(f"{url}/{MANIFEST}: unreadable ({e})") from None
+    if manifest.get("fingerprint") != marker:
+        raise XprepError(f"{url}: its {MANIFEST} does not match its {COMPLETE} marker (being rewritten?); try again")
+    return manifest
+
+
+def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
+    """A local copy of the dataset at ``url`` under ``cache_dir``/datasets/FINGERPRINT/NAME, made once and reused.
+
+    Files are downloaded into a temporary sibling and renamed into place, so a copy that exists is whole.
+    """
+    manifest = read_complete_manifest(url)
+    # DIR/datasets/FINGERPRINT/NAME: one copy per content; the URL's last part stays the dataset's name (blends
+    # name their sources by it)
+    root = Path(os.path.expanduser(cache_dir or os.environ.get("XPREP_CACHE", DEFAULT_CACHE))) / "datasets"
+    root = root / manifest["fingerprint"]
+    target = root / (url.rstrip("/").rsplit("/", 1)[-1] or "dataset")
+    if (target / MANIFEST).is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    fs, inner = filesystem(url)
+    inner = inner.rstrip("/")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        for entry in fs.ls(inner, detail=True):
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if entry.get("type") == "file" and name != COMPLETE:
+                fs.get_file(f"{inner}/{name}", str(tmp / name))
+        _check_digests(tmp, manifest, url)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process synced it first
+            if not (target / MANIFEST).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _check_digests(directory: Path, manifest: dict, url: str) -> None:
+    """Every stream the manifest lists arrived whole: its .bin and .idx digests are the manifest's."""
+    for name, stream in manifest.get("streams", {}).items():
+        for path, key in ((bin_path(directory / name), "bin_sha256"), (idx_path(directory / name), "idx_sha256")):
+            if not path.is_file() or file_sha256(path, "run again") != stream.get(key):
+                raise XprepError(f"{url}: {path.name} is missing or differs from its manifest digest after "
+                                 "download; run again")

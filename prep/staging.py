@@ -1,0 +1,131 @@
+"""The staging area of ``xprep tokenize --ray``: where shard datasets wait for the merge.
+
+Layout of ``OUT.xprep-shards`` (a directory, or a URL beside an object-store output):
+``shards/KEY/`` a finished shard dataset, ``shards/KEY.done`` its completion marker (written last),
+``tmp/`` scratch of running tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from prep.io import write_json_atomic
+from prep.remote import filesystem, is_url, join
+
+STAGING_SUFFIX = ".xprep-shards"
+
+
+@dataclass(frozen=True)
+class ShardDone:
+    """What a finished shard reports (and its marker holds): sizes for progress, lines for renumbering."""
+
+    documents: int
+    tokens: int
+    bytes: int
+    lines_read: tuple[int, ...]  # per piece, see prep.sources.read_batches
+
+    def to_json(self) -> dict:
+        return {"documents": self.documents, "tokens": self.tokens, "bytes": self.bytes,
+                "lines_read": list(self.lines_read)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> ShardDone:
+        return cls(d["documents"], d["tokens"], d["bytes"], tuple(d["lines_read"]))
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    """A task's result: done, or the fatal bad record it stopped at (line counted from its piece's start)."""
+
+    done: ShardDone | None = None
+    bad: tuple[str, int, str] | None = None  # (path, line, reason)
+
+
+class Staging:
+    """The shards' staging area: a local directory (on storage every node sees) or a URL."""
+
+    def __init__(self, root: str):
+        self.remote = is_url(root)
+        self.root = root if self.remote else os.path.abspath(root)
+
+    @classmethod
+    def beside(cls, output: str) -> Staging:
+        """The staging area of the dataset ``output``: ``OUT.xprep-shards``."""
+        return cls(output.rstrip("/") + STAGING_SUFFIX)
+
+    def _path(self, *parts: str) -> str:
+        return join(self.root, *parts) if self.remote else os.path.join(self.root, *parts)
+
+    def marker(self, key: str) -> str:
+        return self._path("shards", f"{key}.done")
+
+    def finished(self, key: str) -> ShardDone | None:
+        """The marker of a finished shard, or None."""
+        try:
+            if self.remote:
+                fs, inner = filesystem(self.marker(key))
+                return ShardDone.from_json(json.loads(fs.cat_file(inner)))
+            with open(self.marker(key)) as f:
+                return ShardDone.from_json(json.load(f))
+        except (FileNotFoundError, ValueError, KeyError):
+            return None
+
+    def publish(self, local_dataset: str, key: str, done: ShardDone) -> None:
+        """Move (or upload) a finished shard dataset into place, then write its marker: the marker comes last."""
+        target = self._path("shards", key)
+        if self.remote:
+            fs, inner = filesystem(target)
+            for name in sorted(os.listdir(local_dataset)):
+                fs.put_file(os.path.join(local_dataset, name), f"{inner}/{name}")
+            fs.pipe_file(filesystem(self.marker(key))[1], json.dumps(done.to_json()).encode())
+            return
+        shutil.rmtree(target, ignore_errors=True)  # an attempt that died between rename and marker
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(local_dataset, target)
+        write_json_atomic(self.marker(key), done.to_json())
+
+    def fetch(self, key: str, into: str) -> str:
+        """A local directory holding the shard's dataset (downloaded into ``into`` for a URL)."""
+        if not self.remote:
+            return self._path("shards", key)
+        fs, inner = filesystem(self._path("shards", key))
+        os.makedirs(into, exist_ok=True)
+        for entry in fs.ls(inner, detail=False):
+            fs.get_file(entry, os.path.join(into, entry.rstrip("/").rsplit("/", 1)[-1]))
+        return into
+
+    def scratch(self) -> str:
+        """Where a task builds its shard before publishing: beside the shards (a rename away), or local."""
+        if self.remote:
+            return tempfile.mkdtemp(prefix=".xprep-shard-")
+        directory = self._path("tmp")
+        os.makedirs(directory, exist_ok=True)
+        return tempfile.mkdtemp(prefix="shard-", dir=directory)
+
+    def prune(self, keep: set[str]) -> None:
+        """Drop what earlier runs left that this one cannot use: shards of other inputs or options, scratch."""
+        if self.remote:
+            fs, inner = filesystem(self._path("shards"))
+            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(inner, detail=False)] if fs.exists(inner) else []
+            for name in names:
+                if name.removesuffix(".done") not in keep:
+                    fs.rm(f"{inner}/{name}", recursive=True)
+            return
+        shards = self._path("shards")
+        for name in os.listdir(shards) if os.path.isdir(shards) else []:
+            if name.removesuffix(".done") not in keep:
+                path = os.path.join(shards, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        shutil.rmtree(self._path("tmp"), ignore_errors=True)
+
+    def remove(self) -> None:
+        if self.remote:
+            fs, inner = filesystem(self.root)
+            if fs.exists(inner):
+                fs.rm(inner, recursive=True)
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)

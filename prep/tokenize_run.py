@@ -1,0 +1,85 @@
+"""``xprep tokenize`` end to end: prepare, tokenize here or as shards on a Ray cluster, publish.
+
+The dataset is written into ``-o`` (atomically, prep/dataset.py), or for an object-store URL into a local
+temporary directory that is uploaded once whole, its completion marker last (prep/remote.py). Where the
+records are tokenized does not change a byte of it: in this process (with ``--workers`` processes),
+as one ``--num-shards`` shard, or on Ray (prep/cluster.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+
+from prep.cluster import tokenize_on_ray
+from prep.dataset import DatasetWriter
+from prep.io import check_output_dir
+from prep.remote import check_output_url, is_url, upload_dataset
+from prep.sources import plan_shard
+from prep.tokenize import (
+    Job,
+    Pipeline,
+    TokenizeConfig,
+    auto_workers,
+    check_not_empty,
+    planned_bytes,
+    prepare,
+    write_all,
+)
+
+
+def run_tokenize(config: TokenizeConfig) -> dict:
+    """Run ``xprep tokenize``; returns the written manifest."""
+    if is_url(config.output):
+        check_output_url(config.output)
+    else:
+        check_output_dir(config.output)
+    job = prepare(config)
+    with local_output(config.output) as out:
+        if config.ray is not None:
+            manifest, how = tokenize_on_ray(config, job, out)
+        else:
+            manifest, how = _tokenize_here(config, job, out)
+    for line in job.info.defaults_used(chat=job.template is not None and job.chat):  # after the work
+        print(f"xprep tokenize: note: {line}", file=sys.stderr)
+    c = manifest["counts"]
+    print(f"xprep tokenize: {c['documents']:,} documents, {c['tokens']:,} tokens "
+          f"({c['loss_tokens']:,} targets), {manifest['rejects']['count']:,} rejected → {config.output} "
+          f"[{job.backend}: {job.backend_reason}, {how}]", file=sys.stderr)
+    return manifest
+
+
+@contextmanager
+def local_output(output: str):
+    """The directory to write the dataset into: ``output`` itself, or for a URL a local temporary one that is
+    uploaded (completion marker last) once the dataset is whole."""
+    if not is_url(output):
+        yield output
+        return
+    tmp = tempfile.mkdtemp(prefix=".xprep-upload-")
+    try:
+        local = os.path.join(tmp, "dataset")
+        yield local
+        upload_dataset(local, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokenize_here(config: TokenizeConfig, job: Job, out: str) -> tuple[dict, str]:
+    """Tokenize this process's shard (all of the input unless --num-shards) into ``out``: (manifest, how)."""
+    sources = job.sources
+    plan = plan_shard(sources, config.num_shards, config.shard_index)
+    workers = config.workers or auto_workers(job.chat, planned_bytes(sources, plan))
+    manifest = dict(job.head)
+    with DatasetWriter(out, job.info.vocab_size, job.dtype) as writer:
+        categories = write_all(config, sources, plan, writer, Pipeline(job.processor_args, workers))
+        manifest["sources"] = [sources[p.source].describe() for p in plan]
+        if config.num_shards > 1:
+            manifest["shard"] = {"index": config.shard_index, "count": config.num_shards}
+        if plan or config.num_shards == 1:  # a shard given no input (more shards than files) is empty by design
+            check_not_empty(config, writer)
+        manifest = writer.finish(manifest, categories)
+    return manifest, f"{workers} worker{'s' if workers > 1 else ''}"

@@ -1,0 +1,104 @@
+"""How ``xprep tokenize --ray`` cuts its inputs (prep/shards.py) and reads a cut piece (prep/sources.py),
+without a cluster: the pieces cover the single run's read order exactly once, lines read from a piece's
+own start renumber to the file's, and a shard's key follows everything its bytes depend on."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import pytest
+
+from prep.errors import XprepError
+from prep.shards import parse_size, plan_shards
+from prep.sources import RawBatch, plan_shard, read_batches, resolve_inputs
+
+
+def _lines(path, n, start=0, blank_every=7):
+    with open(path, "w") as f:
+        for i in range(start, start + n):
+            f.write(json.dumps({"text": f"document {i} " + "x" * (i % 50)}) + "\n")
+            if i % blank_every == 0:
+                f.write("\n")  # blank lines count as lines but hold no record
+    return path
+
+
+def _records(sources, plan):
+    """(source, line, item) of every record read, and the lines each assignment read."""
+    counted: list[int] = []
+    out = [(b.source, line, item) for b in read_batches(sources, plan, lines_read=counted) if isinstance(b, RawBatch)
+           for line, item in zip(b.lines, b.items, strict=True)]
+    return out, counted
+
+
+def test_pieces_cover_the_single_run_once_and_renumber_to_its_lines(tmp_path):
+    big = _lines(tmp_path / "a.jsonl", 3000)
+    small = [_lines(tmp_path / f"b{i}.jsonl", 20, start=i * 100) for i in range(3)]
+    sources = resolve_inputs([str(big), *map(str, small)])
+    whole, _ = _records(sources, plan_shard(sources, 1, 0))
+    for size in (big.stat().st_size + 1, 20_000, 4_321):
+        shards = plan_shards(sources, size)
+        got, before = [], {}
+        for shard in shards:
+            records, counted = _records(sources, list(shard.pieces))
+            assert len(counted) == len(shard.pieces)
+            shift = {p.source: before.get(p.source, 0) for p in shard.pieces}
+            got += [(s, line + shift[s], item) for s, line, item in records]  # what the merge does to rejects
+            for piece, n in zip(shard.pieces, counted, strict=True):
+                before[piece.source] = before.get(piece.source, 0) + n
+        assert got == whole, f"shard size {size}"
+    cut = plan_shards(sources, 4_321)
+    assert len(cut) > 10 and all(len(s.pieces) == 1 for s in cut[:-1])  # the big file alone, in ranges
+    assert [p.source for p in cut[-1].pieces] == [1, 2, 3]  # the small files share the last shard
+
+
+def test_compressed_files_are_read_whole(tmp_path):
+    path = tmp_path / "c.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        for i in range(2000):
+            f.write(json.dumps({"text": f"doc {i}"}) + "\n")
+    shards = plan_shards(resolve_inputs([str(path)]), 100)
+    assert len(shards) == 1 and shards[0].pieces[0].start == 0 and shards[0].pieces[0].row_groups is None
+
+
+def test_parquet_is_cut_into_runs_of_row_groups_numbered_as_one_read(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    table = pa.table({"text": [f"row {i} " + "y" * (i % 80) for i in range(5000)]})
+    pq.write_table(table, path, row_group_size=400)
+    sources = resolve_inputs([str(path)])
+    shards = plan_shards(sources, os.path.getsize(path) // 4)
+    assert 3 <= len(shards) <= 6
+    groups = [s.pieces[0].row_groups for s in shards]
+    assert groups[0][0] == 0 and groups[-1][1] == 13  # 5,000 rows in groups of 400
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False))
+    whole, _ = _records(sources, plan_shard(sources, 1, 0))
+    assert [r for s in shards for r in _records(sources, list(s.pieces))[0]] == whole
+
+
+def test_a_shard_key_follows_inputs_and_options(tmp_path):
+    path = _lines(tmp_path / "a.jsonl", 500)
+    sources = resolve_inputs([str(path)])
+    shard = plan_shards(sources, 5_000)[1]
+    head = {"tokenizer": {"sha256": "a"}, "options": {"format": "auto"}}
+    key = shard.key(sources, head)
+    assert key == plan_shards(resolve_inputs([str(path)]), 5_000)[1].key(sources, head)  # stable
+    assert key != shard.key(sources, {**head, "tokenizer": {"sha256": "b"}})
+    assert key != plan_shards(sources, 3_000)[1].key(sources, head)  # another byte range
+    os.utime(path, ns=(1, 1))
+    assert key != shard.key(resolve_inputs([str(path)]), head)  # the file changed (mtime)
+
+
+@pytest.mark.parametrize("text, size", [("256MB", 256 * 10**6), ("64MiB", 64 << 20), ("1.5GB", 1_500_000_000),
+                                        ("4096", 4096)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "12 parsecs", "-5MB", "0"])
+def test_parse_size_refuses_nonsense(text):
+    with pytest.raises(XprepError, match="--shard-size"):
+        parse_size(text)
