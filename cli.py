@@ -314,8 +314,12 @@ def xtrain():
 @click.option("--lr", type=float, default=None, help="Peak learning rate [default: 3e-4].")
 @click.option("--min-lr", type=float, default=None, help="Final learning rate of the decay [default: 0].")
 @click.option("--warmup", type=int, default=None, help="Linear warm-up steps [default: 0].")
-@click.option("--schedule", type=click.Choice(["cosine", "linear", "constant"]), default=None,
-              help="[default: cosine]")
+@click.option("--schedule", type=click.Choice(["cosine", "linear", "constant", "wsd", "wsd-sqrt"]), default=None,
+              help="After the warm-up: cosine or linear decay to --min-lr by the last step; constant; wsd / wsd-sqrt: "
+                   "the peak lr, then linear / 1-sqrt decay over the last --decay-fraction of the steps "
+                   "[default: cosine].")
+@click.option("--decay-fraction", type=float, default=None,
+              help="wsd, wsd-sqrt: share of the steps over which the lr decays to --min-lr [default: 0.2].")
 @click.option("--weight-decay", type=float, default=None, help="AdamW weight decay [default: 0.1].")
 @click.option("--beta1", type=float, default=None, help="[default: 0.9]")
 @click.option("--beta2", type=float, default=None, help="[default: 0.95]")
@@ -367,6 +371,21 @@ def run(packed, config_file, **options):
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     click.echo(f"run written to {run_dir}", err=True)
+
+
+@xtrain.command()
+@click.argument("run_dir", metavar="RUN")
+@click.option("--step", type=int, default=None, help="Checkpoint step to export [default: the latest].")
+@click.option("-o", "--output", required=True, help="Output directory (must not exist or be empty).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Weight dtype written (the run's master weights are fp32).")
+@_user_errors
+def export(run_dir, step, output, dtype):
+    """Write the built-in model of run RUN as model.safetensors + config.json for transformers' from_pretrained."""
+    from train.hf_weights import export_run  # torch: deferred, `xprep` never needs it
+
+    out = export_run(run_dir, step, output, dtype)
+    click.echo(f"model written to {out}", err=True)
 
 
 if __name__ == "__main__":

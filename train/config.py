@@ -4,7 +4,7 @@
 TrainConfig   steps, epochs, seed, output, log_every           (the run itself)
   data        packed, micro_batch_size, global_batch_size, sampler, verify_data   → PackedDataset
   model       name (--model), precision                                           → model (+ its config)
-  optimizer   lr, min_lr, warmup, schedule, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
+  optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
   parallel    nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing → ParallelDims
   checkpoint  save_every, keep, resume, async_save                                → CheckpointManager
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
@@ -38,14 +38,13 @@ from train.checkpoint import CheckpointManager
 from train.data import PackedDataset
 from train.dist import ParallelDims
 from train.evaluate import Validation, eval_rounds, open_validation, validation_entry
-from train.hf import build_hf_model, check_hf_model
+from train.hf import build_hf_model, hf_builtin_config
 from train.loss import Channels
 from train.model import Transformer, load_model_config
-from train.optim import LRSchedule, build_optimizer, build_scheduler
+from train.optim import SCHEDULES, WSD_SCHEDULES, LRSchedule, build_optimizer, build_scheduler
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "train.schema.json"
 SAMPLERS = ("sequential", "random")
-SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -76,7 +75,10 @@ class DataSection:
 
 @dataclass
 class ModelSection:
-    """Which model (a preset, a JSON model config or hf:DIR) and the precision it computes in."""
+    """Which model (a preset, a JSON model config or hf:DIR) and the precision it computes in.
+
+    hf:DIR loads Llama / Qwen2 / Mistral weights into the built-in model; other architectures run as
+    the transformers module (train/hf.py)."""
 
     SECTION: ClassVar[str] = "model"
     name: str = "tiny"
@@ -92,10 +94,11 @@ class ModelSection:
         return self.name[3:] if self.name.startswith("hf:") else None
 
     def check(self, vocab_size: int) -> dict | None:
-        """Fail early (before any process group) on a model that cannot be built; the built-in model's config."""
+        """Fail early (before any process group) on a model that cannot be built; the built-in model's config
+        (None: hf:DIR runs as a transformers module)."""
         if self.hf_dir is not None:
-            check_hf_model(self.hf_dir)
-            return None
+            cfg, _ = hf_builtin_config(self.hf_dir, vocab_size)
+            return None if cfg is None else {**cfg.to_dict(), "hf": self.hf_dir}
         return load_model_config(self.name, vocab_size).to_dict()
 
     def build(self, vocab_size: int, seed: int) -> tuple[nn.Module, dict]:
@@ -118,6 +121,7 @@ class OptimizerSection:
     min_lr: float = 0.0
     warmup: int = 0
     schedule: str = "cosine"
+    decay_fraction: float | None = None  # wsd/wsd-sqrt: share of the steps that decays; None: 0.2
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -136,6 +140,13 @@ class OptimizerSection:
             if not 0 <= getattr(self, name) < 1:
                 raise XprepError(f"{_flag(self, name)} {getattr(self, name)} must be in [0, 1)")
         _check_choice(self, "schedule", SCHEDULES)
+        if self.decay_fraction is not None:
+            if self.schedule not in WSD_SCHEDULES:
+                raise XprepError(f"--decay-fraction {self.decay_fraction} applies to --schedule wsd or wsd-sqrt, "
+                                 f"not {self.schedule}: leave it out or change the schedule")
+            if not 0 < self.decay_fraction <= 1:
+                raise XprepError(f"--decay-fraction {self.decay_fraction} must be in (0, 1]: the share of the "
+                                 "steps over which the lr decays to --min-lr (e.g. 0.2)")
 
     def hparams(self) -> dict:
         """What a checkpoint records of the optimizer, to say on resume what this config changes."""
@@ -146,7 +157,8 @@ class OptimizerSection:
         """AdamW over ``model`` and a LambdaLR over ``total_steps`` steps."""
         optimizer = build_optimizer(model, self.lr, self.weight_decay, (self.beta1, self.beta2))
         min_ratio = self.min_lr / self.lr if self.lr > 0 else 0.0
-        return optimizer, build_scheduler(optimizer, LRSchedule(self.schedule, self.warmup, total_steps, min_ratio))
+        schedule = LRSchedule(self.schedule, self.warmup, total_steps, min_ratio, self.decay_fraction)
+        return optimizer, build_scheduler(optimizer, schedule)
 
 
 @dataclass

@@ -1,17 +1,25 @@
-"""``--model hf:DIR``: a local Hugging Face causal LM behind the trainer's model interface.
+"""``--model hf:DIR``: a local Hugging Face causal LM, in the built-in model when it can be.
 
+Llama, Qwen2 and Mistral checkpoints in safetensors load into the built-in model (train/hf_weights.py),
+so context parallelism, FSDP2 and the rest apply; any other architecture runs as the transformers
+module behind the trainer's model interface (``HFCausalLM``), with a console note saying why.
 transformers is an optional dependency (``pip install 'xprep[hf]'``): it is imported only when
 such a model is asked for.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from prep.errors import XprepError
+from train.hf_weights import builtin_config, load_hf_into_builtin, safetensors_files
+from train.model import ModelConfig, Transformer
 
 
 class HFCausalLM(nn.Module):
@@ -46,8 +54,61 @@ def check_hf_model(directory: str) -> None:
         raise XprepError("--model hf:DIR needs transformers: pip install 'xprep[hf]'") from None
 
 
-def build_hf_model(directory: str, vocab_size: int) -> tuple[HFCausalLM, dict]:
-    """The model in ``directory`` in fp32 (master weights), and its scalar config entries."""
+def hf_builtin_config(directory: str, vocab_size: int) -> tuple[ModelConfig | None, str]:
+    """The built-in model's config for the model in ``directory``, or None and why it runs as a transformers
+    module instead. A vocabulary smaller than the data's is an error either way."""
+    check_hf_model(directory)
+    hf = _read_hf_config(directory)
+    if hf.get("vocab_size", vocab_size) < vocab_size:
+        raise XprepError(f"--model hf:{directory}: vocabulary of {hf['vocab_size']} ids is smaller than the "
+                         f"data's ({vocab_size}); use the model the data was tokenized for")
+    cfg, why = builtin_config(hf)
+    if cfg is not None and not safetensors_files(directory):
+        return None, "no safetensors weights (model.safetensors or its index)"
+    return cfg, why
+
+
+# What config.json must state for the built-in model to be built from the file alone: the rest defaults
+# the same in LlamaConfig, Qwen2Config and MistralConfig (silu, no biases, no sliding window in Qwen2).
+_STATED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+           "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings")
+
+
+def _read_hf_config(directory: str) -> dict:
+    """config.json as transformers reads it. The file itself when it states every field whose default differs
+    between architectures (as save_pretrained writes it): importing transformers' config classes costs seconds
+    per rank. Otherwise AutoConfig, which knows each architecture's defaults."""
+    try:
+        raw = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise XprepError(f"--model hf:{directory}: cannot read config.json ({e})") from None
+    rope_stated = "rope_theta" in raw or "rope_theta" in (raw.get("rope_parameters") or {})
+    window_stated = raw.get("model_type") != "mistral" or "sliding_window" in raw
+    if all(k in raw for k in _STATED) and rope_stated and window_stated:
+        return raw
+    import transformers  # optional dependency
+
+    return transformers.AutoConfig.from_pretrained(directory).to_dict()
+
+
+def build_hf_model(directory: str, vocab_size: int) -> tuple[nn.Module, dict]:
+    """The model in ``directory`` in fp32 (master weights), and its config as recorded in checkpoints.
+
+    The built-in model when the architecture maps onto it (its ModelConfig + ``hf``), else the
+    transformers module (its scalar config entries + ``hf``).
+    """
+    cfg, why = hf_builtin_config(directory, vocab_size)
+    if cfg is not None:
+        model: Transformer = load_hf_into_builtin(directory, cfg)
+        return model, {**cfg.to_dict(), "hf": directory}
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: --model hf:{directory}: {why}; running it as the transformers module (no context "
+              "parallelism)", file=sys.stderr)
+    return build_hf_module(directory, vocab_size)
+
+
+def build_hf_module(directory: str, vocab_size: int) -> tuple[HFCausalLM, dict]:
+    """The model in ``directory`` as the transformers module in fp32, and its scalar config entries."""
     check_hf_model(directory)
     import transformers  # optional dependency
 

@@ -23,6 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from prep.errors import XprepError
 from train.config import TrainConfig, validate_against_schema
+from train.rundir import RunLock
 from train.trainer import prepare_run, run
 
 LAUNCHED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and by elastic_launch
@@ -50,6 +51,13 @@ def launch(cfg: TrainConfig) -> Path:
     nproc = cfg.parallel.nproc_per_node
     validate_against_schema(cfg.to_dict())
     prepare_run(cfg, cfg.parallel.build(world=nproc), verify_data=False)
+    with RunLock(cfg.run_dir):  # held here, for the ranks (they run with lock=False)
+        _launch(cfg, nproc)
+    return cfg.run_dir
+
+
+def _launch(cfg: TrainConfig, nproc: int) -> None:
+    """Start the ``nproc`` ranks with torch's elastic launcher and wait for them."""
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: N ranks must not each take every core
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
@@ -59,7 +67,6 @@ def launch(cfg: TrainConfig) -> Path:
         elastic_launch(config, sys.executable)(*RANK_ENTRY, json.dumps(cfg.to_dict()))
     except ChildFailedError as e:
         raise _ranks_failed(e, nproc) from None
-    return cfg.run_dir
 
 
 def _ranks_failed(e: ChildFailedError, nproc: int) -> RanksFailed:
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     """One rank started by ``launch``: the resolved config as JSON in argv[0] (sys.argv[1])."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        run(TrainConfig.from_dict(json.loads(argv[0])))
+        run(TrainConfig.from_dict(json.loads(argv[0])), lock=False)  # the launcher holds the run's lock
     except XprepError as e:  # before the process group exists (after it, run reports and exits itself)
         print(f"error: [rank {os.environ.get('RANK', '0')}] {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -78,13 +78,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Grouped-query self-attention; the attention kernel itself is passed in per forward."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, qkv_bias: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)  # biased in Qwen2
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttentionFn) -> Tensor:
@@ -116,7 +116,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads)
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.qkv_bias)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
@@ -147,6 +147,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -173,8 +174,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise XprepError(f"model config: {name}={value!r} must be a number > 0")
-        if not isinstance(self.tie_embeddings, bool):
-            raise XprepError(f"model config: tie_embeddings={self.tie_embeddings!r} must be true or false")
+        for name in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise XprepError(f"model config: {name}={getattr(self, name)!r} must be true or false")
 
     @property
     def head_dim(self) -> int:
@@ -184,11 +186,21 @@ class ModelConfig:
         """Parameter count without building the model (embeddings counted once when tied)."""
         kv = self.n_kv_heads * self.head_dim
         per_layer = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        per_layer += (self.dim + 2 * kv) if self.qkv_bias else 0
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + embeddings + self.dim
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; those added later are left out at their default, so the model config recorded in
+        earlier checkpoints still compares equal on resume (train.checkpoint.check_same_model)."""
+        d = asdict(self)
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
+        return d
+
+
+_LATER_FIELDS = {"qkv_bias": False}  # field → default: fields a run directory of an older version lacks
 
 
 # Every field but vocab_size, which comes from the tokenizer of the data.
@@ -272,6 +284,9 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+                continue
+            if name.endswith(".bias"):
+                p.zero_()
                 continue
             scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
             gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)

@@ -14,34 +14,60 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+SCHEDULES = ("cosine", "linear", "constant", "wsd", "wsd-sqrt")
+WSD_SCHEDULES = ("wsd", "wsd-sqrt")  # warm-up, stable, decay over the last --decay-fraction of the steps
+DEFAULT_DECAY_FRACTION = 0.2  # Hägele et al. (2024): a 20% 1-sqrt cooldown matches a full cosine
+
 
 class LRSchedule:
-    """LR multiplier at a step: linear warm-up, then cosine/linear decay to min_lr, or constant.
+    """LR multiplier at 0-based step s (the lr of the (s+1)-th update): warm-up, then a plateau, then a decay.
 
-    A plain object (not a lambda) so ``LambdaLR.state_dict`` can save it.
+    - warm-up, s < W: (s+1)/W — the first update already moves (never lr 0), the W-th runs at the peak.
+    - decay from step S to the last step T−1, with progress p = (s+1−S)/(T−S) in (0, 1]: the multiplier is
+      m + (1−m)·f(p), m = min_ratio (--min-lr / --lr), so the last step runs at exactly --min-lr. S = W for
+      ``cosine`` (f = (1+cos πp)/2) and ``linear`` (f = 1−p); S = T−D for ``wsd`` (f = 1−p) and ``wsd-sqrt``
+      (f = 1−√p), whose D = round(decay_fraction·T) decay steps (at least 1, at most T−W) follow a plateau at
+      the peak; ``constant`` stays at the peak after the warm-up (no --min-lr).
+
+    With 1-based update numbers n = s+1 these are OLMo-core's ``CosWithWarmup``/``LinearWithWarmup``/``WSD``
+    (warm-up n/W, decay progress (n−S)/(T−S)); ``wsd-sqrt`` is the "1-sqrt" cooldown of Hägele et al. (2024),
+    torchtitan's ``lr_decay_type = "sqrt"``. A plain object (not a lambda) so ``LambdaLR.state_dict`` can save it.
     """
 
-    def __init__(self, kind: str, warmup: int, total: int, min_ratio: float):
+    def __init__(self, kind: str, warmup: int, total: int, min_ratio: float, decay_fraction: float | None = None):
         self.kind, self.warmup, self.total, self.min_ratio = kind, warmup, total, min_ratio
+        self.decay_fraction = decay_fraction if kind in WSD_SCHEDULES else None
+        self.decay_start = warmup
+        if kind in WSD_SCHEDULES:
+            fraction = DEFAULT_DECAY_FRACTION if decay_fraction is None else decay_fraction
+            self.decay_start = total - min(max(0, total - warmup), max(1, round(fraction * total)))
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
-        if self.kind == "constant":
+        if self.kind == "constant" or step < self.decay_start:
             return 1.0
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1 - progress
+        progress = min(1.0, (step + 1 - self.decay_start) / max(1, self.total - self.decay_start))
+        if self.kind == "cosine":
+            decay = 0.5 * (1 + math.cos(math.pi * progress))
+        elif self.kind == "wsd-sqrt":
+            decay = 1 - math.sqrt(progress)
+        else:  # linear, wsd
+            decay = 1 - progress
         return self.min_ratio + (1 - self.min_ratio) * decay
 
     def shape(self) -> tuple:
         """What the multipliers depend on: two schedules of the same shape give the same lr at every step."""
         if self.kind == "constant":
             return self.kind, self.warmup
-        return self.kind, self.warmup, self.total, self.min_ratio
+        return self.kind, self.warmup, self.decay_start, self.total, self.min_ratio
 
     def settings(self) -> dict:
         """The schedule as a checkpoint records it (the base and final lr are in its hparams)."""
-        return {"schedule": self.kind, "warmup": self.warmup, "steps": self.total}
+        out = {"schedule": self.kind, "warmup": self.warmup, "steps": self.total}
+        if self.kind in WSD_SCHEDULES:
+            out["decay_fraction"] = self.decay_fraction
+        return out
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
@@ -97,8 +123,8 @@ def schedule_change(schedule: LRSchedule, saved: dict | None, step: int, base_lr
     if not saved:
         return None
     now = schedule.settings()
-    old = {**now, **{k: saved[k] for k in now if k in saved}}
-    before = LRSchedule(old["schedule"], old["warmup"], old["steps"], schedule.min_ratio)
+    old = {**now, **{k: saved[k] for k in (*now, "decay_fraction") if k in saved}}
+    before = LRSchedule(old["schedule"], old["warmup"], old["steps"], schedule.min_ratio, old.get("decay_fraction"))
     if before.shape() == schedule.shape():
         return None
     what = ", ".join(f"{k} {old[k]} → {now[k]}" for k in now if old[k] != now[k])

@@ -49,6 +49,7 @@ from train.evaluate import Validation
 from train.loss import Channels, LossSums, micro_batch_loss, token_ce
 from train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
+from train.rundir import RunLock
 from train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
 
 CPU_KEYS = ("cu_seqlens", "cu_seqlens_padded", "cu_units")  # batch keys that stay on the CPU (read as Python ints)
@@ -257,25 +258,30 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     model_config = cfg.model.check(dataset.vocab_size)
     if resume_from is not None and model_config is not None:
         check_same_model(saved, resume_from, model_config)
-    if dims.cp_enabled and cfg.model.hf_dir is not None:
+    if dims.cp_enabled and model_config is None:  # hf:DIR running as a transformers module
         raise XprepError(f"--cp {dims.cp} needs the built-in model (its attention runs over the CP group): "
                          f"use a preset or a JSON model config instead of --model {cfg.model.name}")
     return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation)
 
 
-def run(cfg: TrainConfig, stream=None) -> Path:
-    """Train per ``cfg`` in this process (one process, or one rank of a launched job); returns the run directory."""
+def run(cfg: TrainConfig, stream=None, lock: bool = True) -> Path:
+    """Train per ``cfg`` in this process (one process, or one rank of a launched job); returns the run directory.
+
+    Rank 0 holds the run directory's ``RunLock`` for the whole run; ``lock=False`` for the ranks that
+    ``train.launch`` starts, whose launcher holds it.
+    """
     validate_against_schema(cfg.to_dict())
     dims = cfg.parallel.build()
     setup = prepare_run(cfg, dims)
-    device = init_distributed(dims)
-    try:
-        _train(cfg, dims, device, setup, stream)
-    except BaseException as e:
-        if dims.distributed:  # report, then leave at once: peers may be blocked in a collective
-            _report_and_exit(e, dims)
-        raise
-    shutdown(dims, 0)
+    with RunLock(cfg.run_dir) if lock and dims.is_main else contextlib.nullcontext():
+        device = init_distributed(dims)
+        try:
+            _train(cfg, dims, device, setup, stream)
+        except BaseException as e:
+            if dims.distributed:  # report, then leave at once: peers may be blocked in a collective
+                _report_and_exit(e, dims)
+            raise
+        shutdown(dims, 0)
     return cfg.run_dir
 
 

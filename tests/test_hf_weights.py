@@ -1,0 +1,178 @@
+"""Hugging Face weights in and out of the built-in model: `--model hf:DIR` and `xtrain export`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from trainkit import category_pack, cp_pack
+
+from cli import xtrain
+from train.checkpoint import CheckpointManager
+from train.config import ModelSection, OptimizerSection
+from train.data import PackedDataset
+from train.dist import ParallelDims
+from train.hf import HFCausalLM
+from train.model import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=512)
+LENGTHS = [5, 17, 9]
+
+
+def hf_model(kind: str, **overrides) -> torch.nn.Module:
+    """A small random transformers model; norms and biases randomized too, so a mapping slip shows."""
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                             "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**SHAPE, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def save(model, path: Path, **kw) -> Path:
+    model.save_pretrained(path, **kw)
+    return path
+
+
+def packed_input() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (1, sum(LENGTHS)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, pos, cu
+
+
+def assert_same_as_transformers(model: Transformer, hf, tol: float = 1e-5) -> None:
+    """The built-in model on the packed row == transformers on each document alone."""
+    ids, pos, cu = packed_input()
+    with torch.no_grad():
+        ours = model.eval()(ids, pos, cu)[0]
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            theirs = hf(input_ids=ids[:, a:b], use_cache=False).logits[0].float()
+            torch.testing.assert_close(ours[a:b], theirs, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("llama", {"rope_theta": 5e5}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("qwen2", {"tie_word_embeddings": True}),  # q/k/v biases
+    ("mistral", {"sliding_window": None}),
+])
+def test_hf_weights_load_into_the_builtin_model(kind, overrides, tmp_path):
+    hf = hf_model(kind, **overrides)
+    directory = save(hf, tmp_path / kind)
+    model, config = ModelSection(f"hf:{directory}").build(128, seed=0)
+    assert isinstance(model, Transformer), config
+    assert config["hf"] == str(directory) and config.get("qkv_bias", False) is (kind == "qwen2")
+    assert model.cfg.tie_embeddings is bool(overrides.get("tie_word_embeddings"))
+    assert_same_as_transformers(model, hf)
+
+
+def test_sharded_checkpoint(tmp_path):
+    hf = hf_model("llama")
+    directory = save(hf, tmp_path / "hf", max_shard_size="40KB")
+    assert (directory / "model.safetensors.index.json").is_file()
+    model, _ = ModelSection(f"hf:{directory}").build(128, seed=0)
+    assert_same_as_transformers(model, hf)
+
+
+@pytest.mark.parametrize("kind,overrides,why", [
+    ("mistral", {"sliding_window": 16}, "sliding_window 16"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "RoPE scaling 'linear'"),
+])
+def test_other_architectures_fall_back_to_the_transformers_module(kind, overrides, why, tmp_path, capsys):
+    directory = save(hf_model(kind, **overrides), tmp_path / "hf")
+    section = ModelSection(f"hf:{directory}")
+    assert section.check(128) is None  # → no context parallelism (trainer refuses --cp)
+    model, _ = section.build(128, seed=0)
+    assert isinstance(model, HFCausalLM)
+    assert why in capsys.readouterr().err
+
+
+def export(*args: str) -> CliRunner:
+    return CliRunner().invoke(xtrain, ["export", *args])
+
+
+@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {"tie_word_embeddings": True})])
+def test_export_round_trip(kind, overrides, tmp_path):
+    packed = category_pack(tmp_path / "data")
+    directory = save(hf_model(kind, **overrides), tmp_path / "hf")
+    run = tmp_path / "run"
+    trained = CliRunner().invoke(xtrain, ["run", str(packed), "--model", f"hf:{directory}", "--steps", "2",
+                                          "--lr", "1e-2", "--output", str(run), "--log-every", "100"])
+    assert trained.exit_code == 0, trained.output
+    result = export(str(run), "--step", "2", "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == kind
+    assert (tmp_path / "out" / "generation_config.json").is_file()  # carried over from hf:DIR
+
+    # The run's model at step 2, restored by the trainer's own resume path.
+    section = ModelSection(f"hf:{directory}")
+    model, _ = section.build(128, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer, _ = OptimizerSection().build(model, 2)
+    CheckpointManager(run, ParallelDims()).load(run / "checkpoints" / "step-2", model, optimizer,
+                                                PackedDataset(packed).key)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # it did train
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert_same_as_transformers(model, exported)
+
+
+def test_export_errors_are_one_line(tmp_path):
+    def error(*args: str) -> str:
+        result = export(*args)
+        assert result.exit_code == 2, (result.output, result.exception)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        return lines[0]
+
+    assert "no checkpoint" in error(str(tmp_path / "nothing"), "-o", str(tmp_path / "o1"))
+    packed = category_pack(tmp_path / "data")
+    run = tmp_path / "run"
+    assert CliRunner().invoke(xtrain, ["run", str(packed), "--steps", "1", "--output", str(run)]).exit_code == 0
+    assert "has step 1" in error(str(run), "--step", "7", "-o", str(tmp_path / "o2"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert "not an empty directory" in error(str(run), "-o", str(tmp_path / "full"))
+    assert export(str(run), "-o", str(tmp_path / "ok"), "--dtype", "bf16").exit_code == 0  # latest step, a preset
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ok")
+    assert exported.config.model_type == "llama" and exported.dtype == torch.bfloat16
+
+
+def test_context_parallel_run_from_hf_weights_and_its_export(tmp_path):
+    """hf:DIR trains with CP=2 on 2 ranks (FSDP2) as on one process; the sharded checkpoint exports the same."""
+    import os
+    import subprocess
+    import sys
+
+    packed = cp_pack(tmp_path / "data")
+    directory = save(hf_model("qwen2", tie_word_embeddings=True), tmp_path / "hf")
+    common = [str(packed), "--model", f"hf:{directory}", "--steps", "2", "--micro-batch-size", "1",
+              "--global-batch-size", "2", "--lr", "1e-2", "--log-every", "100"]
+    one = CliRunner().invoke(xtrain, ["run", *common, "--output", str(tmp_path / "one")])
+    assert one.exit_code == 0, one.output
+    two = subprocess.run([str(Path(sys.executable).with_name("xtrain")), "run", *common, "--nproc-per-node", "2",
+                          "--cp", "2", "--output", str(tmp_path / "two")], capture_output=True, text=True,
+                         timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    losses = [[json.loads(x)["loss"] for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+              for r in ("one", "two")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5), losses
+    for r in ("one", "two"):
+        assert export(str(tmp_path / r), "-o", str(tmp_path / f"{r}-hf")).exit_code == 0
+    a, b = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{r}-hf").eval() for r in ("one", "two"))
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(a(input_ids=ids).logits, b(input_ids=ids).logits, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,289 @@
+"""Hugging Face Llama / Qwen2 / Mistral weights in and out of the built-in model (train/model.py).
+
+```
+HF config.json           ─builtin_config─▶ ModelConfig      (None + the reason, for what it cannot express)
+HF *.safetensors         ─read_hf_weights─▶ built-in state dict (names mapped, fp32)
+run checkpoint (DCP)     ─export_run─▶ DIR/model.safetensors + config.json   (AutoModelForCausalLM loads it)
+```
+The built-in model rotates q/k by the half-split `rotate_half` convention, as Hugging Face does,
+so q/k weights map one to one (no Meta-style interleave permutation). Mistral without a sliding
+window is Llama; Qwen2 is Llama with q/k/v biases. Exports are written as `LlamaForCausalLM`
+(`Qwen2ForCausalLM` when the model has q/k/v biases), in fp32, the trainer's master weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from prep.errors import XprepError
+from train.checkpoint import LATEST, TRAINER_JSON, CheckpointManager, _quiet_single_process
+from train.model import ModelConfig, Transformer
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+# One table, both directions: Hugging Face name → built-in name ({i}: the layer index).
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry
+
+
+def name_map(n_layers: int) -> dict[str, str]:
+    """Every Hugging Face parameter name the built-in model may have → its built-in name."""
+    names = dict(_GLOBAL_NAMES)
+    for i in range(n_layers):
+        names.update({f"model.layers.{i}.{h}": f"layers.{i}.{b}" for h, b in _LAYER_NAMES.items()})
+    return names
+
+
+# ------------------------------------------------------------------------------------------ in
+def builtin_config(hf: dict) -> tuple[ModelConfig | None, str]:
+    """The built-in model's config for a Hugging Face config (as `PretrainedConfig.to_dict()`), or None and
+    why the built-in model cannot compute what that architecture does."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        return None, f"model_type {kind!r} is not one of {', '.join(SUPPORTED)}"
+    if hf.get("hidden_act", "silu") != "silu":
+        return None, f"hidden_act {hf['hidden_act']!r} is not silu"
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        return None, f"RoPE scaling {rope_type!r} (only plain RoPE is built in)"
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or dim // heads
+    if head_dim * heads != dim:
+        return None, f"head_dim {head_dim} × {heads} heads ≠ hidden_size {dim}"
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        return None, "biases on the attention output or the MLP"
+    window = _sliding_window(hf)
+    if window:
+        return None, f"sliding-window attention ({window})"
+    try:
+        cfg = ModelConfig(vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
+                          n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
+                          rope_theta=float(theta), norm_eps=float(hf["rms_norm_eps"]),
+                          tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2")
+    except XprepError as e:
+        return None, str(e)
+    return cfg, ""
+
+
+def _sliding_window(hf: dict) -> str:
+    """Where sliding-window attention is active, in words; '' when every layer attends fully."""
+    if hf.get("model_type") == "qwen2":
+        layer_types = hf.get("layer_types") or []
+        if hf.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+            return f"use_sliding_window, window {hf.get('sliding_window')}"
+        return ""
+    if hf.get("sliding_window"):
+        return f"sliding_window {hf['sliding_window']}"
+    return ""
+
+
+def safetensors_files(directory: str | Path) -> list[Path]:
+    """The weight files of a Hugging Face model directory (sharded via its index, or one file); [] when none."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / f for f in sorted(set(weight_map.values()))]
+    single = directory / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def read_hf_weights(directory: str | Path, cfg: ModelConfig) -> dict[str, Tensor]:
+    """The safetensors weights of ``directory`` as a state dict of the built-in model for ``cfg``, in fp32.
+
+    Every tensor the model needs must be there and nothing else may be (a tied model may still carry
+    ``lm_head.weight``: it is dropped), so an architecture the mapping misreads fails here, not silently.
+    """
+    from safetensors.torch import load_file  # comes with transformers
+
+    names = name_map(cfg.n_layers)
+    expected = set(param_names(cfg))
+    state: dict[str, Tensor] = {}
+    unexpected = []
+    for path in safetensors_files(directory):
+        for hf_name, tensor in load_file(path).items():
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and cfg.tie_embeddings):
+                continue
+            name = names.get(hf_name)
+            if name not in expected:
+                unexpected.append(hf_name)
+                continue
+            state[name] = tensor.to(torch.float32)
+    missing = sorted(expected - state.keys())
+    if missing or unexpected:
+        raise XprepError(f"--model hf:{directory}: weights do not match a {cfg.n_layers}-layer Llama-family "
+                         f"model (missing {missing[:3]}, unexpected {unexpected[:3]}); check the checkpoint")
+    return state
+
+
+def param_names(cfg: ModelConfig) -> list[str]:
+    """The built-in model's parameter names for ``cfg``, without building it."""
+    with torch.device("meta"):
+        return [name for name, _ in Transformer(cfg).named_parameters()]
+
+
+def load_hf_into_builtin(directory: str | Path, cfg: ModelConfig) -> Transformer:
+    """A built-in model for ``cfg`` holding the weights of ``directory`` (fp32, on the CPU)."""
+    state = read_hf_weights(directory, cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(state, assign=True)
+    return model
+
+
+# ------------------------------------------------------------------------------------------ out
+def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int = 8192) -> dict:
+    """config.json for ``cfg``: Llama, or Qwen2 when it has q/k/v biases. RoPE's theta is written both as
+    transformers 4 reads it (``rope_theta``) and as 5 does (``rope_parameters``)."""
+    qwen2 = cfg.qkv_bias
+    out = {
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": max_position_embeddings,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if qwen2:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
+                   layer_types=["full_attention"] * cfg.n_layers)
+    else:
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+def builtin_to_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """A built-in state dict in Hugging Face names (contiguous, as safetensors wants)."""
+    back = {b: h for h, b in name_map(cfg.n_layers).items()}
+    return {back[name]: t.detach().contiguous() for name, t in state.items()}
+
+
+def checkpoint_path(run: str | Path, step: int | None) -> Path:
+    """The checkpoint directory of ``run`` at ``step`` (None: the one ``latest`` names)."""
+    root = Path(run) / "checkpoints"
+    steps = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit()) if root.is_dir() else []
+    if not steps:
+        raise XprepError(f"{run}: no checkpoint (no {root}/step-<N>); give the directory of a run that saved one")
+    if step is None:
+        latest = root / LATEST
+        path = root / latest.read_text().strip() if latest.is_file() else root / f"step-{steps[-1]}"
+    elif step in steps:
+        path = root / f"step-{step}"
+    else:
+        raise XprepError(f"--step {step}: {run} has no checkpoint at that step; it has step "
+                         f"{', '.join(map(str, steps))}")
+    if not (path / TRAINER_JSON).is_file():
+        raise XprepError(f"{path}: incomplete checkpoint (no {TRAINER_JSON}); give another --step")
+    return path
+
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Copied from the hf:DIR a run started from, when it is still there: what a user of the export needs besides weights.
+_SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def export_run(run: str | Path, step: int | None, output: str | Path, dtype: str = "fp32") -> Path:
+    """Write the model of ``run``'s checkpoint at ``step`` to ``output`` as model.safetensors + config.json.
+
+    The DCP checkpoint is read on this one process (no process group), whatever layout saved it; the
+    directory is built beside ``output`` and renamed into place, so a failed export leaves nothing.
+    A run started from hf:DIR also gets that directory's tokenizer and generation config, when it still exists.
+    """
+    import torch.distributed.checkpoint as dcp  # deferred: only export needs DCP and safetensors' writer
+    from safetensors.torch import save_file
+
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise XprepError(f"-o {output}: exists and is not an empty directory; give a new directory")
+    if dtype not in EXPORT_DTYPES:
+        raise XprepError(f"--dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    path = checkpoint_path(run, step)
+    trainer_state = CheckpointManager.read_trainer_state(path)
+    cfg = _checkpoint_model_config(trainer_state, path)
+    source = Path(str((trainer_state.get("model") or {}).get("hf", "")))
+    source_config = _read_json(source / "config.json") if str(source) not in ("", ".") else {}
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    tmp = output.with_name(f".{output.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tensors = {k: t.to(EXPORT_DTYPES[dtype]) for k, t in builtin_to_hf(state["model"], cfg).items()}
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = hf_config_dict(cfg, source_config.get("max_position_embeddings", 8192))
+        config["torch_dtype"] = str(EXPORT_DTYPES[dtype]).removeprefix("torch.")
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in source_config:
+                config[key] = source_config[key]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in _SOURCE_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, tmp / name)
+        if output.exists():
+            output.rmdir()
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def _checkpoint_model_config(state: dict, path: Path) -> ModelConfig:
+    """The built-in model config a checkpoint's trainer.json records."""
+    saved = state.get("model") or {}
+    fields = set(ModelConfig.__dataclass_fields__)
+    if "dim" not in saved:
+        raise XprepError(f"{path}: this run trained a transformers module (hf:DIR outside the built-in model), "
+                         "not the built-in model: export is for the built-in model only")
+    return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
