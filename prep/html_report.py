@@ -12,8 +12,6 @@ the whole page.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from html import escape
 from pathlib import Path
@@ -35,7 +33,7 @@ from prep.charts import (
     short,
 )
 from prep.errors import XprepError
-from prep.io import write_atomic
+from prep.io import check_output_file, write_atomic
 
 ASSETS = Path(__file__).parent / "html_assets"
 # Tableau 10, then 6 more of its 20: distinct for the colour-blind and on paper; names beyond get hues below.
@@ -62,21 +60,7 @@ def write_page(reports: Sequence[dict], out: str | Path) -> None:
 def check_target(out: str | Path) -> Path:
     """Fail before any work unless ``out`` names a file that can be written (not a directory, in an
     existing directory this process can create files in)."""
-    path, shown = Path(out), f"--html {out}"
-    if path.is_dir():
-        raise XprepError(f"{shown}: is a directory; name the page file, e.g. --html {path / 'report.html'}")
-    parent = path.parent
-    if not parent.exists():
-        raise XprepError(f"{shown}: directory {parent} does not exist; create it or choose another --html")
-    if not parent.is_dir():
-        raise XprepError(f"{shown}: {parent} is not a directory; choose another --html")
-    try:  # permission bits alone do not tell (root, read-only mounts): really create a file
-        fd, probe = tempfile.mkstemp(prefix=".xprep-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise XprepError(f"{shown}: cannot write in {parent} ({e.strerror}); choose another --html") from None
-    return path
+    return check_output_file(out, "--html", "page", "report.html")
 
 
 def check_drawable(reports: Sequence[dict]) -> None:

@@ -53,6 +53,29 @@ def _probe(directory: Path, shown: str, option: str) -> None:
         raise XprepError(f"{shown}: cannot write in {directory} ({reason}); choose another {option}") from None
 
 
+def check_output_file(path: str | Path, option: str, what: str, example: str) -> Path:
+    """Fail early, with one message, unless a file can be written at ``path`` (``option`` names the flag in
+    messages; ``what`` the kind of file and ``example`` its name, suggested when ``path`` is a directory): not a
+    directory, in an existing
+    directory in which this process can really create a file (permission bits alone do not tell: root,
+    read-only mounts)."""
+    out, shown = Path(path), f"{option} {path}"
+    if out.is_dir():
+        raise XprepError(f"{shown}: is a directory; name the {what} file, e.g. {option} {out / example}")
+    parent = out.parent
+    if not parent.exists():
+        raise XprepError(f"{shown}: directory {parent} does not exist; create it or choose another {option}")
+    if not parent.is_dir():
+        raise XprepError(f"{shown}: {parent} is not a directory; choose another {option}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".xprep-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise XprepError(f"{shown}: cannot write in {parent} ({e.strerror}); choose another {option}") from None
+    return out
+
+
 def write_atomic(path: str | Path, data: str | bytes, durable: bool = True) -> None:
     """Write ``data`` to ``path`` through a temporary sibling and a rename: readers see the old file or the new.
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from prep.errors import XprepError
+from prep.io import check_output_file
 from train.metrics import best_step
 
 PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
@@ -161,22 +161,9 @@ def check_plot_target(plot: str | Path) -> Path:
     except ImportError:
         raise XprepError(f"{shown}: drawing needs matplotlib, which is not installed: pip install matplotlib "
                          "(or pip install 'xprep[plot]')") from None
-    if out.is_dir():
-        raise XprepError(f"{shown}: is a directory; name the image file, e.g. --plot {out / PLOT}")
-    if out.suffix.lower() not in PLOT_FORMATS:
+    if not out.is_dir() and out.suffix.lower() not in PLOT_FORMATS:  # a directory: said as such just below
         raise XprepError(f"{shown}: unknown image type {out.suffix!r}; name a .png, .pdf or .svg file")
-    parent = out.parent
-    if not parent.exists():
-        raise XprepError(f"{shown}: directory {parent} does not exist; create it or choose another --plot")
-    if not parent.is_dir():
-        raise XprepError(f"{shown}: {parent} is not a directory; choose another --plot")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".xprep-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise XprepError(f"{shown}: cannot write in {parent} ({e.strerror}); choose another --plot") from None
-    return out
+    return check_output_file(out, "--plot", "image", PLOT)
 
 
 def draw_plot(out: Path, records: list[dict], names: list[str]) -> str:
