@@ -466,7 +466,8 @@ def entries_table(r: dict) -> str:
 # ------------------------------------------------------------------------------------------ blend
 def blend_section(i: int, r: dict, colours: Colours) -> tuple[str, str, str]:
     b = r["blend"]
-    facts = [f"method {b['method']}", f"capacity {b['capacity']:,}", f"seed {b['seed']}", f"key {r['key'][:16]}",
+    order = "every held-out bin once" if b["seed"] is None else f"seed {b['seed']}"  # None: a --split validation blend
+    facts = [f"method {b['method']}", f"capacity {b['capacity']:,}", order, f"key {r['key'][:16]}",
              f"size {b['size']['option']}"]
     body = cards(r, [("bins", ("blend", "bins"), integer), ("tokens", ("blend", "tokens"), integer),
                      ("real tokens", ("blend", "real_tokens"), integer), ("fill", ("blend", "fill"), share),

@@ -210,11 +210,15 @@ def blend_total(config: PackConfig, shares_: np.ndarray, tokens: list[int]) -> t
 
 def blend_key(entries: list[PackEntry], sources: list[Source], shares_: np.ndarray, seed: int, total: int,
               every_bin_once: bool = False) -> str:
-    payload = {"blend_version": BLEND_VERSION, "pack_format": PACK_FORMAT, "seed": seed, "total_tokens": total,
-               "sources": [{"key": e.key, "name": s.name, "share": float(w)}
-                           for e, s, w in zip(entries, sources, shares_, strict=True)]}
-    if every_bin_once:  # the validation blend of a --split mixture
-        payload["order"] = "every bin once"
+    """The blend's cache key. The validation blend of a ``--split`` mixture (``every_bin_once``) holds every
+    held-out bin once whatever the weights and seed: its key has neither, so re-weighting a mixture reuses it."""
+    if every_bin_once:
+        payload = {"blend_version": BLEND_VERSION, "pack_format": PACK_FORMAT, "order": "every bin once",
+                   "sources": [{"key": e.key, "name": s.name} for e, s in zip(entries, sources, strict=True)]}
+    else:
+        payload = {"blend_version": BLEND_VERSION, "pack_format": PACK_FORMAT, "seed": seed, "total_tokens": total,
+                   "sources": [{"key": e.key, "name": s.name, "share": float(w)}
+                               for e, s, w in zip(entries, sources, shares_, strict=True)]}
     return hashlib.sha256(canonical_json(payload)).hexdigest()
 
 
@@ -234,13 +238,15 @@ def build_blend(sources: list[Source], entries: list[PackEntry], config: PackCon
         if e.num_bins == 0:
             raise XprepError(f"blend source {s.name!r} ({s.path}) packs into 0 bins: nothing to blend from it; "
                              "drop it from the blend or change the pack options")
-    sizes = [bin_sizes(e) for e in entries]
-    shares_ = shares(sources)
-    t0 = time.perf_counter()
-    blend = once_each(entries, config) if every_bin_once else blend_bins(sizes, shares_, config.capacity, total,
-                                                                            config.seed)
-    seconds = time.perf_counter() - t0
     available = [blend_units(e) for e in entries]
+    t0 = time.perf_counter()
+    if every_bin_once:  # its shares are the sources' sizes: nothing in it follows the weights or the seed
+        shares_ = np.array(available, np.float64) / max(sum(available), 1)
+        blend = once_each(entries, config)
+    else:
+        shares_ = shares(sources)
+        blend = blend_bins([bin_sizes(e) for e in entries], shares_, config.capacity, total, config.seed)
+    seconds = time.perf_counter() - t0
     delivered_total = int(blend.tokens.sum())
     per_bin = [bin_tokens(e) for e in entries]  # real tokens of every bin, all sources end to end
     first = np.concatenate([[0], np.cumsum([len(t) for t in per_bin])])
@@ -248,8 +254,11 @@ def build_blend(sources: list[Source], entries: list[PackEntry], config: PackCon
     real = np.bincount(blend.bin_source, weights=taken, minlength=len(entries)).astype(np.int64).tolist()
     rows = [{**_source_row(s, e, float(w), total, blend, i, available[i], delivered_total), "real_tokens": real[i]}
             for i, (s, e, w) in enumerate(zip(sources, entries, shares_, strict=True))]
+    if every_bin_once:
+        for row in rows:  # the sources' sizes, not the mixture's weights: this blend does not follow them
+            row["weight"] = row["requested_share"]
     meta = {"format": PACK_FORMAT, "kind": "blend", "version": BLEND_VERSION, "key": key, "name": blend_name(key),
-            "config": entries[0].config, "seed": config.seed,
+            "config": entries[0].config, "seed": None if every_bin_once else config.seed,
             "size": {"option": size_option, "total_tokens": total,
                      "unit": "tokens" if config.method == "token-aware" else "capacity"},
             "sources": rows,

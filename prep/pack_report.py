@@ -271,8 +271,12 @@ def blend_row(path: Path) -> dict:
         meta = json.loads((path / BLEND_JSON).read_text())
         summary = blend_summary(meta)
         sources = meta["sources"]
-        mix = " ".join(f"{s['name']}@{s['weight']:g}" for s in sources)
-        options = f"blend {mix} {meta['size']['option']} --seed {meta['seed']}; each {pack_flags(meta['config'])}"
+        if meta["seed"] is None:  # the validation blend of a --split mixture
+            mix = " ".join(s["name"] for s in sources)
+            options = f"blend {mix}: every held-out bin once; each {pack_flags(meta['config'])}"
+        else:
+            mix = " ".join(f"{s['name']}@{s['weight']:g}" for s in sources)
+            options = f"blend {mix} {meta['size']['option']} --seed {meta['seed']}; each {pack_flags(meta['config'])}"
         kept, docs = sum(s["documents_kept"] for s in sources), sum(s["documents"] for s in sources)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         return {"status": "corrupt", "problem": "unreadable blend.json: re-run its `xprep pack` with --force"}

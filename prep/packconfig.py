@@ -154,6 +154,8 @@ class PackConfig:
             fields["balance_dp"] = self.balance_dp
             fields["dp_micro_batches"] = self.dp_micro_batches
         for name in ("total_tokens", "epochs", "split"):  # only when given: the keys of other packs stay as they were
+            if name == "epochs" and self.epochs == 1:  # what the default sizes too: the same pack, the same key
+                continue
             if getattr(self, name) is not None:
                 fields[name] = list(self.split) if name == "split" else getattr(self, name)
         return fields

@@ -216,10 +216,11 @@ def dp_line(b: dict) -> str:
 def render_blend(path: str, key: str, b: dict) -> list[str]:
     """A blend: its size, then per source the requested vs delivered share and how often it repeats."""
     unit = "tokens" if b["size"]["unit"] == "tokens" else "bins × capacity"
+    order = "every held-out bin once" if b["seed"] is None else f"seed {b['seed']}"  # None: a --split validation blend
     lines = [f"blend {path}  (key {key[:16]}, {len(b['sources'])} sources, {b['method']} bins of "
-             f"{b['capacity']:,}, seed {b['seed']})",
+             f"{b['capacity']:,}, {order})",
              f"  size          {b['size']['option']}: {b['size']['total_tokens']:,} tokens asked, {b['tokens']:,} "
-             f"delivered in {b['bins']:,} bins (weights count {unit})",
+             f"delivered in {count(b['bins'], 'bin')} (weights count {unit})",
              f"  fill          {b['fill']:.4%}   ({b['real_tokens']:,} real tokens)", ""]
     return lines + blend_table(b["sources"])
 
@@ -238,16 +239,17 @@ def summary_lines(o: dict) -> list[str]:
         packed = sum(not s["hit"] for s in o["sources"])
         head = (f"cache hit: {o['path']} (no blending done, " if o["hit"] else f"blended → {o['path']} (")
         lines = [f"{head}{o['seconds']:.2f} s; {packed} of {len(o['sources'])} sources packed now, the others "
-                 f"found in the cache): {b['bins']:,} bins of {b['capacity']:,}, {b['tokens']:,} tokens",
+                 f"found in the cache): {count(b['bins'], 'bin')} of {b['capacity']:,}, {b['tokens']:,} tokens",
                  *("  " + line for line in blend_table(b["sources"]))]
         return lines + _validation_lines(o)
     s, capacity = o["stats"], o["capacity"]
     kept = kept_phrase(s, capacity)
     if o["hit"]:
-        head = (f"cache hit: {o['path']} (no packing done, {o['seconds']:.2f} s): {kept} in {s['bins']:,} bins "
+        head = (f"cache hit: {o['path']} (no packing done, {o['seconds']:.2f} s): {kept} in {count(s['bins'], 'bin')} "
                 f"of {capacity:,}")
     else:
-        head = f"packed {kept} into {s['bins']:,} bins of {capacity:,} in {o['pack_seconds']:.2f} s → {o['path']}"
+        head = (f"packed {kept} into {count(s['bins'], 'bin')} of {capacity:,} in {o['pack_seconds']:.2f} s "
+                f"→ {o['path']}")
     lines = [head,
              f"  fill {s['fill']:.4%}, lower bound {s['lower_bound_bins']:,} bins "
              f"(gap +{s['gap_to_lower_bound']:.3%}), padding {s['padding_tokens']:,} tokens",
@@ -261,7 +263,7 @@ def _validation_lines(o: dict) -> list[str]:
     v = o.get("validation")
     if not v:
         return []
-    return [f"  validation (--split): {v['documents']:,} documents held out, {v['bins']:,} bins → {v['path']}"]
+    return [f"  validation (--split): {_docs(v['documents'])} held out, {count(v['bins'], 'bin')} → {v['path']}"]
 
 
 def chunk_line(s: dict) -> str:
@@ -293,7 +295,12 @@ def kept_phrase(s: dict, capacity: int) -> str:
 
 
 def _docs(n: int) -> str:
-    return f"{n:,} document" if n == 1 else f"{n:,} documents"
+    return count(n, "document")
+
+
+def count(n: int, noun: str) -> str:
+    """``1 bin``, ``2 bins``, ``1,000 bins``."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
 def warning_lines(o: dict) -> list[str]:
@@ -348,7 +355,7 @@ def render_run(r: dict) -> str:
     lines.append("")
     if r.get("eval"):
         e = r["eval"]
-        lines += _loss_table(f"validation loss ({e['bins']:,} bins, {e['target_tokens']:,} targets)", e["loss"],
+        lines += _loss_table(f"validation loss ({count(e['bins'], 'bin')}, {e['target_tokens']:,} targets)", e["loss"],
                              e["categories"], e["sources"])
         lines.append("")
     lines.append(f"loss curves: drawn into {r['plot']}" if r.get("plot") else

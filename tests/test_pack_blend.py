@@ -235,6 +235,13 @@ def test_a_split_blend_holds_out_every_source_and_validates_on_each_held_out_bin
     assert ds.source_names == list(weights) and len(ds) == valid.num_bins
     again = blend(data, tmp_path / "P", weights, split=(70, 30))
     assert again.hit and again.validation.path == out.validation.path
+    # the validation blend follows neither the weights nor the seed: a re-weighted mixture reuses it
+    reweighted = blend(data, tmp_path / "P", {"web": 0.2, "code": 0.8}, split=(70, 30), seed=7)
+    assert reweighted.entry.path != out.entry.path and reweighted.validation.path == out.validation.path
+    shown = CliRunner().invoke(xprep, ["inspect", str(out.validation.path)])
+    assert shown.exit_code == 0 and "every held-out bin once" in shown.stdout, shown.output
+    assert [s["weight"] for s in valid.meta["sources"]] == pytest.approx(
+        [s["requested_share"] for s in valid.meta["sources"]])
 
 
 def test_inspect_takes_a_blend_entry_directory(data, tmp_path):

@@ -172,6 +172,8 @@ def test_key_changes_with_size_and_shuffle(tmp_path):
     assert len(names) == 5 and all(n.startswith("chunk-") for n in names)
     again = run("pack", tmp_path / "ds", "-o", tmp_path / "P", "--method", "chunk", "--seq-len", 16)
     assert again.output.startswith("cache hit:")
+    one_epoch = run("pack", tmp_path / "ds", "-o", tmp_path / "P", "--method", "chunk", "--seq-len", 16, "--epochs", 1)
+    assert one_epoch.output.startswith("cache hit:"), one_epoch.output  # what the default sizes: the same key
     meta = json.loads((open_packed(tmp_path / "P").path / "pack.json").read_text())
     from prepkit import validate
     validate(meta, "pack")

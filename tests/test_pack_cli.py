@@ -214,3 +214,12 @@ def test_every_pack_and_inspect_option_has_help():
     helps = run("inspect", "--help").stdout
     for flag in ("--sample", "--seed", "--over", "--plot"):
         assert flag in helps, flag
+
+
+def test_one_bin_and_one_document_are_singular(tmp_path):
+    ds = make_dataset(tmp_path / "one", [40])
+    result = run("pack", ds, "-o", tmp_path / "P", "--method", "sequential", "--seq-len", 64)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("packed all 1 document (40 tokens) into 1 bin of 64 in "), result.stdout
+    again = run("pack", ds, "-o", tmp_path / "P", "--method", "sequential", "--seq-len", 64)
+    assert " in 1 bin " in again.stdout, again.stdout

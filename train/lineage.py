@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from numba import njit
 
 from prep.errors import XprepError
 from prep.mixture import PackBins, open_entry
@@ -165,11 +166,21 @@ def _category_counts(ds, flat: np.ndarray, lens: np.ndarray, size: int) -> np.nd
 
 
 def _categories_present(ds, flat, lens, inverse, n_docs: int, cat_names: list[str]) -> list[list[str]]:
-    """The category names among each document's tokens taken (one pass over the items)."""
+    """The category names among each document's tokens taken (one numba pass over the items' tokens)."""
     if ds.category_ids is None:
         return [[cat_names[0]] for _ in range(n_docs)]
-    items = ds.category_ids.items
-    present: list[set[int]] = [set() for _ in range(n_docs)]
-    for a, n, d in zip(flat.tolist(), lens.tolist(), inverse.tolist(), strict=True):
-        present[d].update(np.unique(items[a:a + n]).tolist())
-    return [[cat_names[c] for c in sorted(p)] for p in present]
+    present = _present_kernel(ds.category_ids.items, flat, lens, inverse, n_docs, len(cat_names))
+    rows, row_of_doc = np.unique(present, axis=0, return_inverse=True)  # few distinct sets: name each once
+    named = [[cat_names[c] for c in np.flatnonzero(r)] for r in rows]
+    return [named[r] for r in row_of_doc.reshape(-1).tolist()]
+
+
+@njit(cache=True)
+def _present_kernel(items, flat, lens, inverse, n_docs, n_categories):
+    """``out[d, c]``: whether category ``c`` is among the tokens of the items of document ``d``."""
+    out = np.zeros((n_docs, n_categories), np.bool_)
+    for k in range(len(flat)):
+        d = inverse[k]
+        for t in range(flat[k], flat[k] + lens[k]):
+            out[d, items[t]] = True
+    return out
