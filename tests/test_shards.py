@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -102,3 +103,49 @@ def test_parse_size(text, size):
 def test_parse_size_refuses_nonsense(text):
     with pytest.raises(XprepError, match="--shard-size"):
         parse_size(text)
+
+
+class _FakeRay:
+    """Just enough of ``ray`` for ``_check_shared``: a probe pinned to a node in ``blind`` runs as on a machine
+    that mounts nothing of ours (every path looked up under a root that does not exist), others run here."""
+
+    def __init__(self, blind: set[str]):
+        self.blind, self.asked = blind, []
+
+    def remote(self, num_cpus=0):
+        def task(fn):
+            def on(scheduling_strategy):
+                node = scheduling_strategy.node_id
+                self.asked.append(node)
+                root = "/nonexistent-node" if node in self.blind else ""
+                return SimpleNamespace(remote=lambda paths: fn([root + p for p in paths]))
+            return SimpleNamespace(options=on)
+        return task
+
+    def get(self, ref, timeout=None):
+        return ref
+
+
+def test_a_multi_node_cluster_that_cannot_see_local_paths_is_refused(tmp_path):
+    """With several nodes, -o's staging area, local inputs and the tokenizer must be visible on each node:
+    every node is asked (by a probe task pinned to it), and one that cannot see them stops the job at once."""
+    pytest.importorskip("ray")
+    from prep.cluster import _check_shared
+    from prep.staging import Staging
+
+    (tmp_path / "tok.json").write_text("{}")
+    job = SimpleNamespace(info=SimpleNamespace(path=str(tmp_path / "tok.json")),
+                          sources=[SimpleNamespace(path=str(_lines(tmp_path / "a.jsonl", 5)))])
+    config = SimpleNamespace(output=str(tmp_path / "out"))
+    staging = Staging.beside(config.output)
+    nodes = [{"NodeID": "a" * 56, "NodeManagerAddress": "10.0.0.1"},
+             {"NodeID": "b" * 56, "NodeManagerAddress": "10.0.0.2"}]
+    shared = _FakeRay(blind=set())
+    _check_shared(shared, nodes, staging, job, config)  # a file system every node mounts: no error
+    assert shared.asked == ["a" * 56, "b" * 56]  # each node was asked
+    with pytest.raises(XprepError) as e:
+        _check_shared(_FakeRay(blind={"b" * 56}), nodes, staging, job, config)
+    message = str(e.value)
+    assert "node 10.0.0.2 cannot see /nonexistent-node/" in message and "cluster of 2 nodes" in message
+    assert "object-store URLs" in message and str(tmp_path / "out") in message
+    assert not os.path.exists(os.path.join(staging.root, "probe"))  # the probe file is cleaned up
