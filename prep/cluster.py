@@ -28,7 +28,9 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
 from prep.errors import XprepError
@@ -81,35 +83,48 @@ def _pipeline(job: Job) -> Pipeline:
     return _PIPELINES[key]
 
 
-def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str) -> tuple[dict, str]:
-    """Tokenize on the cluster ``config.ray`` names and publish into ``out``: (manifest, how it ran)."""
+@dataclass
+class Cluster:
+    """The Ray cluster this command joined; ``leave`` disconnects (and stops a local one started here)."""
+
+    ray: Any
+    joined_here: bool
+
+    def leave(self) -> None:
+        if self.joined_here:
+            self.ray.shutdown()
+
+
+def join_cluster(address: str) -> Cluster:
+    """Join the cluster ``--ray`` names (``auto``: the running one, else a new local one)."""
     ray = _import_ray()
+    return Cluster(ray, _connect(ray, address))
+
+
+def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster) -> tuple[dict, str]:
+    """Tokenize on ``cluster`` and publish into ``out``: (manifest, how it ran)."""
+    ray = cluster.ray
     shards = plan_shards(job.sources, config.shard_size)
     key_head = {**job.head, "on_error": config.on_error}
     keys = [s.key(job.sources, key_head) for s in shards]
     staging = Staging.beside(config.output)
-    started_here = _connect(ray, config.ray)
-    try:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        if len(nodes) > 1:
-            _check_shared(ray, nodes, staging, job, config)
-        staging.prune(set(keys))
-        results: dict[int, ShardDone] = {}
-        for k, key in enumerate(keys):
-            done = staging.finished(key)
-            if done is not None:
-                results[k] = done
-        reused = len(results)
-        t0 = time.perf_counter()
-        with DatasetWriter(out, job.info.vocab_size, job.dtype) as writer, tempfile.TemporaryDirectory() as tmp:
-            merge = Merge(job, shards, keys, results, staging, writer, tmp)
-            retried = _run_shards(ray, config, job, shards, keys, staging, results, merge.advance)
-            t1 = time.perf_counter()
-            manifest = merge.finish(config)
-        t2 = time.perf_counter()
-    finally:
-        if started_here:
-            ray.shutdown()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1:
+        _check_shared(ray, nodes, staging, job, config)
+    staging.prune(set(keys))
+    results: dict[int, ShardDone] = {}
+    for k, key in enumerate(keys):
+        done = staging.finished(key)
+        if done is not None:
+            results[k] = done
+    reused = len(results)
+    t0 = time.perf_counter()
+    with DatasetWriter(out, job.info.vocab_size, job.dtype) as writer, tempfile.TemporaryDirectory() as tmp:
+        merge = Merge(job, shards, keys, results, staging, writer, tmp)
+        retried = _run_shards(ray, config, job, shards, keys, staging, results, merge.advance)
+        t1 = time.perf_counter()
+        manifest = merge.finish(config)
+    t2 = time.perf_counter()
     staging.remove()
     merged = _bin_bytes(out, manifest)
     print(f"xprep tokenize: ray: shards ran in {t1 - t0:.2f} s; the merge copied {merged / 1e6:,.1f} MB in "

@@ -12,9 +12,10 @@ import os
 import shutil
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from prep.cluster import tokenize_on_ray
+from prep.cluster import join_cluster, tokenize_on_ray
 from prep.dataset import DatasetWriter
 from prep.io import check_output_dir
 from prep.remote import check_output_url, is_url, upload_dataset
@@ -37,11 +38,11 @@ def run_tokenize(config: TokenizeConfig) -> dict:
         check_output_url(config.output)
     else:
         check_output_dir(config.output)
-    job = prepare(config)
-    with local_output(config.output) as out:
-        if config.ray is not None:
-            manifest, how = tokenize_on_ray(config, job, out)
-        else:
+    if config.ray is not None:
+        manifest, job, how = _tokenize_on_ray(config)
+    else:
+        job = prepare(config)
+        with local_output(config.output) as out:
             manifest, how = _tokenize_here(config, job, out)
     for line in job.info.defaults_used(chat=job.template is not None and job.chat):  # after the work
         print(f"xprep tokenize: note: {line}", file=sys.stderr)
@@ -50,6 +51,26 @@ def run_tokenize(config: TokenizeConfig) -> dict:
           f"({c['loss_tokens']:,} targets), {manifest['rejects']['count']:,} rejected → {config.output} "
           f"[{job.backend}: {job.backend_reason}, {how}]", file=sys.stderr)
     return manifest
+
+
+def _tokenize_on_ray(config: TokenizeConfig) -> tuple[dict, Job, str]:
+    """Prepare (tokenizer, template, inputs: mostly native code) in a thread while this one joins the cluster
+    (mostly waiting on Ray's processes): the two fixed costs of a Ray job overlap. Ray is joined from the main
+    thread, as it must be to start a local cluster."""
+    with ThreadPoolExecutor(1, thread_name_prefix="xprep-prepare") as pool:
+        preparing = pool.submit(prepare, config)
+        try:
+            cluster = join_cluster(config.ray)
+        except BaseException:
+            preparing.cancel()
+            raise
+        try:
+            job = preparing.result()
+            with local_output(config.output) as out:
+                manifest, how = tokenize_on_ray(config, job, out, cluster)
+        finally:
+            cluster.leave()
+    return manifest, job, how
 
 
 @contextmanager
