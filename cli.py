@@ -201,7 +201,8 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
                         dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed, total_tokens=total_tokens,
                         epochs=epochs, split=parse_split(split))
     outcome = outcome_report(run_pack(paths, output, config, force=force, allow_empty=allow_empty,
-                                      log=lambda m: click.echo(m, err=True), weights=weights, mix=mix))
+                                      log=lambda m: click.echo(m, err=True), weights=weights, mix=mix,
+                                      localize=lambda url: _local_dataset(url, cache_dir)))
     click.echo("\n".join(summary_lines(outcome)))
     for line in warning_lines(outcome):
         click.echo(line, err=True)

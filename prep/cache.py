@@ -121,17 +121,19 @@ class PackOutcome:
 
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
          log: Callable[[str], None] | None = None, allow_empty: bool = False, weights: list[float] | None = None,
-         mix: str | None = None, make_current: bool = True) -> PackOutcome:
+         mix: str | None = None, make_current: bool = True, localize: Callable[[str], str] | None = None
+         ) -> PackOutcome:
     """Return the cache entry for these datasets and options, building it unless it exists.
 
     A pack of 0 bins (no documents, or all empty or dropped) is refused before anything is published,
     hit or build, unless ``allow_empty``: training on it would do nothing, silently. ``make_current``:
     record it as PACKED/manifest.json's current entry (a blend's sources are not: only the blend is).
+    ``localize``: a dataset URL named in the ``mix`` file → the local copy to pack (see ``read_sources``).
     """
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
     if weights is not None or mix is not None:
-        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty)
+        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, localize)
     new_root = not Path(output).exists()
     root = _prepare_root(Path(output))
     try:
@@ -207,13 +209,13 @@ def split_documents(datasets: list[dict], split: tuple[int, int]) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------- blend
 def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
-                log: Callable[[str], None], weights: list[float] | None, mix: str | None, allow_empty: bool
-                ) -> PackOutcome:
+                log: Callable[[str], None], weights: list[float] | None, mix: str | None, allow_empty: bool,
+                localize: Callable[[str], str] | None = None) -> PackOutcome:
     """A blend (prep/mixture.py): every source packed alone by the plain path (its own entry, shared with
     other mixtures), then the blend entry ordering their bins, built under its lock and made current."""
     t0 = time.perf_counter()
     check_blend_config(config)
-    sources = read_sources([str(d) for d in datasets], weights, mix)  # all checked before any packing
+    sources = read_sources([str(d) for d in datasets], weights, mix, localize)  # all checked before any packing
     per_source = replace(config, total_tokens=None, epochs=None)  # one epoch each: the blend repeats or cuts
     outcomes = []
     for s in sources:

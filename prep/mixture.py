@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +45,7 @@ from prep.formats import BLEND_JSON, DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK
 from prep.io import read_json
 from prep.packconfig import PackConfig
 from prep.packfile import EntryMeta, PackEntry, load_arrays, open_packed
+from prep.remote import is_url
 
 BLEND_VERSION = 1  # bump when the same sources and options would blend differently
 BLEND_ARRAYS = ("bin_source", "bin_index")
@@ -60,10 +62,12 @@ class Source:
     name: str
 
 
-def read_sources(paths: list[str], weights: list[float] | None, mix: str | None) -> list[Source]:
+def read_sources(paths: list[str], weights: list[float] | None, mix: str | None,
+                 localize: Callable[[str], str] | None = None) -> list[Source]:
     """The sources of a blend: the ``--mix`` file's, then the ``DATASET@WEIGHT`` arguments; all checked
-    (weights, names, datasets present, one tokenizer) before anything is packed."""
-    sources = read_mix(mix) if mix is not None else []
+    (weights, names, datasets present, one tokenizer) before anything is packed. ``localize`` maps a dataset
+    URL of the mix file to the local copy to pack (the CLI syncs it into the cache directory)."""
+    sources = read_mix(mix, localize) if mix is not None else []
     sources += [Source(Path(p), float(w), Path(p).resolve().name) for p, w in zip(paths, weights or [], strict=True)]
     where = f"--mix {mix}" if mix is not None else "the blend"
     if len(sources) > MAX_SOURCES:
@@ -83,7 +87,7 @@ def read_sources(paths: list[str], weights: list[float] | None, mix: str | None)
     return sources
 
 
-def read_mix(mix: str) -> list[Source]:
+def read_mix(mix: str, localize: Callable[[str], str] | None = None) -> list[Source]:
     """The sources a mix file lists; every mistake is one error naming the file and the source."""
     path = Path(mix)
     data = _load_mix(path)
@@ -94,7 +98,7 @@ def read_mix(mix: str) -> list[Source]:
     extra = set(data) - {"sources"}
     if extra:
         raise XprepError(f"--mix {mix}: unknown key {sorted(extra)[0]!r} at the top; only `sources:` is read")
-    return [_mix_source(item, i, path) for i, item in enumerate(listed)]
+    return [_mix_source(item, i, path, localize) for i, item in enumerate(listed)]
 
 
 def _load_mix(path: Path):
@@ -113,7 +117,7 @@ def _load_mix(path: Path):
         raise XprepError(f"--mix {path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
 
 
-def _mix_source(item, i: int, path: Path) -> Source:
+def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None = None) -> Source:
     where = f"--mix {path}: source #{i + 1}"
     if not isinstance(item, dict):
         raise XprepError(f"{where}: expected a mapping {{dataset, weight, name?}}, got {item!r}")
@@ -127,6 +131,11 @@ def _mix_source(item, i: int, path: Path) -> Source:
         raise XprepError(f"{where} ({dataset}): the weight {weight!r} must be a positive number")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise XprepError(f"{where} ({dataset}): `name:` must be a non-empty string")
+    if is_url(dataset):  # an object-store dataset: packed from its local copy, named after the URL
+        if localize is None:
+            raise XprepError(f"{where}: {dataset} is a URL; give the mix file to `xprep pack --mix`, which copies "
+                             "URL datasets into its --cache-dir")
+        return Source(Path(localize(dataset)), float(weight), name or dataset.rstrip("/").rsplit("/", 1)[-1])
     full = Path(dataset) if Path(dataset).is_absolute() else path.parent / dataset
     return Source(full, float(weight), name or full.resolve().name)
 

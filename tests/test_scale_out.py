@@ -279,3 +279,15 @@ def test_ray_with_object_store_staging(cluster, corpus, s3, tmp_path):
     (local / "COMPLETE").unlink()
     assert dir_bytes(local) == dir_bytes(tmp_path / "one")  # manifest included: same URLs, same listing
     assert not fs.exists("corpus/ray-out/ds.xprep-shards")
+
+    # a --mix file may name the URL dataset too: copied once into the cache, named after the URL
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": [{"dataset": "s3://corpus/out/ds", "weight": 2},
+                                           {"dataset": str(local), "weight": 1, "name": "local"}]}))
+    blended = xprep("pack", "--mix", mix, "-o", tmp_path / "p3", *pack, "--cache-dir", tmp_path / "cache",
+                    env=s3["env"])
+    assert blended.returncode == 0, blended.stderr
+    blend = json.loads((tmp_path / "p3" / json.loads((tmp_path / "p3" / "manifest.json").read_text())["current"]
+                        / "blend.json").read_text())
+    assert [s["name"] for s in blend["sources"]] == ["ds", "local"]
+    assert blend["sources"][0]["entry"] == blend["sources"][1]["entry"] == e2[0].name  # the same data, one entry
