@@ -57,20 +57,31 @@ def shuffled_order(n, seed):
 
     Rao–Sandelius: send each index to a random bucket of ~8k slots (sequential write streams),
     then Fisher–Yates inside each bucket (in cache, buckets in parallel). Random numbers come
-    from a counter-based hash, so the result depends only on (n, seed).
+    from a counter-based hash, so the result depends only on (n, seed). The scatter into buckets
+    runs over fixed spans of indices in parallel: each span counts its indices per bucket, and
+    writes them after the earlier spans' (a stable scatter, so the spans do not change the order).
     """
     n_buckets = max(1, n // 8192)
+    n_spans = max(1, min(64, n // (1 << 16)))  # fixed by n alone: the result never depends on the threads
+    span = -(-n // n_spans)
+    counts = np.zeros((n_spans, n_buckets), np.int64)
+    for t in prange(n_spans):
+        for i in range(t * span, min(n, (t + 1) * span)):
+            counts[t, _uniform_below(seed, 0, i, n_buckets)] += 1
     starts = np.zeros(n_buckets + 1, np.int64)
-    for i in range(n):
-        starts[_uniform_below(seed, 0, i, n_buckets) + 1] += 1
+    cursor = np.empty((n_spans, n_buckets), np.int64)
     for b in range(n_buckets):
-        starts[b + 1] += starts[b]
-    cursor = starts[:-1].copy()
+        at = starts[b]
+        for t in range(n_spans):
+            cursor[t, b] = at
+            at += counts[t, b]
+        starts[b + 1] = at
     out = np.empty(n, np.int64)
-    for i in range(n):
-        b = _uniform_below(seed, 0, i, n_buckets)
-        out[cursor[b]] = i
-        cursor[b] += 1
+    for t in prange(n_spans):
+        for i in range(t * span, min(n, (t + 1) * span)):
+            b = _uniform_below(seed, 0, i, n_buckets)
+            out[cursor[t, b]] = i
+            cursor[t, b] += 1
     for b in prange(n_buckets):
         lo = starts[b]
         for j in range(starts[b + 1] - lo - 1, 0, -1):

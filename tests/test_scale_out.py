@@ -261,6 +261,17 @@ def test_s3_in_and_out_equals_local_and_packs_the_same(corpus, s3, tmp_path):
     assert [p.name for p in e1] == [p.name for p in e2]  # the same cache key: same fingerprint, same options
     bins = [{k: v for k, v in dir_bytes(e[0]).items() if k != "pack.json"} for e in (e1, e2)]  # (times, paths)
     assert bins[0] == bins[1] and len(bins[0]) >= 4
+    # a --mix file may name the URL dataset too: copied once into the cache, named after the URL
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": [{"dataset": "s3://corpus/out/ds", "weight": 2},
+                                           {"dataset": str(local), "weight": 1, "name": "local"}]}))
+    blended = xprep("pack", "--mix", mix, "-o", tmp_path / "p3", *pack, "--cache-dir", tmp_path / "cache",
+                    env=s3["env"])
+    assert blended.returncode == 0, blended.stderr
+    blend = json.loads((tmp_path / "p3" / json.loads((tmp_path / "p3" / "manifest.json").read_text())["current"]
+                        / "blend.json").read_text())
+    assert [s["name"] for s in blend["sources"]] == ["ds", "local"]
+    assert blend["sources"][0]["entry"] == blend["sources"][1]["entry"] == e2[0].name  # the same data, one entry
 
 
 def test_ray_with_object_store_staging(cluster, corpus, s3, tmp_path):
@@ -280,14 +291,3 @@ def test_ray_with_object_store_staging(cluster, corpus, s3, tmp_path):
     assert dir_bytes(local) == dir_bytes(tmp_path / "one")  # manifest included: same URLs, same listing
     assert not fs.exists("corpus/ray-out/ds.xprep-shards")
 
-    # a --mix file may name the URL dataset too: copied once into the cache, named after the URL
-    mix = tmp_path / "mix.json"
-    mix.write_text(json.dumps({"sources": [{"dataset": "s3://corpus/out/ds", "weight": 2},
-                                           {"dataset": str(local), "weight": 1, "name": "local"}]}))
-    blended = xprep("pack", "--mix", mix, "-o", tmp_path / "p3", *pack, "--cache-dir", tmp_path / "cache",
-                    env=s3["env"])
-    assert blended.returncode == 0, blended.stderr
-    blend = json.loads((tmp_path / "p3" / json.loads((tmp_path / "p3" / "manifest.json").read_text())["current"]
-                        / "blend.json").read_text())
-    assert [s["name"] for s in blend["sources"]] == ["ds", "local"]
-    assert blend["sources"][0]["entry"] == blend["sources"][1]["entry"] == e2[0].name  # the same data, one entry
