@@ -119,7 +119,7 @@ def ref_shuffle(n, seed):
 
 
 # ------------------------------------------------------------------------------ kernel vs reference
-@pytest.mark.parametrize("n, seed", [(0, 0), (1, 0), (7, 3), (20_000, 11)])
+@pytest.mark.parametrize("n, seed", [(0, 0), (1, 0), (7, 3), (20_000, 11), (200_003, 5)])  # the last: 3 spans
 def test_shuffled_order_matches_reference(n, seed):
     assert shuffled_order(n, seed).tolist() == ref_shuffle(n, seed)
 
