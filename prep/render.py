@@ -342,6 +342,8 @@ def render_run(r: dict) -> str:
     total = (r.get("plan") or {}).get("steps")
     lines.append(f"  steps logged  {r['steps']:,}" + (f" / {total:,}" if total else "")
                  + (f"   tokens {r['tokens']:,}" if "tokens" in r else ""))
+    if r.get("perf"):
+        lines.append(_perf_line(r["perf"]))
     ck = r["checkpoints"]
     lines.append(f"  checkpoints   {', '.join(f'step-{s}' for s in ck['steps']) or 'none'}"
                  + (f"   (latest {ck['latest']})" if ck["latest"] else "")
@@ -364,6 +366,21 @@ def render_run(r: dict) -> str:
 
 
 _BEST_BY = {"eval_loss": "validation loss", "loss": "training loss"}
+
+
+def _perf_line(p: dict) -> str:
+    """Median throughput (and MFU where the run knew its peak), then the peak memory."""
+    parts = [f"{p['tokens_per_s']:,.0f} tok/s" if p.get("tokens_per_s") is not None else "tok/s not logged"]
+    if p.get("tflops") is not None:
+        parts.append(f"{p['tflops']:.3g} TFLOPS/GPU")
+    if p.get("mfu") is not None:
+        parts.append(f"MFU {100 * p['mfu']:.3g}%")
+    line = f"  throughput    {', '.join(parts)} (median of {p['steps']:,} steps)"
+    if p.get("peak_mem_bytes") is not None:
+        line += f"   peak memory {p['peak_mem_bytes'] / 2**30:.1f} GiB (CUDA allocated)"
+    if p.get("peak_rss_bytes") is not None:
+        line += f"   peak RSS {p['peak_rss_bytes'] / 2**30:.1f} GiB"
+    return line
 
 
 def _loss_table(title: str, overall: dict, categories: dict, sources: dict) -> list[str]:

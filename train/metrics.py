@@ -3,6 +3,14 @@
 A step that evaluated on the validation bins carries its ``EvalMetrics``: they go on the same
 metrics.jsonl record (``eval_loss``, ``eval_category_loss``, ``eval_source_loss``, ``eval_target_tokens``,
 ``eval_bins``) and on a console line of their own, whatever ``log_every`` says.
+
+Throughput and memory ride on every record: ``tokens_per_s`` (all ranks' real tokens / step time),
+``tflops`` (model TFLOPS achieved per GPU) and ``mfu`` (its fraction of the GPU's peak; null when the
+peak or the model's FLOPs are unknown, e.g. on a CPU without ``--peak-tflops``: train/flops.py),
+``peak_mem_bytes`` (CUDA max allocated in the step; null off CUDA) and ``peak_rss_bytes`` (the
+process's peak RSS), both the maximum over ranks (train/memory.py). The console line shows MFU and
+the peak memory of its interval. Extra backends (TensorBoard, W&B: train/loggers.py) get the same
+numbers as metrics.jsonl, as flat scalars.
 """
 
 from __future__ import annotations
@@ -11,10 +19,12 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prep.io import write_atomic
+from train.loggers import Logger, scalars
 
 
 @dataclass
@@ -35,6 +45,8 @@ class EvalMetrics:
 
 @dataclass
 class StepMetrics:
+    """What one optimizer step measured: losses and counts over all ranks, its time, throughput and peak memory."""
+
     step: int
     loss: float
     category_loss: dict[str, float]
@@ -46,20 +58,39 @@ class StepMetrics:
     consumed_samples: int
     source_loss: dict[str, float] = field(default_factory=dict)
     eval: EvalMetrics | None = None
+    tflops: float | None = None  # model TFLOPS achieved per GPU (train.flops.Throughput)
+    mfu: float | None = None  # tflops / the GPU's peak; None when either is unknown
+    peak_mem_bytes: int | None = None  # CUDA max allocated during the step, max over ranks; None off CUDA
+    peak_rss_bytes: int | None = None  # process peak RSS, max over ranks
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+    def record(self) -> dict:
+        """The metrics.jsonl line of this step (``time`` is added when it is written)."""
+        return {"step": self.step, "loss": self.loss, "category_loss": self.category_loss,
+                "source_loss": self.source_loss, "grad_norm": self.grad_norm, "lr": self.lr, "tokens": self.tokens,
+                "target_tokens": self.targets, "tokens_per_s": self.tokens_per_s, "tflops": self.tflops,
+                "mfu": self.mfu, "peak_mem_bytes": self.peak_mem_bytes, "peak_rss_bytes": self.peak_rss_bytes,
+                "step_seconds": self.seconds, "consumed_samples": self.consumed_samples,
+                **(self.eval.record() if self.eval is not None else {})}
 
 
 class MetricsLog:
-    """metrics.jsonl (every step) and one console line per interval; rank 0 only."""
+    """metrics.jsonl (every step), one console line per interval, and every record to the ``loggers``; rank 0 only."""
 
-    def __init__(self, run_dir: Path, total_steps: int, log_every: int, enabled: bool, stream=None):
+    def __init__(self, run_dir: Path, total_steps: int, log_every: int, enabled: bool, stream=None,
+                 loggers: Sequence[Logger] = ()):
         self.path = run_dir / "metrics.jsonl"
         self.total, self.every, self.enabled = total_steps, log_every, enabled
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.loggers = list(loggers)  # rank 0's TensorBoard / W&B (train.loggers.build_loggers); closed here
         self._file = None
         self._t0 = time.perf_counter()
         self._first_step: int | None = None
-        self._tokens, self._seconds = 0, 0.0
+        self._interval = Interval()
 
     def open(self, resumed_step: int) -> None:
         """Keep the lines of steps ≤ the resumed step (a killed run may have logged more)."""
@@ -79,15 +110,12 @@ class MetricsLog:
             return
         if self._first_step is None:
             self._first_step, self._t0 = m.step - 1, time.perf_counter() - m.seconds
-        record = {"step": m.step, "loss": m.loss, "category_loss": m.category_loss, "source_loss": m.source_loss,
-                  "grad_norm": m.grad_norm, "lr": m.lr, "tokens": m.tokens, "target_tokens": m.targets,
-                  "tokens_per_s": m.tokens / m.seconds if m.seconds > 0 else None,
-                  "step_seconds": m.seconds, "consumed_samples": m.consumed_samples, "time": time.time(),
-                  **(m.eval.record() if m.eval is not None else {})}
+        record = {**m.record(), "time": time.time()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        self._tokens += m.tokens
-        self._seconds += m.seconds
+        for logger in self.loggers:
+            logger.log(m.step, scalars(record))
+        self._interval.add(m)
         interval = m.step % self.every == 0 or m.step == self.total
         if interval or self.tty:
             self._console(m, interval)
@@ -99,13 +127,12 @@ class MetricsLog:
         elapsed = time.perf_counter() - self._t0
         done = m.step - self._first_step
         eta = elapsed / done * (self.total - m.step) if done else 0.0
-        rate = self._tokens / self._seconds if self._seconds else 0.0
         line = (f"step {m.step}/{self.total}  loss {m.loss:.4f}  lr {m.lr:.2e}  grad {m.grad_norm:.3f}  "
-                f"{rate:,.0f} tok/s  ETA {clock(eta)}")
+                f"{self._interval.rate:,.0f} tok/s{self._interval.perf()}  ETA {clock(eta)}")
         self.stream.write(("\r" if self.tty else "") + line + ("\n" if interval else " "))
         self.stream.flush()
         if interval:
-            self._tokens, self._seconds = 0, 0.0
+            self._interval = Interval()
 
     def _console_eval(self, step: int, e: EvalMetrics) -> None:
         """One line per evaluation: the loss, then per category and per source (more than one source)."""
@@ -122,6 +149,52 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            logger.close()
+
+
+@dataclass
+class Interval:
+    """What the console line of a log interval averages: tokens/s and MFU over its time, peak memory over its steps."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    mfu_seconds: float = 0.0  # Σ mfu·seconds of the steps that have an MFU (= Σ FLOPs / GPUs / peak)
+    timed: float = 0.0  # Σ seconds of those steps
+    peak_mem: int | None = None
+    peak_rss: int | None = None
+
+    def add(self, m: StepMetrics) -> None:
+        self.tokens += m.tokens
+        self.seconds += m.seconds
+        if m.mfu is not None:
+            self.mfu_seconds += m.mfu * m.seconds
+            self.timed += m.seconds
+        self.peak_mem = _max(self.peak_mem, m.peak_mem_bytes)
+        self.peak_rss = _max(self.peak_rss, m.peak_rss_bytes)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def perf(self) -> str:
+        """"  MFU 41.2%  mem 12.3 GiB" (CUDA) or "  rss 1.2 GiB" (CPU): what of it is known."""
+        out = f"  MFU {100 * self.mfu_seconds / self.timed:.1f}%" if self.timed else ""
+        if self.peak_mem is not None:
+            out += f"  mem {gib(self.peak_mem)}"
+        elif self.peak_rss is not None:
+            out += f"  rss {gib(self.peak_rss)}"
+        return out
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def gib(n: int) -> str:
+    """Bytes in GiB, one decimal (``12.3 GiB``)."""
+    return f"{n / 2**30:.1f} GiB"
 
 
 def best_step(states: dict[int, dict]) -> tuple[int, str] | None:

@@ -1,6 +1,6 @@
 """The report on a run directory (``xprep inspect runs/NAME``): loss by category and by source over the
-run (first, last, best, trend), and the same of the validation loss when the run evaluated; no torch;
-``prep.render`` makes the text.
+run (first, last, best, trend), and the same of the validation loss when the run evaluated; throughput
+(median tokens/s, TFLOPS and MFU, peak memory); no torch; ``prep.render`` makes the text.
 
 Reads ``config.json``, ``run.json`` and ``metrics.jsonl``, and writes nothing: the loss curves are
 drawn (with matplotlib) only into the file ``--plot FILE`` names.
@@ -71,6 +71,7 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
                               "categories": channel_summaries(evals, "eval_category_loss"),
                               "sources": channel_summaries(evals, "eval_source_loss"),
                               "bins": evals[-1].get("eval_bins"), "target_tokens": evals[-1].get("eval_target_tokens")}
+        report["perf"] = perf_summary(records)
         report["curves"] = curves(records)
         if target is not None:
             report["plot"] = draw_plot(target, records, names)
@@ -78,23 +79,42 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
 
 
 CURVE_POINTS = 2000  # points per series at most in ``curves``: enough for a page, small for any run length
-CURVE_SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")  # mfu: where the trainer logs it
+CURVE_SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")  # mfu: where the run knew its GPU's peak
 
 
 def curves(records: list[dict]) -> dict:
     """The metrics.jsonl series over steps, as drawn by ``xprep inspect --html``: the training series of
-    ``CURVE_SERIES`` that some record has, the channel losses (``None`` where a step has no such target),
-    and the same of the evaluations under ``eval``. A long run keeps ``CURVE_POINTS`` evenly spaced steps
-    (its first and last among them); evaluations are few and kept whole."""
+    ``CURVE_SERIES`` that some record has a value of (a CPU run logs ``mfu`` as null), the channel losses
+    (``None`` where a step has no such target), and the same of the evaluations under ``eval``. A long run
+    keeps ``CURVE_POINTS`` evenly spaced steps (its first and last among them); evaluations are few and kept
+    whole."""
     kept = thin(records, CURVE_POINTS)
     out = {"step": [r["step"] for r in kept]}
-    out |= {key: [r.get(key) for r in kept] for key in CURVE_SERIES if any(key in r for r in records)}
+    out |= {key: [r.get(key) for r in kept] for key in CURVE_SERIES if any(r.get(key) is not None for r in records)}
     out["category_loss"] = channel_series(kept, "category_loss")
     out["source_loss"] = channel_series(kept, "source_loss")
     evals = [r for r in records if r.get("eval_loss") is not None]
     out["eval"] = {"step": [r["step"] for r in evals], "loss": [r["eval_loss"] for r in evals],
                    "category_loss": channel_series(evals, "eval_category_loss"),
                    "source_loss": channel_series(evals, "eval_source_loss")}
+    return out
+
+
+PERF_MEDIANS = ("tokens_per_s", "tflops", "mfu")  # per step; the first step (warm-up) left out of a longer run
+PERF_PEAKS = ("peak_mem_bytes", "peak_rss_bytes")  # the largest of any step
+
+
+def perf_summary(records: list[dict]) -> dict:
+    """Throughput over the run: the median of each of ``PERF_MEDIANS`` over the steps that have it (not the first
+    of several: it includes warm-up and compilation), the largest of ``PERF_PEAKS``; None where no step has it."""
+    steady = records[1:] if len(records) > 1 else records
+    out: dict = {"steps": len(steady)}
+    for key in PERF_MEDIANS:
+        values = sorted(r[key] for r in steady if isinstance(r.get(key), int | float))
+        out[key] = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2 if values else None
+    for key in PERF_PEAKS:
+        values = [r[key] for r in records if isinstance(r.get(key), int | float)]
+        out[key] = max(values) if values else None
     return out
 
 
