@@ -10,11 +10,15 @@ corpus of real text (../shared/data corpora, repeated to the target size), Qwen3
   encode, lines, 32)`` with HF tokenizers feeding ``IndexedDatasetBuilder``;
 - xprep: ``xprep tokenize corpus.jsonl``.
 
-Also: chat throughput (Qwen3 template over chitchat repeated) with the share of time spent
-rendering templates vs encoding, and peak RSS at two corpus sizes (streaming ⇒ flat).
-Targets (issue 2): ≥ 1.5× the fast baseline, ≥ 10× the classic one, peak RSS < 1 GB and flat.
+Also: chat throughput (Qwen3 template over chitchat repeated to 50 MB, whole process, auto workers)
+against, in the same run, the general Jinja path (``XPREP_CHAT_RENDER=jinja``: today's rendering,
+what the fast path must equal) and a transformers ``apply_chat_template(tokenize=True)`` loop on a
+subsample; the share of the remaining per-conversation time spent rendering; and peak RSS at two
+corpus sizes (streaming ⇒ flat) for text and chat.
+Targets: (issue 2) ≥ 1.5× the fast baseline, ≥ 10× the classic one, peak RSS < 1 GB and flat;
+(issue 15) chat ≥ 4× the Jinja path's conversations/s and ≥ 60× the transformers loop.
 
-    python bench/tokenize.py [--quick] [--mb 107] [--skip-classic]
+    python bench/tokenize.py [--quick] [--mb 107] [--skip-classic] [--chat-only] [--chat-mb 50]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ if sys.path and sys.path[0] and __file__.startswith(sys.path[0]):
     sys.path.pop(0)
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -123,39 +128,154 @@ def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> tup
     return elapsed, usage.ru_maxrss / 1024
 
 
-def xprep_tokenize(corpus: Path, out: Path, *extra: str, cache: Path | None = None) -> tuple[float, float]:
+def xprep_tokenize(corpus: Path, out: Path, *extra: str, cache: Path | None = None, env: dict | None = None
+                   ) -> tuple[float, float]:
     shutil.rmtree(out, ignore_errors=True)
-    env = {"XPREP_CACHE_DIR": str(cache)} if cache else None
+    env = {**(env or {}), **({"XPREP_CACHE_DIR": str(cache)} if cache else {})}
     return run([*XPREP, "tokenize", str(corpus), "-o", str(out), "--tokenizer", str(QWEN3), *extra], ROOT, env)
 
 
+TRANSFORMERS_LOOP = r'''
+import json, sys, time
+from transformers import AutoTokenizer
+corpus, tok_dir, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tok = AutoTokenizer.from_pretrained(tok_dir)
+convs = []
+with open(corpus) as f:
+    for line in f:
+        messages = json.loads(line)["messages"]
+        if any(m["role"] == "assistant" for m in messages):
+            convs.append(messages)
+        if len(convs) >= limit:
+            break
+start = time.perf_counter()
+for messages in convs:
+    tok.apply_chat_template(messages, tokenize=True)
+print(json.dumps({"conversations": len(convs), "seconds": time.perf_counter() - start}))
+'''
+
+
+def transformers_loop(corpus: Path, limit: int) -> float:
+    """Conversations/s of a transformers ``apply_chat_template(tokenize=True)`` loop (the loop only: loading the
+    tokenizer is not counted), in its own process."""
+    out = subprocess.run([sys.executable, "-c", TRANSFORMERS_LOOP, str(corpus), str(QWEN3), str(limit)],
+                         capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if out.returncode != 0:
+        raise SystemExit(f"transformers loop failed:\n{out.stderr}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["conversations"] / result["seconds"]
+
+
 def chat_breakdown(corpus: Path, limit: int) -> dict:
-    """Time template rendering vs encoding for the first ``limit`` conversations, in-process."""
+    """Per-conversation time of one worker (parse, render, encode, mask) on the first ``limit`` records, in-process,
+    and the share of it spent rendering (with spans): for the fast path and the general Jinja path."""
     sys.path.insert(0, str(ROOT))
-    from prep.encoder import Encoder, load_tokenizer_info
-    from prep.templates import ChatTemplate, normalize_messages, resolve_template
+    from prep.encoder import choose_backend, load_tokenizer_info
+    from prep.formats import CHAT
+    from prep.sources import LINES, RawBatch
+    from prep.templates import RENDER_ENV, resolve_template
+    from prep.tokenize import Options, Processor
 
     info = load_tokenizer_info(str(QWEN3))
-    template = ChatTemplate(resolve_template("auto", info.chat_template, info.bos_token, info.eos_token))
-    encoder = Encoder(info, "gigatoken")
-    convs = []
-    with open(corpus) as f:
-        for line in f:
-            record = json.loads(line)
-            messages = normalize_messages(record)
-            if any(m["role"] == "assistant" for m in messages):
-                convs.append(messages)
-            if len(convs) >= limit:
-                break
-    t0 = time.perf_counter()
-    rendered = [template.render_with_spans(m) for m in convs]
-    t1 = time.perf_counter()
-    texts = [text for text, _ in rendered]
-    segments = [text[a:b] for text, spans in rendered for a, b, _ in spans]
-    encoder.encode(texts, add_special_tokens=False)
-    encoder.encode(segments, add_special_tokens=False)
-    t2 = time.perf_counter()
-    return {"conversations": len(convs), "render_s": t1 - t0, "encode_s": t2 - t1}
+    spec = resolve_template("auto", info.chat_template, info.bos_token, info.eos_token)
+    backend, _ = choose_backend(info, "auto")
+    options = Options(CHAT, "text", "assistant", None, None, None, info.eod_id, info.vocab_size)
+    with open(corpus, "rb") as f:
+        lines = list(itertools.islice(f, limit))
+    batches = [RawBatch(0, lines[i : i + 1024], list(range(i + 1, i + 1 + len(lines[i : i + 1024]))), LINES)
+               for i in range(0, len(lines), 1024)]
+    out = {}
+    for path in ("auto", "jinja"):
+        os.environ[RENDER_ENV] = path
+        processor = Processor(info, backend, spec, options)
+        processor(batches[0])  # warm: imports, first encoder call
+        render_s = [0.0]
+        render = processor.template.render_with_spans
+
+        def timed(messages, render=render, render_s=render_s):
+            t = time.perf_counter()
+            try:
+                return render(messages)
+            finally:
+                render_s[0] += time.perf_counter() - t
+
+        processor.template.render_with_spans = timed
+        t0 = time.perf_counter()
+        n = sum(len(processor(b).lengths) for b in batches)
+        out[path] = {"conversations": n, "render_s": render_s[0], "total_s": time.perf_counter() - t0,
+                     "path": processor.template.path}
+    os.environ.pop(RENDER_ENV)
+    return out
+
+
+def chat_bench(work: Path, chat_mb: float, quick: bool) -> None:
+    """Chat: the fast path against the general Jinja path and a transformers loop, all in this run."""
+    chat = work / "chat.jsonl"
+    chat_size = build_chat_corpus(chat, chat_mb)
+    new_t, new_rss = xprep_tokenize(chat, work / "chat", "--on-error", "skip")
+    n_conv = json.loads((work / "chat" / "manifest.json").read_text())["counts"]["documents"]
+    old_t, old_rss = xprep_tokenize(chat, work / "chat-jinja", "--on-error", "skip", env={"XPREP_CHAT_RENDER": "jinja"})
+    same = all((work / "chat" / f).read_bytes() == (work / "chat-jinja" / f).read_bytes()
+               for f in ("tokens.bin", "tokens.idx", "loss_mask.bin", "loss_mask.idx"))
+    hf_rate = transformers_loop(chat, 300 if quick else 2000)
+    new_rate, old_rate = n_conv / new_t, n_conv / old_t
+    print(f"chat: {chat_size / 1e6:.1f} MB chitchat (Qwen3 template), {n_conv:,} conversations kept, "
+          f"{os.cpu_count()} cores, whole process, auto workers")
+    print(f"  fast path          {new_t:7.2f} s  {new_rate:8,.0f} conversations/s  peak RSS {new_rss:5.0f} MB (main)")
+    print(f"  general Jinja path {old_t:7.2f} s  {old_rate:8,.0f} conversations/s  peak RSS {old_rss:5.0f} MB (main)")
+    print(f"  transformers apply_chat_template(tokenize=True) loop: {hf_rate:,.0f} conversations/s (loop only)")
+    print(f"  speed-up: {new_rate / old_rate:.2f}x the Jinja path (target >= 4x), {new_rate / hf_rate:.0f}x the "
+          f"transformers loop (target >= 60x); outputs byte-identical: {same}")
+    big = work / "chat2.jsonl"
+    build_chat_corpus(big, 2 * chat_mb)
+    big_t, big_rss = xprep_tokenize(big, work / "chat2", "--on-error", "skip")
+    print(f"  peak RSS: {chat_size / 1e6:.0f} MB {new_rss:.0f} MB, {2 * chat_size / 1e6:.0f} MB {big_rss:.0f} MB "
+          f"(ratio {big_rss / new_rss:.2f}; target < 1024 MB and flat), {2 * chat_size / 1e6 / big_t:.1f} MB/s")
+    parts = chat_breakdown(chat, 2000 if quick else 8000)
+    for p in parts.values():
+        per_conv = p["total_s"] / p["conversations"] * 1e6
+        print(f"  one worker, in-process, {p['conversations']:,} conversations, {p['path']}: {per_conv:.0f} us per "
+              f"conversation, {p['render_s'] / p['total_s']:.0%} of it rendering with spans")
+
+
+def text_bench(work: Path, text_mb: float, skip_classic: bool) -> None:
+    corpus = work / "corpus.jsonl"
+    size = build_text_corpus(corpus, text_mb)
+    print(f"text corpus: {size / 1e6:.1f} MB JSONL of real documents; Qwen3 tokenizer; {os.cpu_count()} cores")
+    # Cold: an empty cache of tokenizer facts, so this run loads the HF tokenizer and self-checks
+    # gigatoken against it. Warm: the verdict is memoized per tokenizer content (the usual case).
+    cold, _ = xprep_tokenize(corpus, work / "xprep", cache=work / "cache")
+    ours, ours_rss = xprep_tokenize(corpus, work / "xprep", cache=work / "cache")
+    fast, fast_rss = run([sys.executable, "-c", FAST_BASELINE, str(corpus), str(QWEN3), str(work / "fast")])
+    for name, t, rss in (("xprep tokenize", ours, ours_rss), ("fast baseline (gigatoken+mcore)", fast, fast_rss)):
+        print(f"  {name:32s} {t:7.2f} s  {size / 1e6 / t:7.1f} MB/s  peak RSS {rss:6.0f} MB")
+    print(f"  xprep tokenize, first run with this tokenizer (HF load + self-check): {cold:.2f} s")
+    print(f"  speed-up vs fast baseline: {fast / ours:.2f}x, first run {fast / cold:.2f}x  (target >= 1.5x)")
+    if not skip_classic:
+        classic, _ = run([sys.executable, "-c", CLASSIC_BASELINE, str(corpus), str(QWEN3), str(work / "classic")])
+        print(f"  classic baseline (Pool(2)+HF)  {classic:7.2f} s  {size / 1e6 / classic:7.1f} MB/s")
+        print(f"  speed-up vs classic baseline: {classic / ours:.2f}x, "
+              f"first run {classic / cold:.2f}x  (target >= 10x)")
+
+    big = work / "corpus4.jsonl"
+    with open(big, "wb") as out:
+        for _ in range(4):
+            with open(corpus, "rb") as f:
+                shutil.copyfileobj(f, out)
+    big_t, big_rss = xprep_tokenize(big, work / "xprep4")
+    print(f"peak RSS: {size / 1e6:.0f} MB corpus {ours_rss:.0f} MB, "
+          f"{4 * size / 1e6:.0f} MB corpus {big_rss:.0f} MB (ratio {big_rss / ours_rss:.2f}; "
+          f"target < 1024 MB and flat), {4 * size / 1e6 / big_t:.1f} MB/s")
+
+
+def chat_workers(work: Path) -> None:
+    """What --workers 0 (auto) picks for chat, against one worker and every core, in the same run."""
+    chat = work / "chat.jsonl"
+    auto = xprep_tokenize(chat, work / "chat-auto", "--on-error", "skip")[0]
+    by_workers = {n: xprep_tokenize(chat, work / f"chat-{n}", "--on-error", "skip", "--workers", str(n))[0]
+                  for n in (1, os.cpu_count() or 1)}
+    print("chat workers: " + ", ".join(f"{n} → {t:.2f} s" for n, t in by_workers.items())
+          + f"; auto ({auto:.2f} s) is {by_workers[1] / auto:.2f}x one worker")
 
 
 def main() -> None:
@@ -163,57 +283,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small corpora, for a smoke run")
     parser.add_argument("--mb", type=float, default=107.0, help="text corpus size in MB")
     parser.add_argument("--skip-classic", action="store_true", help="skip the slow classic baseline")
+    parser.add_argument("--chat-only", action="store_true", help="only the chat measurements")
+    parser.add_argument("--chat-mb", type=float, default=50.0, help="chat corpus size in MB (≥ 50 for the targets)")
     args = parser.parse_args()
     if not QWEN3.is_dir():
         raise SystemExit(f"needs the real test material in {DATA}")
-    text_mb = 10.0 if args.quick else args.mb
-    chat_mb = 5.0 if args.quick else 50.0
     work = Path(tempfile.mkdtemp(prefix="xprep-bench-"))
     try:
-        corpus = work / "corpus.jsonl"
-        size = build_text_corpus(corpus, text_mb)
-        print(f"text corpus: {size / 1e6:.1f} MB JSONL of real documents; Qwen3 tokenizer; {os.cpu_count()} cores")
-        # Cold: an empty cache of tokenizer facts, so this run loads the HF tokenizer and self-checks
-        # gigatoken against it. Warm: the verdict is memoized per tokenizer content (the usual case).
-        cold, _ = xprep_tokenize(corpus, work / "xprep", cache=work / "cache")
-        ours, ours_rss = xprep_tokenize(corpus, work / "xprep", cache=work / "cache")
-        fast, fast_rss = run([sys.executable, "-c", FAST_BASELINE, str(corpus), str(QWEN3), str(work / "fast")])
-        for name, t, rss in (("xprep tokenize", ours, ours_rss), ("fast baseline (gigatoken+mcore)", fast, fast_rss)):
-            print(f"  {name:32s} {t:7.2f} s  {size / 1e6 / t:7.1f} MB/s  peak RSS {rss:6.0f} MB")
-        print(f"  xprep tokenize, first run with this tokenizer (HF load + self-check): {cold:.2f} s")
-        print(f"  speed-up vs fast baseline: {fast / ours:.2f}x, first run {fast / cold:.2f}x  (target >= 1.5x)")
-        if not args.skip_classic:
-            classic, _ = run([sys.executable, "-c", CLASSIC_BASELINE, str(corpus), str(QWEN3), str(work / "classic")])
-            print(f"  classic baseline (Pool(2)+HF)  {classic:7.2f} s  {size / 1e6 / classic:7.1f} MB/s")
-            print(f"  speed-up vs classic baseline: {classic / ours:.2f}x, "
-                  f"first run {classic / cold:.2f}x  (target >= 10x)")
-
-        big = work / "corpus4.jsonl"
-        with open(big, "wb") as out:
-            for _ in range(4):
-                with open(corpus, "rb") as f:
-                    shutil.copyfileobj(f, out)
-        big_t, big_rss = xprep_tokenize(big, work / "xprep4")
-        print(f"peak RSS: {size / 1e6:.0f} MB corpus {ours_rss:.0f} MB, "
-              f"{4 * size / 1e6:.0f} MB corpus {big_rss:.0f} MB (ratio {big_rss / ours_rss:.2f}; "
-              f"target < 1024 MB and flat), {4 * size / 1e6 / big_t:.1f} MB/s")
-
-        chat = work / "chat.jsonl"
-        chat_size = build_chat_corpus(chat, chat_mb)
-        chat_t, chat_rss = xprep_tokenize(chat, work / "chat", "--on-error", "skip")
-        manifest = json.loads((work / "chat" / "manifest.json").read_text())
-        n_conv = manifest["counts"]["documents"]
-        # What --workers 0 (auto) picks for chat, against one worker and every core, in the same run.
-        by_workers = {n: xprep_tokenize(chat, work / f"chat-{n}", "--on-error", "skip", "--workers", str(n))[0]
-                      for n in (1, os.cpu_count() or 1)}
-        print("chat workers: " + ", ".join(f"{n} → {t:.2f} s" for n, t in by_workers.items())
-              + f"; auto ({chat_t:.2f} s) is {by_workers[1] / chat_t:.2f}x one worker")
-        parts = chat_breakdown(chat, 2000 if args.quick else 20000)
-        share = parts["render_s"] / (parts["render_s"] + parts["encode_s"])
-        print(f"chat: {chat_size / 1e6:.1f} MB chitchat (Qwen3 template), {n_conv:,} conversations kept "
-              f"in {chat_t:.2f} s = {n_conv / chat_t:,.0f} conversations/s, peak RSS {chat_rss:.0f} MB (main)")
-        print(f"  in-process over {parts['conversations']:,} conversations: rendering {parts['render_s']:.2f} s, "
-              f"encoding {parts['encode_s']:.2f} s -> {share:.0%} of the time is template rendering")
+        if not args.chat_only:
+            text_bench(work, 10.0 if args.quick else args.mb, args.skip_classic)
+        chat_bench(work, 5.0 if args.quick else args.chat_mb, args.quick)
+        if not args.chat_only:
+            chat_workers(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -6,17 +6,27 @@ special tags: for assistant message ``i`` the span starts where the template's o
 ``messages[:i]`` with ``add_generation_prompt=True`` ends (the assistant header), and ends after
 the message content plus the end-of-turn marker that follows it. The whole conversation is
 rendered once, so the token stream is exactly what the template renders.
+
+Known templates (``prep/chat_fast.py``, recognised by their exact source) are rendered by plain
+Python instead, once it agreed with the sandboxed rendering on a built-in sample; their renderers also
+say where each assistant content lies, which spares the placeholder rendering. The result is the same
+text and spans, so everything below holds for both paths; ``ChatTemplate.path`` says which one runs.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
+from itertools import accumulate
 from pathlib import Path
 
+from prep import chat_fast
 from prep.errors import XprepError
 
 BUILTIN_TEMPLATES = {
@@ -44,9 +54,12 @@ ROLES = {
     "function": "tool", "observation": "tool", "ipython": "tool", "developer": "system",
 }
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_EXTRAS = ("category", "tool_calls", "name", "reasoning_content", "tool_call_id")  # kept by normalize_messages
 
 
+RENDER_ENV = "XPREP_CHAT_RENDER"  # "jinja" forces the general path (what bench/tokenize.py compares against)
 TEMPLATE_DATE = datetime(2024, 7, 26)  # what `strftime_now` renders: Llama 3.1's own default date_string
+_SPACES = re.compile(r"[ \t\r\n]*")  # what _after_marker skips before an end-of-turn marker
 MAX_RENDERED = 1 << 26  # characters a single template operation may produce (untrusted templates)
 
 
@@ -160,8 +173,38 @@ class ChatTemplate:
         self.spec = spec
         self._template = _compile(spec.source)
         self._markers = tuple(dict.fromkeys(m for m in (spec.eos_token, *END_OF_TURN) if m))
+        self._fast, self.path = None, ""
+        self._fast, self.path = _choose_renderer(self)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        text = self._render_fast(messages, add_generation_prompt)
+        return text if text is not None else self.render_jinja(messages, add_generation_prompt)
+
+    def _render_fast(self, messages: list[dict], add_generation_prompt: bool, slots: list | None = None) -> str | None:
+        """The fast renderer's text, or None where there is none or it leaves this conversation to Jinja.
+
+        ``slots`` (a list) gets ``(message index, start, end)`` of each assistant content in the text, -1s where
+        the template's glue depends on that content (see ``chat_fast``).
+        """
+        if self._fast is None or not messages:
+            return None
+        try:
+            parts = self._fast(messages, add_generation_prompt, self.spec.bos_token, self.spec.eos_token or "", slots)
+        except chat_fast.RaisedByTemplate as e:
+            raise TemplateError(str(e)) from None
+        except Exception:  # noqa: BLE001 - a renderer's own bug: Jinja's rendering is the truth
+            parts = None
+        if parts is None:
+            if slots:
+                slots.clear()
+            return None
+        if slots:
+            ends = list(accumulate(map(len, parts)))
+            slots[:] = [(i, ends[p] - len(parts[p]), ends[p]) if p >= 0 else (i, -1, -1) for i, p in slots]
+        return "".join(parts)
+
+    def render_jinja(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The template's own rendering, in the sandbox (what ``render`` equals, faster where it can)."""
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.spec.bos_token, eos_token=self.spec.eos_token or "")
@@ -178,12 +221,18 @@ class ChatTemplate:
         Two renders: the conversation, and the same with assistant contents replaced by
         placeholders, whose surroundings (the template's glue) locate each turn in linear time.
         Templates whose glue depends on the content fall back to rendering every prefix.
+        A fast renderer that says where each content lies saves the second render (``_spans_by_slots``).
         """
-        text = self.render(messages)
+        slots: list = []
+        text = self._render_fast(messages, False, slots)
+        if text is None:
+            text = self.render_jinja(messages)
         assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistants:
             return text, []
-        spans = self._spans_by_placeholders(text, messages, assistants)
+        spans = self._spans_by_slots(text, messages, assistants, slots) if slots else None
+        if spans is None:
+            spans = self._spans_by_placeholders(text, messages, assistants)
         if spans is None:
             spans = self._spans_by_prefixes(text, messages, assistants)
         return text, spans
@@ -217,9 +266,9 @@ class ChatTemplate:
         if not header:
             return None
         marks = [f"\ue000{k}\ue001" for k in range(len(assistants))]
-        masked = [dict(m) for m in messages]
+        masked = list(messages)
         for k, i in enumerate(assistants):
-            masked[i]["content"] = marks[k]
+            masked[i] = {**messages[i], "content": marks[k]}
         try:
             skeleton = self.render(masked)
         except TemplateError:
@@ -227,25 +276,54 @@ class ChatTemplate:
         glue, rest = [], skeleton
         for mark in marks:
             head, found, rest = rest.partition(mark)
-            if not found or any(m in head for m in marks):
+            if not found or ("\ue000" in head and any(m in head for m in marks)):
                 return None
             glue.append(head)
         glue.append(rest)
         spans, cursor = [], 0
         for k, i in enumerate(assistants):
-            if not text.startswith(glue[k], cursor) or header not in glue[k]:
+            at = glue[k].rfind(header)
+            if at < 0 or not text.startswith(glue[k], cursor):
                 return None
-            start = cursor + glue[k].rindex(header) + len(header)
+            start = cursor + at + len(header)
             cursor += len(glue[k])
-            content = messages[i]["content"]
-            rendered = next((c for c in content_forms(content)
-                             if text.startswith(c, cursor) and text.startswith(glue[k + 1], cursor + len(c))),
-                            None)
+            rendered = _rendered_form(text, messages[i]["content"], cursor, glue[k + 1])
             if rendered is None:
                 return None
             cursor += len(rendered)
             spans.append((start, self._after_marker(text, cursor), i))
         if text[cursor:] != glue[-1]:
+            return None
+        return spans
+
+    def _spans_by_slots(self, text: str, messages: list[dict], assistants: list[int], slots: list
+                        ) -> list[tuple[int, int, int]] | None:
+        """``_spans_by_placeholders`` without its second rendering, for a fast renderer's text whose assistant
+        contents lie at ``slots``: the placeholder rendering would be this text with each slot replaced by its
+        placeholder, so its glue is the text between slots. Same checks, same result; None where it would be."""
+        header = self.generation_prompt
+        if (not header or "\ue000" in text or [i for i, _, _ in slots] != assistants
+                or any(a < 0 for _, a, _ in slots)):
+            return None  # no placeholder could be told apart, or the glue depends on a content: the general way
+        spans, cursor, prev = [], 0, 0
+        for k, (i, a, b) in enumerate(slots):  # glue k is text[prev:a]; the placeholder search walks a cursor
+            at = text.rfind(header, prev, a)
+            if at < 0 or (cursor != prev and not text.startswith(text[prev:a], cursor)):
+                return None
+            start = cursor + (at - prev) + len(header)
+            cursor += a - prev
+            content = messages[i]["content"]
+            if cursor == a and b - a == len(content) and text.startswith(content, a):
+                cursor = b  # the content as is, followed by the next glue: _rendered_form's first choice
+            else:
+                after = text[b : slots[k + 1][1]] if k + 1 < len(slots) else text[b:]
+                rendered = _rendered_form(text, content, cursor, after)
+                if rendered is None:
+                    return None
+                cursor += len(rendered)
+            spans.append((start, self._after_marker(text, cursor), i))
+            prev = b
+        if cursor != prev and text[cursor:] != text[prev:]:
             return None
         return spans
 
@@ -287,13 +365,70 @@ class ChatTemplate:
                             "assistant turn not found")
 
     def _after_marker(self, text: str, end: int) -> int:
-        rest = len(text) - len(text[end:].lstrip(" \t\r\n"))
+        """Past the first marker found at ``end``, or after the whitespace there (markers in order); else ``end``."""
+        rest = -1
         for marker in self._markers:
             if text.startswith(marker, end):
                 return end + len(marker)
+            if rest < 0:
+                rest = _SPACES.match(text, end).end()
             if text.startswith(marker, rest):
                 return rest + len(marker)
         return end
+
+
+def _rendered_form(text: str, content: str, at: int, after: str) -> str | None:
+    """The form of ``content`` (``content_forms``, in order) that ``text`` holds at ``at``, followed by ``after``."""
+    if text.startswith(content, at) and text.startswith(after, at + len(content)):
+        return content  # the first form, and the usual one
+    return next((c for c in content_forms(content) if text.startswith(c, at) and text.startswith(after, at + len(c))),
+                None)
+
+
+_VERDICTS: dict[tuple[str, str, str | None], str | None] = {}  # (source sha256, bos, eos) → self-check problem
+
+
+def _choose_renderer(template: ChatTemplate) -> tuple[chat_fast.Renderer | None, str]:
+    """The fast renderer for this template, if it has one that agrees with Jinja; and which path runs, in words.
+
+    The self-check renders ``chat_fast.PROBES`` both ways (with and without the generation prompt, and with
+    spans) and must find every text, span and error identical; it runs once per process and template.
+    """
+    if os.environ.get(RENDER_ENV, "").lower() == "jinja":
+        return None, f"Jinja ({RENDER_ENV}=jinja)"
+    known = chat_fast.recognise(template.spec.source)
+    if known is None:
+        return None, "Jinja (not a template the fast path knows)"
+    name, renderer = known
+    key = (template.spec.sha256, template.spec.bos_token, template.spec.eos_token)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _self_check(template, renderer)
+    if _VERDICTS[key] is not None:
+        return None, f"Jinja (fast path {name} failed its self-check: {_VERDICTS[key]})"
+    return renderer, f"fast path {name} (checked against Jinja)"
+
+
+def _self_check(template: ChatTemplate, renderer: chat_fast.Renderer) -> str | None:
+    """None when ``renderer`` renders every probe as the template's Jinja does, else the first difference."""
+    fast, ref = copy.copy(template), copy.copy(template)
+    fast._fast, ref._fast = renderer, None
+    for k, probe in enumerate(chat_fast.PROBES):
+        for what, method, args in (("text", "render", (probe,)),
+                                   ("text with the generation prompt", "render", (probe, True)),
+                                   ("spans", "render_with_spans", (probe,))):
+            if _outcome(getattr(fast, method), args) != _outcome(getattr(ref, method), args):
+                return f"probe {k}: the {what} differs"
+    if fast.generation_prompt != ref.generation_prompt or fast.end_of_turn() != ref.end_of_turn():
+        return "the generation prompt or end-of-turn marker differs"
+    return None
+
+
+def _outcome(method, args: tuple) -> tuple:
+    """What a call gives: its value, or the template error it raises (message and kind)."""
+    try:
+        return "ok", method(*args)
+    except TemplateError as e:
+        return "error", str(e), e.kind
 
 
 def content_forms(content: str) -> tuple[str, ...]:
@@ -358,24 +493,26 @@ def normalize_messages(record: dict, role_map: dict[str, str] | None = None) -> 
         raise TemplateError(f"field {key!r} is {json_type(raw)}, expected a list of messages", "bad type")
     if not raw:
         raise TemplateError(f"empty conversation: field {key!r} is an empty list", "empty conversation")
-    roles = {**ROLES, **(role_map or {})}
+    roles = {**ROLES, **role_map} if role_map else ROLES
     out = []
     for j, m in enumerate(raw):
         if not isinstance(m, dict):
             raise TemplateError(f"message {j} is {json_type(m)}, not an object", "bad message")
-        role = m.get(role_key, m.get("role"))
-        content = m.get(content_key, m.get("content"))
-        if not isinstance(role, str) or role.lower() not in roles:
+        role = m[role_key] if role_key in m else m.get("role")
+        content = m[content_key] if content_key in m else m.get("content")
+        canonical = roles.get(role.lower()) if isinstance(role, str) else None
+        if canonical is None:
             raise TemplateError(f"message {j}: unknown role {role!r} (known: {', '.join(sorted(roles))}; "
                                 "map others with --role-map NAME=assistant|user|system|tool)",
                                 _role_kind(role))
         if content is None:
             content = ""
-        if not isinstance(content, str):
+        elif not isinstance(content, str):
             raise TemplateError(f"message {j}: content must be a string, got {type(content).__name__}", "bad message")
-        message = {"role": roles[role.lower()], "content": content}
-        for extra in ("category", "tool_calls", "name", "reasoning_content", "tool_call_id"):
-            if m.get(extra) is not None:  # table rows carry every column, null where absent
-                message[extra] = m[extra]
+        message = {"role": canonical, "content": content}
+        if len(m) > 2:  # a message of just a role and a content has no extra
+            for extra in MESSAGE_EXTRAS:
+                if m.get(extra) is not None:  # table rows carry every column, null where absent
+                    message[extra] = m[extra]
         out.append(message)
     return out

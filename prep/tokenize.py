@@ -332,58 +332,55 @@ class Processor:
         return self.options.eod_id is not None and (eod or (eod is None and kind == TEXT))
 
     def _encode_chats(self, chats: list, code) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Render every conversation, encode it whole, and mark the assistant spans as targets.
+        """Encode every rendered conversation whole and as its span-separated segments, in one encoder call for
+        the whole batch, and mark the assistant spans as targets.
 
-        Each conversation is also encoded as its span-separated segments; where the segments'
-        ids concatenate to the whole-text ids (the common case: spans begin and end at special
-        tokens or newlines) the segment lengths give the mask. Elsewhere HF offsets map
+        Where a conversation's segment ids concatenate to its whole-text ids (the common case: spans begin and
+        end at special tokens or newlines) the segment lengths give the mask. Elsewhere HF offsets map
         characters to tokens.
         """
-        rendered = [(text, spans, messages, cat) for (messages, text, spans), cat in chats]
-        whole_flat, whole_len = self.encoder.encode([r[0] for r in rendered], add_special_tokens=False)
-        seg_texts, seg_target, seg_cat, seg_count = [], [], [], []
-        for text, spans, messages, cat in rendered:
-            pos = 0
-            n = 0
+        texts, seg_texts, seg_target, seg_cat, seg_count = [], [], [], [], []
+        for (messages, text, spans), cat in chats:
+            texts.append(text)
+            pos, first = 0, len(seg_texts)
             for start, end, i in spans:
                 if start > pos:
                     seg_texts.append(text[pos:start])
                     seg_target.append(False)
                     seg_cat.append(code(cat))
-                    n += 1
                 seg_texts.append(text[start:end])
                 seg_target.append(True)
                 seg_cat.append(code(messages[i].get("category") or cat))
-                n += 1
                 pos = end
             if pos < len(text):
                 seg_texts.append(text[pos:])
                 seg_target.append(False)
                 seg_cat.append(code(cat))
-                n += 1
-            seg_count.append(n)
-        seg_flat, seg_len = self.encoder.encode(seg_texts, add_special_tokens=False)
-        seg_target = np.array(seg_target, bool)
-        seg_cat = np.array(seg_cat, np.uint16)
-        whole_off = np.concatenate([[0], np.cumsum(whole_len)])
-        seg_off = np.concatenate([[0], np.cumsum(seg_len)])
-        seg_first = np.concatenate([[0], np.cumsum(seg_count)])
+            seg_count.append(len(seg_texts) - first)
+        flat, lengths = self.encoder.encode(texts + seg_texts, add_special_tokens=False)
+        n = len(texts)
+        whole_len, seg_len = lengths[:n], lengths[n:]
+        whole_off, seg_first = _offsets(whole_len), _offsets(np.array(seg_count, np.int64))
+        split = int(whole_off[-1])
+        whole_flat, seg_flat = flat[:split], flat[split:]
+        conv_seg = _offsets(seg_len)[seg_first]  # where each conversation's segment ids start in seg_flat
+        # the common case, checked for the whole batch at once: every conversation's segments give its ids
+        same = bool(np.array_equal(conv_seg, whole_off)) and np.array_equal(seg_flat, whole_flat)
+        target = np.repeat(np.array(seg_target, bool), seg_len)
+        cats = np.repeat(np.array(seg_cat, np.uint16), seg_len)
+        mask = np.ones(len(target), np.uint8) if self.options.train_on == "all" else target.view(np.uint8).copy()
         out = []
-        for k, (text, spans, messages, cat) in enumerate(rendered):
-            ids = whole_flat[whole_off[k] : whole_off[k + 1]]
-            s0, s1 = seg_first[k], seg_first[k + 1]
-            seg_ids = seg_flat[seg_off[s0] : seg_off[s1]]
-            if np.array_equal(ids, seg_ids):
-                reps = seg_len[s0:s1]
-                target = np.repeat(seg_target[s0:s1], reps)
-                cats = np.repeat(seg_cat[s0:s1], reps)
+        for k, ((messages, text, spans), cat) in enumerate(chats):
+            a, b = whole_off[k], whole_off[k + 1]
+            sa, sb = conv_seg[k], conv_seg[k + 1]
+            ids = whole_flat[a:b]
+            if same or (sb - sa == b - a and np.array_equal(seg_flat[sa:sb], ids)):
+                doc_mask, doc_cats = mask[sa:sb], cats[sa:sb]
             else:
-                target, cats = self._mask_from_offsets(text, ids, spans, messages, cat, code)
-            if self.options.train_on == "all":
-                target = np.ones(len(ids), bool)
-            mask = target.astype(np.uint8)
-            mask[:1] = 0
-            out.append((ids, mask, cats))
+                doc_target, doc_cats = self._mask_from_offsets(text, ids, spans, messages, cat, code)
+                doc_mask = np.ones(b - a, np.uint8) if self.options.train_on == "all" else doc_target.astype(np.uint8)
+            doc_mask[:1] = 0
+            out.append((ids, doc_mask, doc_cats))
         return out
 
     def _mask_from_offsets(self, text, ids, spans, messages, cat, code):
@@ -397,6 +394,13 @@ class Processor:
             target |= inside
             cats[inside] = code(messages[i].get("category") or cat)
         return target, cats
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """CSR offsets of ``lengths``: [0, l0, l0+l1, ...]."""
+    out = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
 
 
 def _detect(record: dict, text_field: str) -> str:
@@ -591,6 +595,8 @@ def prepare(config: TokenizeConfig) -> Job:
                       config.category_field, append_eod, info.eod_id, info.vocab_size,
                       parse_role_map(config.role_map))
     backend, reason = choose_backend(info, config.backend)
+    if template is not None and chat:  # which chat path runs: said on the final line, after the encoder's
+        reason = f"{reason}; chat template: {compiled.path}"
     head = {
         "tokenizer": info.describe(),
         "special_tokens": info.special_tokens(),

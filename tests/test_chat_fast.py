@@ -1,0 +1,241 @@
+"""prep/chat_fast.py: the fast chat path gives exactly the general (Jinja) path's tokens, targets and categories.
+
+The general path is forced with ``XPREP_CHAT_RENDER=jinja``; both run the same Processor on every
+conversation of ../shared/data/chat plus hand-made edge cases, for the Qwen3, ChatML, Llama-3 and Mistral
+templates, and must agree array for array, reject for reject.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import SHARED, requires_shared_data
+from prepkit import write_jsonl
+
+from prep import chat_fast, templates
+from prep.encoder import choose_backend, load_tokenizer_info
+from prep.formats import CHAT
+from prep.sources import LINES, RawBatch
+from prep.templates import RENDER_ENV, ChatTemplate, TemplateError, TemplateSpec
+from prep.tokenize import Options, Processor
+
+THINK = "<think>\nI should answer.\n</think>\n\n"
+EDGE_CASES: list[dict] = [
+    {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Weather?"},
+                  {"role": "assistant", "content": "Checking."}, {"role": "tool", "content": "sunny, 21C"},
+                  {"role": "assistant", "content": "Sunny, 21 °C."}]},
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+                  {"role": "user", "content": "again"}, {"role": "assistant", "content": "   "}]},
+    {"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": THINK + "a1"},
+                  {"role": "user", "content": "q2"}, {"role": "assistant", "content": THINK + "a2"}]},
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\n\n</think>\n\nshort"}]},
+    {"messages": [{"role": "user", "content": "q"},
+                  {"role": "assistant", "content": "a", "reasoning_content": "because\n"},
+                  {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b", "reasoning_content": "so"}]},
+    {"messages": [{"role": "user", "content": "naïve café — 日本語 😀"},
+                  {"role": "assistant", "content": "Ünïcödé 👨‍👩‍👧 ½"},
+                  {"role": "user", "content": "\u00a0\u200b\r\n"}, {"role": "assistant", "content": "\r\n\tok\n"}]},
+    {"messages": [{"role": "user", "content": "say <|im_end|> and <|im_start|>assistant\n"},
+                  {"role": "assistant", "content": "<|im_end|><|endoftext|></s><s>[INST] <|eot_id|>"},
+                  {"role": "user", "content": "<|start_header_id|>assistant<|end_header_id|>\n\n"},
+                  {"role": "assistant", "content": "<tool_response>x</tool_response>"}]},
+    {"messages": [{"role": "user", "content": "\ue000 placeholder look-alikes \ue0000\ue001"},
+                  {"role": "assistant", "content": "\ue0000\ue001"}]},
+    {"messages": [{"role": "user", "content": "two answers"}, {"role": "assistant", "content": "one"},
+                  {"role": "assistant", "content": "two"}]},
+    {"messages": [{"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "ok"},
+                  {"role": "assistant", "content": "fine"}]},
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "  spaced  \n"},
+                  {"role": "user", "content": "<tool_response>r</tool_response>"},
+                  {"role": "assistant", "content": "\n\nleading newlines"}]},
+    {"messages": [{"role": "user", "content": "call it"},
+                  {"role": "assistant", "content": "",
+                   "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+                  {"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42."}]},
+    {"category": "smalltalk", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "category": "math"}]},
+    {"messages": [{"role": "user", "content": "only a user"}]},
+    {"conversations": [{"from": "human", "value": "sharegpt"}, {"from": "gpt", "value": "style"}]},
+] + [{"messages": probe} for probe in chat_fast.PROBES]
+
+
+def _llama3_spec(source: str) -> TemplateSpec:
+    return TemplateSpec("llama3", source, "<|begin_of_text|>", "<|eot_id|>")
+
+
+# name → the TemplateSpec to use (None: the Qwen3 tokenizer's own template)
+CASES = {
+    "qwen3": None,
+    "chatml": TemplateSpec("chatml", templates.BUILTIN_TEMPLATES["chatml"], "", "<|im_end|>"),
+    "llama3": _llama3_spec(templates.BUILTIN_TEMPLATES["llama3"]),
+    "llama3-meta": _llama3_spec(chat_fast.LLAMA3_META),
+    "mistral": TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"),
+}
+# Special tokens of the Llama-3 and Mistral templates: added to a copy of the Qwen3 tokenizer so that their
+# spans start and end at special tokens as with those models' own tokenizers (otherwise every conversation
+# takes the slow HF-offsets route, on both paths alike).
+EXTRA_SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>",
+                 "[INST]", "[/INST]"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    if not SHARED.is_dir():
+        pytest.skip(f"real test data not found at {SHARED}")
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(SHARED / "tokenizers/qwen3/tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in EXTRA_SPECIAL])
+    d = tmp_path_factory.mktemp("qwen3_plus")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_bytes((SHARED / "tokenizers/qwen3/tokenizer_config.json").read_bytes())
+    return d
+
+
+def _processor(tokenizer_dir, spec: TemplateSpec | None, train_on: str = "assistant",
+               category: str | None = None) -> Processor:
+    info = load_tokenizer_info(str(tokenizer_dir))
+    if spec is None:
+        spec = TemplateSpec("tokenizer", info.chat_template, info.bos_token or "", info.eos_token)
+    backend, _ = choose_backend(info, "auto")
+    options = Options(CHAT, "text", train_on, category, None, None, info.eod_id, info.vocab_size)
+    return Processor(info, backend, spec, options)
+
+
+def _batch(limit: int | None = None) -> RawBatch:
+    lines = (SHARED / "chat/chitchat.jsonl").read_bytes().splitlines()[:limit]
+    lines += [json.dumps(r, ensure_ascii=False).encode() for r in EDGE_CASES]
+    return RawBatch(0, lines, list(range(1, len(lines) + 1)), LINES)
+
+
+def _assert_same(a, b, name: str) -> None:
+    assert [(r.line, r.kind, r.reason, r.fatal) for r in a.rejects] == [
+        (r.line, r.kind, r.reason, r.fatal) for r in b.rejects]
+    assert np.array_equal(a.lengths, b.lengths)
+    starts = np.concatenate([[0], np.cumsum(a.lengths)])
+    for k in range(len(a.lengths)):  # document by document, to name the first one that differs
+        s = slice(starts[k], starts[k + 1])
+        assert np.array_equal(a.tokens[s], b.tokens[s]), f"{name}: document {k}: tokens"
+        assert np.array_equal(a.loss_mask[s], b.loss_mask[s]), f"{name}: document {k}: loss mask"
+    assert a.cat_keys == b.cat_keys and np.array_equal(a.cat_codes, b.cat_codes)
+
+
+@requires_shared_data
+@pytest.mark.parametrize("name", list(CASES))
+def test_fast_path_equals_general_path_on_every_conversation(name, tokenizer_dir, monkeypatch):
+    spec = CASES[name]
+    batch = _batch()
+    fast = _processor(tokenizer_dir, spec)
+    assert fast.template.path.startswith("fast path "), fast.template.path
+    monkeypatch.setenv(RENDER_ENV, "jinja")
+    general = _processor(tokenizer_dir, spec)
+    assert general.template.path == f"Jinja ({RENDER_ENV}=jinja)"
+    a, b = fast(batch), general(batch)
+    _assert_same(a, b, name)
+    assert len(a.lengths) > 100 and a.loss_mask.sum() > 0  # most conversations are documents
+
+
+@requires_shared_data
+def test_fast_path_equals_general_path_with_train_on_all_and_a_category(tokenizer_dir, monkeypatch):
+    batch = _batch(limit=300)
+    fast = _processor(tokenizer_dir, None, train_on="all", category="chat")
+    monkeypatch.setenv(RENDER_ENV, "jinja")
+    general = _processor(tokenizer_dir, None, train_on="all", category="chat")
+    assert fast.template._fast is not None and general.template._fast is None
+    _assert_same(fast(batch), general(batch), "qwen3 --train-on all")
+
+
+@requires_shared_data
+def test_slot_spans_equal_placeholder_spans_on_real_conversations():
+    """The fast span search (no second rendering) gives what the placeholder search gives, turn for turn."""
+    config = json.loads((SHARED / "tokenizers/qwen3/tokenizer_config.json").read_text())
+    t = ChatTemplate(TemplateSpec("tokenizer", config["chat_template"], "", config["eos_token"]))
+    checked = 0
+    for line in (SHARED / "chat/chitchat.jsonl").read_text(encoding="utf-8").splitlines()[:300]:
+        msgs = templates.normalize_messages(json.loads(line))
+        assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        if not assistants:
+            continue
+        slots: list = []
+        text = t._render_fast(msgs, False, slots)
+        assert text == t.render_jinja(msgs)
+        by_slots = t._spans_by_slots(text, msgs, assistants, slots)
+        assert by_slots is not None and by_slots == t._spans_by_placeholders(text, msgs, assistants)
+        checked += 1
+    assert checked > 100
+
+
+def test_every_known_template_passes_its_self_check():
+    for source, bos, eos in ((chat_fast.CHATML_XPREP, "", "<|im_end|>"), (chat_fast.CHATML_HF, "", "<|im_end|>"),
+                             (chat_fast.LLAMA3_XPREP, "<|begin_of_text|>", "<|eot_id|>"),
+                             (chat_fast.LLAMA3_META, "<|begin_of_text|>", "<|eot_id|>"),
+                             (chat_fast.MISTRAL, "<s>", "</s>"), (chat_fast.MISTRAL_V01, "<s>", "</s>"),
+                             (chat_fast.MISTRAL_SPACED, "<s>", "</s>"), (chat_fast.GEMMA, "<bos>", "<eos>")):
+        t = ChatTemplate(TemplateSpec("known", source, bos, eos))
+        assert t.path == f"fast path {chat_fast.recognise(source)[0]} (checked against Jinja)"
+
+
+def test_unknown_template_takes_the_general_path():
+    # ChatML with one more space: not a known source, so rendered by Jinja (in the sandbox) — and still right.
+    source = templates.BUILTIN_TEMPLATES["chatml"].replace("{% endfor %}", "{%  endfor %}")
+    t = ChatTemplate(TemplateSpec("mine", source, "", "<|im_end|>"))
+    assert t.path == "Jinja (not a template the fast path knows)" and t._fast is None
+    text, spans = t.render_with_spans([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+    assert [text[a:b] for a, b, _ in spans] == ["a<|im_end|>"]
+
+
+def test_a_renderer_that_disagrees_with_jinja_is_not_used(monkeypatch):
+    name, renderer = chat_fast.KNOWN[chat_fast._sha(chat_fast.CHATML_XPREP)]
+
+    def off_by_one_space(messages, gen, bos, eos, slots):
+        parts = renderer(messages, gen, bos, eos, slots)
+        return parts if len(messages) != 3 else [*parts, " "]
+
+    monkeypatch.setitem(chat_fast.KNOWN, chat_fast._sha(chat_fast.CHATML_XPREP), (name, off_by_one_space))
+    monkeypatch.setattr(templates, "_VERDICTS", {})
+    t = ChatTemplate(TemplateSpec("chatml", chat_fast.CHATML_XPREP, "", "<|im_end|>"))
+    assert t._fast is None
+    assert t.path.startswith("Jinja (fast path chatml failed its self-check: probe ")
+
+
+def test_template_errors_are_the_same_on_both_paths(monkeypatch):
+    fast = ChatTemplate(TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"))
+    monkeypatch.setenv(RENDER_ENV, "jinja")
+    general = ChatTemplate(TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"))
+    assert fast._fast is not None and general._fast is None
+    for msgs, message in (([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], "must alternate"),
+                          ([{"role": "user", "content": "q"}, {"role": "tool", "content": "t"}], "roles are supported"),
+                          ([{"role": "tool", "content": "t"}], "must alternate")):
+        for t in (fast, general):
+            with pytest.raises(TemplateError, match=message) as e:
+                t.render_with_spans(msgs)
+            assert e.value.kind == "chat template failed"
+
+
+def test_the_fast_path_runs_no_template_code():
+    """A known source is recognised by its sha256 only: a template that merely looks like ChatML (here, one that
+    tries to reach Python internals) is not recognised, and the sandbox stops it as before."""
+    evil = templates.BUILTIN_TEMPLATES["chatml"] + "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    t = ChatTemplate(TemplateSpec("evil", evil, "", None))
+    assert t._fast is None
+    with pytest.raises(TemplateError, match="chat template failed"):
+        t.render([{"role": "user", "content": "x"}])
+
+
+def test_cli_says_which_chat_path_ran(tmp_path, tiny_tokenizer, run_cli):
+    records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 3
+    src = write_jsonl(tmp_path / "c.jsonl", records)
+    code, _, err = run_cli("tokenize", src, "-o", tmp_path / "fast", "--tokenizer", tiny_tokenizer)
+    assert code == 0 and "chat template: fast path chatml (checked against Jinja)" in err, err
+    custom = tmp_path / "t.jinja"
+    custom.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}<|endoftext|>{% endfor %}"
+                      "{% if add_generation_prompt %}[assistant] {% endif %}")
+    code, _, err = run_cli("tokenize", src, "-o", tmp_path / "general", "--tokenizer", tiny_tokenizer,
+                           "--chat-template", custom)
+    assert code == 0 and "chat template: Jinja (not a template the fast path knows)" in err, err
+    assert "1 worker]" in err
