@@ -326,7 +326,14 @@ def xtrain():
 @click.option("--beta2", type=float, default=None, help="[default: 0.95]")
 @click.option("--grad-clip", type=float, default=None, help="Max gradient norm, 0 = off [default: 1.0].")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default=None,
-              help="auto: bf16 autocast on CUDA, fp32 on CPU [default: auto].")
+              help="Forward/backward dtype; weights, gradients, optimizer state and the loss stay fp32. bf16: "
+                   "FSDP2's mixed precision (fp32 shards, bf16 compute, fp32 reduction), autocast without FSDP2. "
+                   "auto: bf16 on CUDA, fp32 on CPU [default: auto].")
+@click.option("--loss-chunk", type=int, default=None, metavar="N",
+              help="Compute the output layer and the loss N tokens at a time, recomputing each chunk's logits in "
+                   "the backward: no whole tokens × vocab logits, same loss; 0 = all at once [default: 0].")
+@click.option("--compile/--no-compile", default=None,
+              help="torch.compile each decoder block (attention stays outside the graphs) [default: off].")
 @click.option("--output", "-o", default=None, help="Run directory [default: runs/<pack directory name>].")
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps; 0 = at the end only.")
 @click.option("--keep", type=int, default=None,
@@ -339,6 +346,13 @@ def xtrain():
                    "last [default: after the last step only, when the pack has a validation entry].")
 @click.option("--eval-bins", type=int, default=None, help="Evaluate on the first M validation bins [default: all].")
 @click.option("--log-every", type=int, default=None, help="Console line every N steps [default: 10].")
+@click.option("--log", default=None, metavar="tensorboard,wandb",
+              help="Also log every step's metrics to TensorBoard (RUN/tensorboard/) and/or Weights & Biases "
+                   "(RUN/wandb/; WANDB_MODE=offline writes local files only), comma-separated; needs "
+                   "pip install 'xprep[tensorboard]' / 'xprep[wandb]' [default: metrics.jsonl and the console only].")
+@click.option("--peak-tflops", type=float, default=None,
+              help="Peak dense TFLOPS of one GPU, for MFU [default: looked up by GPU name (bf16: H100 989, A100 312, "
+                   "...); none on CPU or an unknown GPU, and MFU is then not reported].")
 @click.option("--verify-data/--no-verify-data", default=None,
               help="Re-hash the dataset streams against their manifests first (catches in-place edits).")
 @click.option("--nproc-per-node", type=int, default=None,
@@ -356,6 +370,10 @@ def xtrain():
                    "[default: on].")
 @click.option("--activation-checkpointing/--no-activation-checkpointing", default=None,
               help="Recompute each block's activations in the backward [default: off].")
+@click.option("--reduce-every-micro-batch/--reduce-once-per-step", default=None,
+              help="FSDP2 with accumulation: reduce-scatter gradients after every micro-batch so they stay "
+                   "sharded (less memory), or once per step (fewer collectives); same gradients "
+                   "[default: once per step].")
 @click.option("--async-save/--no-async-save", default=None,
               help="Write checkpoints in a background thread [default: off].")
 @_user_errors

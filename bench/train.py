@@ -2,6 +2,7 @@
 
     python bench/train.py            # a 100M-token pack (built once, kept in the temp dir)
     python bench/train.py --quick    # a 20M-token pack, fewer steps
+    python bench/train.py --only loss   # peak memory of the loss: whole logits vs --loss-chunk
 
 ``xtrain run`` is timed through ``train.trainer.run`` (what the command calls after parsing) in
 this process, alternating with the baseline, best of three each. Rates are given per CPU second of
@@ -13,6 +14,10 @@ batch < 1 s for a pack over ≥ 100M tokens; steps/s of ``xtrain run`` ≥ 0.95 
 hand-written torch loop over the same model and batches. Ratios are printed against those targets
 (timings live here, never in tests). Everything runs on one thread so the two shared cores do not
 distort the comparison.
+
+Loss memory (issue 13): the output layer + cross-entropy forward and backward over T tokens, with whole
+logits and with ``--loss-chunk``, each in a fresh process: the peak of the memory it adds (on CUDA
+``torch.cuda.max_memory_allocated``; on CPU the growth of the peak resident set, ``ru_maxrss``).
 """
 
 from __future__ import annotations
@@ -186,10 +191,61 @@ def xtrain_rate(packed: Path, model_json: Path, steps: int, warmup: int, run_dir
     return n / (clock.wall[-1] - clock.wall[warmup - 1]), n / (clock.cpu[-1] - clock.cpu[warmup - 1])
 
 
+# ------------------------------------------------------------------------------------------- loss memory
+LOSS_PEAK = """
+import resource, sys, time
+import torch
+from train.loss import chunked_token_ce
+t, d, v, chunk = (int(x) for x in sys.argv[1:5])
+torch.set_num_threads(1)
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+g = torch.Generator().manual_seed(0)
+hidden = torch.randn(t, d, generator=g).to(device).requires_grad_()
+weight = (torch.randn(v, d, generator=g) * 0.02).to(device).requires_grad_()
+labels = torch.randint(0, v, (t,), generator=g).to(device)
+if device.type == "cuda":
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+t0 = time.perf_counter()
+chunked_token_ce(hidden, weight, labels, chunk).sum().backward()
+if device.type == "cuda":
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+else:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
+print(peak, time.perf_counter() - t0, device.type)
+"""
+
+
+def loss_peak(tokens: int, dim: int, vocab: int, chunk: int) -> tuple[int, float, str]:
+    """(peak bytes the loss adds, its seconds, device) of one forward + backward in a fresh process; best of 2."""
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", LOSS_PEAK, str(tokens), str(dim), str(vocab), str(chunk)],
+                             env=ENV, capture_output=True, text=True, check=True).stdout.split()
+        runs.append((int(out[0]), float(out[1]), out[2]))
+    return min(r[0] for r in runs), min(r[1] for r in runs), runs[0][2]
+
+
+def bench_loss(tokens: int, dim: int, vocab: int, chunk: int) -> None:
+    logits_mb = tokens * vocab * 4 / 2**20
+    print(f"loss memory: output layer + cross-entropy, forward + backward, {tokens} tokens × vocab {vocab:,} "
+          f"(fp32 logits {logits_mb:,.0f} MiB), width {dim}")
+    plain, t_plain, device = loss_peak(tokens, dim, vocab, 0)
+    chunked, t_chunked, _ = loss_peak(tokens, dim, vocab, chunk)
+    print(f"  peak added ({'max_memory_allocated' if device == 'cuda' else 'peak RSS growth'}): whole logits "
+          f"{plain / 2**20:,.0f} MiB, --loss-chunk {chunk} {chunked / 2**20:,.0f} MiB   ratio "
+          f"{chunked / plain:.3f}  (one chunk's fp32 logits: {chunk * vocab * 4 / 2**20:,.0f} MiB)")
+    print(f"  time: whole {t_plain:.2f} s, chunked {t_chunked:.2f} s   ratio {t_chunked / t_plain:.2f} "
+          "(the chunked backward recomputes each chunk's logits: 4 output-layer matmuls instead of 3)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="20M tokens and fewer steps (smoke run)")
-    ap.add_argument("--only", choices=["data", "steps"], help="run one half of the benchmark")
+    ap.add_argument("--only", choices=["data", "steps", "loss"], help="run one part of the benchmark")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "xtrain-bench"))
     args = ap.parse_args()
     root = Path(args.workdir)
@@ -197,10 +253,12 @@ def main() -> None:
     tokens = 20_000_000 if args.quick else 100_000_000
     steps, warmup = (16, 4) if args.quick else (40, 8)
 
-    if args.only != "steps":
+    if args.only in (None, "data"):
         bench_data(root, tokens, args.quick)
-    if args.only != "data":
+    if args.only in (None, "steps"):
         bench_steps(root, steps, warmup)
+    if args.only in (None, "loss"):
+        bench_loss(2048 if args.quick else 8192, 512, VOCAB, 1024)
 
 
 def bench_data(root: Path, tokens: int, quick: bool) -> None:

@@ -6,10 +6,12 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from trainkit import category_pack, grads, make_trainer, max_rel_diff
 
 from train.data import IGNORE, collate
-from train.loss import LossSums, step_losses
+from train.loss import LossSums, chunked_token_ce, step_losses, token_ce
 
 
 def test_gradient_same_for_any_accumulation_split(tmp_path):
@@ -85,3 +87,67 @@ def test_document_bounds_are_read_once_per_forward(tmp_path):
         plain = trainer.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
     assert reads == ["tolist"]
     torch.testing.assert_close(counted.as_subclass(torch.Tensor), plain, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ chunked loss
+def largest_tensor_made(fn) -> int:
+    """The most elements of any tensor an op makes while ``fn`` runs (forward and backward)."""
+    largest = [0]
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            largest[0] = max([largest[0], *(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))])
+            return out
+
+    with Sizes():
+        fn()
+    return largest[0]
+
+
+def test_chunked_ce_equals_plain_without_whole_logits():
+    g = torch.Generator().manual_seed(0)
+    t, d, v, chunk = 100, 16, 300, 32
+    hidden = torch.randn(t, d, generator=g, requires_grad=True)
+    weight = torch.randn(v, d, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[::7] = IGNORE
+    upstream = torch.rand(t, generator=g)  # any weighting of the tokens, not only a plain sum
+
+    def run(n: int) -> tuple[torch.Tensor, ...]:
+        hidden.grad = weight.grad = None
+        ce = chunked_token_ce(hidden, weight, labels, n)
+        (ce * upstream).sum().backward()
+        return ce.detach(), hidden.grad.clone(), weight.grad.clone()
+
+    plain = run(0)
+    assert torch.equal(plain[0], token_ce(hidden.detach() @ weight.detach().T, labels))
+    for n in (chunk, 1, t - 1):  # ragged last chunk, one token per chunk
+        got = run(n)
+        assert max_rel_diff(dict(enumerate(got)), dict(enumerate(plain))) <= 1e-6  # relative to each one's largest
+    assert (plain[0][::7] == 0).all()
+    whole = largest_tensor_made(lambda: run(0))
+    chunked = largest_tensor_made(lambda: run(chunk))
+    assert whole == t * v and chunked == chunk * v
+
+
+def test_trainer_with_loss_chunk_gives_the_same_step(tmp_path):
+    packed = category_pack(tmp_path)
+    ref = make_trainer(packed, micro=2, accum=2)
+    chunked = make_trainer(packed, micro=2, accum=2, loss_chunk=16)
+    ref.accumulate_gradients()
+    chunked.accumulate_gradients()
+    assert max_rel_diff(grads(chunked.model), grads(ref.model)) <= 1e-6
+    for t in (ref, chunked):
+        t.optimizer.zero_grad()
+        t.sampler.consumed_samples = 0  # replay the same bins
+    a, b = ref.train_step(), chunked.train_step()  # the same step: loss and channel losses
+    assert abs(a.loss - b.loss) <= 1e-6 * a.loss and a.category_loss.keys() == b.category_loss.keys()
+    assert all(abs(a.category_loss[k] - b.category_loss[k]) <= 1e-6 * a.category_loss[k] for k in a.category_loss)
+    # the model's labels path is the plain loss when not chunked, and evaluation chunks too
+    batch = collate([ref.dataset[0], ref.dataset[1]])
+    args = (batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
+    with torch.no_grad():
+        plain = token_ce(ref.model(*args), batch["labels"])
+        torch.testing.assert_close(ref.model(*args, labels=batch["labels"]), plain, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(chunked.token_losses(batch), plain, rtol=1e-5, atol=1e-6)

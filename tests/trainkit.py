@@ -16,13 +16,13 @@ import torch
 from prep.cache import PackConfig, pack
 from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
 from prep.packfile import MANIFEST, PACK_FORMAT, PACK_JSON, PackEntry
-from train.config import ModelSection, OptimizerSection
+from train.config import ModelSection, OptimizerSection, ParallelSection
 from train.cp import CPContext
 from train.data import PackedDataset, collate
-from train.dist import ParallelDims, full_tensor, parallelize
+from train.dist import ParallelDims, full_tensor, param_dtype_for, plain_name
 from train.model import Transformer, load_model_config
 from train.samplers import build_sampler
-from train.trainer import Trainer
+from train.trainer import Trainer, autocast_for, build_model
 
 
 def make_dataset(out: Path, docs: list[np.ndarray], vocab_size: int = 256,
@@ -100,22 +100,35 @@ def category_pack(root: Path, n_docs: int = 40, capacity: int = 64, seed: int = 
 
 
 def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str = "sequential", seed: int = 0,
-                 lr: float = 1e-3, activation_checkpointing: bool = False, reshard_after_forward: bool = True):
-    """A Trainer over the tiny model, built without a TrainConfig (as tests should be able to)."""
+                 lr: float = 1e-3, activation_checkpointing: bool = False, reshard_after_forward: bool = True,
+                 precision: str = "fp32", loss_chunk: int = 0, reduce_every_micro_batch: bool = False,
+                 compile: bool = False):
+    """A Trainer over the tiny model (built on the meta device, sharded, then initialized, as ``xtrain run``
+    does), without a TrainConfig."""
     dims = dims or ParallelDims()
+    device = torch.device("cpu")
     ds = PackedDataset(packed, cp_size=dims.cp)
-    model, _ = ModelSection("tiny").build(ds.vocab_size, seed)
-    model = parallelize(model, dims, reshard_after_forward, activation_checkpointing)
+    section = ModelSection("tiny", precision=precision, loss_chunk=loss_chunk, compile=compile)
+    parallel = ParallelSection(reshard_after_forward=reshard_after_forward,
+                               activation_checkpointing=activation_checkpointing)
+    model, _ = build_model(section, parallel, ds.vocab_size, seed, dims, device)
     opt, sched = OptimizerSection(lr=lr).build(model, 100)
     smp = build_sampler(sampler, len(ds), micro, dims.dp_rank, dims.dp, seed)
-    return Trainer(model, opt, sched, ds, smp, dims, accum, torch.device("cpu"), grad_clip=1.0)
+    return Trainer(model, opt, sched, ds, smp, dims, accum, device, grad_clip=1.0,
+                   autocast=autocast_for(param_dtype_for(precision, "cpu"), device, dims), loss_chunk=loss_chunk,
+                   reduce_every_micro_batch=reduce_every_micro_batch)
 
 
 def grads(model) -> dict:
     """Every parameter's whole gradient by plain name (FSDP2 shards gathered: a collective on every rank;
-    activation checkpointing's wrapper prefix dropped)."""
-    return {n.replace("_checkpoint_wrapped_module.", ""): full_tensor(p.grad.detach()).clone()
-            for n, p in model.named_parameters() if p.grad is not None}
+    the activation-checkpointing and compile wrappers' prefixes dropped)."""
+    return {plain_name(n): full_tensor(p.grad.detach()).clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def params(model) -> dict:
+    """Every parameter's whole value by plain name (FSDP2 shards gathered: a collective on every rank)."""
+    return {plain_name(n): full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 def max_rel_diff(a: dict, b: dict) -> float:

@@ -2,14 +2,23 @@
 
 Every kernel here takes packed tokens `(T, H, D)` plus `cu_seqlens` (document boundaries) and
 computes causal attention inside each document only, so nothing attends across a boundary.
-On CUDA, flash-attn's varlen kernel when it is installed and the inputs are half precision;
-everywhere else one SDPA call per document (fastest on CPU: 4k tokens in 10 documents, forward +
-backward, ~0.09 s against ~0.5 s for one call with a block-diagonal mask).
+Which kernel runs (`varlen_kernel`, `varlen_attention`):
+
+- CUDA, fp16/bf16: one varlen call for the whole packed row: flash-attn's when it is installed,
+  else torch's own (`torch.nn.attention.varlen.varlen_attn`, in torch ≥ 2.10). The context-parallel
+  pieces (`train/cp.py`) go through the same call, each piece a query sequence over its key prefix.
+- CUDA otherwise (fp32, or an older torch without flash-attn): FlexAttention with a document block
+  mask (compiled once per process; the mask built once per forward), no per-document loop.
+- CPU: one SDPA call per document (fastest there: 4k tokens in 10 documents, forward + backward,
+  ~0.09 s against ~0.5 s for one call with a block-diagonal mask; FlexAttention has no CPU backward).
 `lower_right_causal_attention` is the piece context parallelism needs: a query chunk that is
 the tail of a longer key prefix. GQA (fewer K/V heads than query heads) works on every path.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +29,35 @@ try:  # optional CUDA kernel; absent on CPU machines
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_func = flash_attn_varlen_func = None
+try:  # torch's own flash varlen kernel (CUDA only; torch >= 2.10)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - depends on the torch
+    varlen_attn = None
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+# (q, k, v, cu_q, cu_k, max_q, max_k, scale) -> out: causal attention of query sequence i (rows
+# cu_q[i]:cu_q[i+1] of q) over key sequence i, aligned bottom-right when it is shorter than its keys.
+VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, "float | None"], Tensor]
+
+
+def _flash_attn_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, softmax_scale=scale)
+
+
+def _torch_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0),
+                       enable_gqa=q.shape[1] != k.shape[1])
+
+
+def varlen_kernel(q: Tensor) -> VarlenKernel | None:
+    """The one-call varlen kernel for `q`, or None: CUDA and fp16/bf16, flash-attn's when installed, else
+    torch's. (fp32 on CUDA takes FlexAttention instead of failing inside a half-precision kernel.)"""
+    if not (q.is_cuda and q.dtype in _FLASH_DTYPES):
+        return None
+    if flash_attn_varlen_func is not None:
+        return _flash_attn_kernel
+    return _torch_varlen_kernel if varlen_attn is not None else None
 
 
 def flash_varlen_usable(q: Tensor) -> bool:
@@ -64,10 +100,49 @@ def varlen_attention(
     `bounds` are the cu_seqlens as Python ints when the caller has them (read once per forward,
     not per layer: reading a device tensor waits for the device).
     """
-    if flash_varlen_usable(q):
+    kernel = varlen_kernel(q)
+    if kernel is not None:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=scale)
-    return sdpa_per_document(q, k, v, cu_seqlens.tolist() if bounds is None else bounds, scale)
+        return kernel(q, k, v, cu, cu, max_seqlen, max_seqlen, scale)
+    bounds = cu_seqlens.tolist() if bounds is None else bounds
+    if q.is_cuda:
+        return flex_document_attention(q, k, v, bounds, scale)
+    return sdpa_per_document(q, k, v, bounds, scale)
+
+
+def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], scale: float | None = None) -> Tensor:
+    """Causal attention within each document in one FlexAttention call: q (T, H, D), k/v (T, Hkv, D).
+
+    The block mask (document ids compared, causal) skips every block between two documents, so the
+    work is that of the documents alone. It is built once for a forward's bounds and reused by every
+    layer (and rebuilt when the bounds change). flex_attention runs compiled on CUDA; eager (a slow
+    reference) elsewhere, where it has no backward.
+    """
+    block_mask = _document_block_mask(tuple(bounds), q.device)
+    qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, H, T, D)
+    out = _flex()(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=2)  # the bounds of the current forward (and of the last one)
+def _document_block_mask(bounds: tuple[int, ...], device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask  # deferred: FlexAttention is a CUDA-only path here
+
+    total = bounds[-1]
+    lengths = torch.tensor(bounds, device=device).diff()
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)  # (T,) document of each token
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    return create_block_mask(same_document_causal, None, None, total, total, device=device)
+
+
+@functools.cache
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention  # deferred: as above
+
+    return torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
 
 
 def lower_right_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:

@@ -1,11 +1,12 @@
 """``TrainConfig``: every option of ``xtrain run``, in sections that each check their fields and build their part.
 
 ```
-TrainConfig   steps, epochs, seed, output, log_every           (the run itself)
+TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the run itself)
   data        packed, micro_batch_size, global_batch_size, sampler, verify_data   → PackedDataset
-  model       name (--model), precision                                           → model (+ its config)
+  model       name (--model), precision, loss_chunk, compile                      → model (+ its config)
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
-  parallel    nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing → ParallelDims
+  parallel    nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
+              reduce_every_micro_batch                                            → ParallelDims
   checkpoint  save_every, keep, resume, async_save                                → CheckpointManager
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
 ```
@@ -21,9 +22,11 @@ checked against ``schemas/train.schema.json``.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -36,11 +39,14 @@ from torch.optim.lr_scheduler import LambdaLR
 from prep.errors import XprepError
 from train.checkpoint import CheckpointManager
 from train.data import PackedDataset
-from train.dist import ParallelDims
+from train.dist import ParallelDims, materialize
 from train.evaluate import Validation, eval_rounds, open_validation, validation_entry
+from train.flops import check_peak_tflops
 from train.hf import build_hf_model, hf_builtin_config
+from train.hf_weights import read_hf_weights
+from train.loggers import parse_backends
 from train.loss import Channels
-from train.model import Transformer, load_model_config
+from train.model import ModelConfig, Transformer, initial_value, load_model_config
 from train.optim import SCHEDULES, WSD_SCHEDULES, LRSchedule, build_optimizer, build_scheduler
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "train.schema.json"
@@ -75,18 +81,22 @@ class DataSection:
 
 @dataclass
 class ModelSection:
-    """Which model (a preset, a JSON model config or hf:DIR) and the precision it computes in.
+    """Which model (a preset, a JSON model config or hf:DIR), the precision it computes in, how its loss
+    is computed, and whether its blocks are compiled.
 
     hf:DIR loads Llama / Qwen2 / Mistral weights into the built-in model; other architectures run as
     the transformers module (train/hf.py)."""
 
     SECTION: ClassVar[str] = "model"
     name: str = "tiny"
-    precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
+    precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU (train.dist.param_dtype_for)
+    loss_chunk: int = 0  # tokens per chunk of the output layer + loss; 0 = all at once
+    compile: bool = False  # torch.compile each block
 
     def __post_init__(self):
         _check_types(self)
         _check_choice(self, "precision", PRECISIONS)
+        _check_at_least(self, 0, "loss_chunk")
 
     @property
     def hf_dir(self) -> str | None:
@@ -98,18 +108,41 @@ class ModelSection:
         (None: hf:DIR runs as a transformers module)."""
         if self.hf_dir is not None:
             cfg, _ = hf_builtin_config(self.hf_dir, vocab_size)
+            if cfg is None and self.loss_chunk:
+                raise XprepError(f"--loss-chunk {self.loss_chunk} needs the built-in model, and --model "
+                                 f"{self.name} runs as the transformers module: leave --loss-chunk out")
             return None if cfg is None else {**cfg.to_dict(), "hf": self.hf_dir}
         return load_model_config(self.name, vocab_size).to_dict()
 
     def build(self, vocab_size: int, seed: int) -> tuple[nn.Module, dict]:
-        """The model, initialized from ``seed``, and its config as a dict."""
+        """The model, initialized from ``seed`` (or loaded from hf:DIR) on the CPU, and its config as a dict."""
+        model, config, initial = self.build_meta(vocab_size, seed)
+        if initial is not None:
+            materialize(model, torch.device("cpu"), initial)
+        return model, config
+
+    def build_meta(self, vocab_size: int, seed: int) -> tuple[nn.Module, dict, Callable[[str], torch.Tensor] | None]:
+        """The built-in model on the meta device, its config as a dict, and each parameter's initial value by
+        name (from ``seed``, or hf:DIR's weights) for ``train.dist.materialize``. An hf:DIR architecture the
+        built-in model cannot compute comes back as the loaded transformers module, with None."""
         torch.manual_seed(seed)
         if self.hf_dir is not None:
-            return build_hf_model(self.hf_dir, vocab_size)
+            cfg, _ = hf_builtin_config(self.hf_dir, vocab_size)
+            if cfg is None:
+                return *build_hf_model(self.hf_dir, vocab_size), None
+            weights = read_hf_weights(self.hf_dir, cfg)
+            with torch.device("meta"):
+                model = Transformer(cfg)
+            return model, {**cfg.to_dict(), "hf": self.hf_dir}, weights.__getitem__
         cfg = load_model_config(self.name, vocab_size)
-        model = Transformer(cfg)
-        model.init_weights(seed)
-        return model, cfg.to_dict()
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+        return model, cfg.to_dict(), functools.partial(_initial_value, cfg, shapes, seed)
+
+
+def _initial_value(cfg: ModelConfig, shapes: dict[str, torch.Size], seed: int, name: str) -> torch.Tensor:
+    return initial_value(cfg, name, shapes[name], seed)
 
 
 @dataclass
@@ -172,6 +205,7 @@ class ParallelSection:
     fsdp: bool | None = None  # None: on when there is more than one process
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
+    reduce_every_micro_batch: bool = False  # FSDP2: reduce-scatter after every micro-batch, not once per step
 
     def __post_init__(self):
         _check_types(self)
@@ -265,12 +299,16 @@ class TrainConfig:
     seed: int = 0  # model init and random sampler
     output: str | None = None  # None: runs/<name of the pack directory>
     log_every: int = 10
+    log: str | None = None  # --log tensorboard,wandb: metrics backends besides metrics.jsonl and the console
+    peak_tflops: float | None = None  # one GPU's peak that MFU is measured against; None: by the GPU's name
 
     def __post_init__(self):
         _check_types(self, RUN_FIELDS)
         if self.steps is not None and self.epochs is not None:
             raise XprepError(f"--steps {self.steps} and --epochs {self.epochs} both given: choose one")
         _check_at_least(self, 1, "steps", "log_every")
+        parse_backends(self.log)
+        check_peak_tflops(self.peak_tflops)
         _check_at_least(self, 0, "seed")
         if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise XprepError(f"--epochs {self.epochs} must be a number > 0")

@@ -5,11 +5,21 @@ degrees, this rank's coordinates, and the device mesh over (dp, cp), built lazil
 process group exists. Ranks are laid out dp-major: rank = dp_rank · cp + cp_rank, so the cp
 ranks of one dp rank are neighbours (on one node when cp ≤ GPUs per node).
 
-``parallelize`` spreads the model: FSDP2 ``fully_shard`` per decoder block, then the root, over
-all dp×cp ranks (context-parallel ranks hold other tokens of the same documents, so their
-gradients add up exactly like data-parallel ones). Gradient division is off and the reduction
-is a sum: the loss is already normalized by the global target count (train/loss.py). Without
-FSDP, ``reduce_gradients`` all-reduces the same sum in flat buckets.
+``parallelize`` spreads the model: ``torch.compile`` and activation checkpointing per decoder
+block, then FSDP2 ``fully_shard`` per block and the root over all dp×cp ranks (context-parallel
+ranks hold other tokens of the same documents, so their gradients add up exactly like
+data-parallel ones). Gradient division is off and the reduction is a sum: the loss is already
+normalized by the global target count (train/loss.py). Without FSDP, ``reduce_gradients``
+all-reduces the same sum in flat buckets.
+
+Mixed precision is FSDP2's: the sharded parameters and the optimizer state stay fp32 (master
+weights), the all-gathered ones are cast to bf16 for the forward and backward, and gradients are
+reduce-scattered in fp32 (``MixedPrecisionPolicy``). Without FSDP2 the same split comes from
+``torch.autocast`` (the trainer's; ``autocast_dtype``).
+
+``materialize`` gives a model built on the meta device (and sharded) its storage and initial
+values, shard by shard: no rank ever holds the whole model, and the values do not depend on the
+layout (each full parameter is made from its name alone, then cut to this rank's shard).
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -25,12 +36,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from prep.errors import XprepError
 
 TIMEOUT_ENV = "XTRAIN_DIST_TIMEOUT"  # seconds a collective may wait for a peer [default 600]
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.",)  # what wrappers add to parameter names (activation checkpointing)
 
 
 @dataclass
@@ -141,22 +153,37 @@ def init_distributed(dims: ParallelDims) -> torch.device:
     return device
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = True,
-                activation_checkpointing: bool = False) -> nn.Module:
-    """Spread the model over the layout; every rank starts from rank 0's weights.
+def param_dtype_for(precision: str, device_type: str) -> torch.dtype:
+    """The dtype forward and backward compute in: ``bf16``, ``fp32``, or ``auto`` = bf16 on CUDA, fp32
+    elsewhere (on CPU fp32 is the exact reference, and bf16 matmuls are no faster on most CPUs)."""
+    if precision == "bf16" or (precision == "auto" and device_type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
 
-    Activation checkpointing wraps each block (recomputed in the backward, context-parallel
-    all-gathers included) before FSDP2 sees it. Under FSDP2 each of ``model.layers`` and then
-    the root is ``fully_shard``-ed over the flattened dp×cp mesh (``dims.shard_mesh``).
+
+def parallelize(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = True,
+                activation_checkpointing: bool = False, param_dtype: torch.dtype = torch.float32,
+                compile: bool = False) -> nn.Module:
+    """Spread the model over the layout: compile, activation checkpointing, then FSDP2.
+
+    ``compile`` compiles each block; activation checkpointing then wraps it (recomputed in the
+    backward, context-parallel all-gathers included), before FSDP2 sees it. (torchtitan compiles the
+    checkpointed block instead; here attention is a graph break, and a graph break inside the
+    checkpoint region makes dynamo run the whole block eagerly.) Under FSDP2
+    each of ``model.layers`` and then the root is ``fully_shard``-ed over the flattened dp×cp mesh
+    (``dims.shard_mesh``), computing in ``param_dtype``. A model with real weights starts from
+    rank 0's on every rank; one on the meta device is given its weights by ``materialize`` after.
     """
+    if compile:
+        apply_compile(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if dims.distributed:
+    if dims.distributed and not is_meta(model):
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
     if dims.fsdp and dims.distributed:
-        apply_fsdp(model, dims.shard_mesh(), reshard_after_forward)
+        apply_fsdp(model, dims.shard_mesh(), reshard_after_forward, param_dtype)
     return model
 
 
@@ -171,21 +198,69 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers[i] = checkpoint_wrapper(block)
 
 
-def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True) -> None:
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each block's forward on its own (per block, as torchtitan does): the blocks share
+    one code object, so they share its compiled graphs, and compile time does not grow with the depth.
+
+    The forward is replaced in place rather than the block wrapped (torch.compile's wrapper would add
+    ``_orig_mod`` to parameter names, which DCP's state-dict API does not strip inside an activation-
+    checkpointing wrapper): names, and so checkpoints, are those of the eager model, and the hooks of
+    the wrappers around the block (activation checkpointing, FSDP2) stay outside the graphs. Attention
+    runs outside them too (train.model.run_attention).
+    """
+    for block in model.layers:
+        block.forward = torch.compile(block.forward)
+
+
+def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True,
+               param_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2 per block, then the root; gradient division off and plain-sum reduction everywhere.
 
     Both settings apply to one FSDPModule, not its children, so each is set on every one: the loss
     is divided by the global target count already, and gloo rejects the PREMUL_SUM a divide factor
-    would use.
-    The root is not resharded after forward (the backward needs its weights at once).
+    would use. The root is not resharded after forward (the backward needs its weights at once).
+    With ``param_dtype`` bf16, blocks compute in bf16 from fp32 shards and reduce gradients in fp32;
+    their floating-point inputs are not cast (the RoPE tables stay fp32, the hidden state arrives
+    in bf16 from the embedding).
     """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether the model's parameters are still on the meta device (no storage yet)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the wrappers' prefix: its name in the bare model."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, initial: Callable[[str], torch.Tensor]) -> None:
+    """Give a meta-device model (sharded or not) storage on ``device`` and its initial values.
+
+    ``initial(name)`` is the whole parameter by its plain name (on the CPU); each rank keeps its own
+    FSDP2 shard of it (the same cut ``fully_shard`` makes, computed locally: no communication). So
+    the weights are the same for any layout, but one whole parameter at a time is made on every rank.
+    """
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        full = initial(plain_name(name))
+        if isinstance(p, DTensor):
+            local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(full)
 
 
 def reduce_gradients(model: nn.Module, dims: ParallelDims, bucket_bytes: int = 32 << 20) -> None:

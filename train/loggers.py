@@ -92,7 +92,7 @@ class TensorBoardLogger:
 
     def __init__(self, run_dir: Path, config: dict | None = None, resumed_step: int = 0):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional extra: xprep[tensorboard]
         except ImportError:
             raise XprepError(missing("tensorboard", "tensorboard", "tensorboard")) from None
         # purge: readers drop the events of steps after the resumed one (all of them for a fresh run)
@@ -112,7 +112,7 @@ class WandbLogger:
 
     def __init__(self, run_dir: Path, config: dict | None = None, resumed_step: int = 0):
         try:
-            import wandb
+            import wandb  # optional extra: xprep[wandb]
         except ImportError:
             raise XprepError(missing("wandb", "wandb", "wandb")) from None
         id_file = run_dir / WANDB_ID_FILE

@@ -11,6 +11,10 @@ labels: ``category_ids`` (category 0, "uncategorized", left out) and ``source_id
 source a token came from; a batch without it is one source). The channels are laid end to end in
 one id space (``Channels``), so one vector holds every sum and one all-reduce adds them over ranks.
 Ids without targets are left out.
+
+``chunked_token_ce`` computes the output layer and the cross-entropy a chunk of tokens at a time,
+recomputing each chunk's logits in the backward instead of keeping them: the per-token CE (and so
+the channel sums) is the same as from whole logits, but no (T, V) logits tensor ever exists.
 """
 
 from __future__ import annotations
@@ -28,6 +32,63 @@ def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy in fp32, 0 where the label is IGNORE. (1, T, V), (1, T) -> (T,)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
                            ignore_index=IGNORE, reduction="none")
+
+
+def chunked_token_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 0
+                     ) -> torch.Tensor:
+    """Per-token CE of the logits ``hidden @ weight.T``, ``chunk`` tokens at a time. (T, d), (V, d), (T,) -> (T,) fp32.
+
+    No (T, V) logits ever exist: the forward keeps each token's log-sum-exp only, and the backward
+    recomputes one chunk's logits at a time (one more output-layer matmul) to form its gradient.
+    ``chunk`` 0, or ≥ T, is the plain computation.
+    """
+    if chunk <= 0 or chunk >= hidden.shape[0]:
+        return token_ce(F.linear(hidden, weight), labels)
+    return _ChunkedHeadCE.apply(hidden, weight, labels, chunk)
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """Output layer + per-token CE in chunks of tokens; the gradient of a chunk's logits is softmax − one-hot.
+
+    The matmuls run in the dtype the forward's did (bf16 under autocast or FSDP2's mixed precision);
+    softmax, log-sum-exp and the CE are fp32, and the output weight's gradient is summed over the
+    chunks in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        ce = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(ce)
+        for i in range(0, hidden.shape[0], chunk):
+            logits = F.linear(hidden[i : i + chunk], weight)  # (n, V), autocast's dtype when it is on
+            ctx.dtype = logits.dtype
+            logits = logits.float()
+            y = labels[i : i + chunk]
+            lse[i : i + chunk] = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, y.clamp(min=0)[:, None])[:, 0]
+            ce[i : i + chunk] = torch.where(y != IGNORE, lse[i : i + chunk] - target, 0.0)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk = chunk
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        hidden, weight, labels, lse = ctx.saved_tensors
+        w = weight.to(ctx.dtype)
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] \
+            else None
+        for i in range(0, hidden.shape[0], ctx.chunk):
+            h, y = hidden[i : i + ctx.chunk].to(ctx.dtype), labels[i : i + ctx.chunk]
+            g = torch.where(y != IGNORE, grad_ce[i : i + ctx.chunk].float(), 0.0)[:, None]  # (n, 1)
+            d = F.linear(h, w).float().sub_(lse[i : i + ctx.chunk, None]).exp_().mul_(g)  # softmax · g
+            d.scatter_add_(1, y.clamp(min=0)[:, None], -g)  # − one-hot · g: the gradient of the logits (n, V)
+            d = d.to(ctx.dtype)
+            if grad_h is not None:
+                grad_h[i : i + ctx.chunk] = d @ w
+            if grad_w is not None:
+                grad_w += d.t() @ h
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
 
 
 @dataclass
@@ -140,10 +201,3 @@ def step_losses(sums: LossSums, category_names: list[str | None]) -> tuple[float
     are the first ids of the sums (as ``Channels.of`` lays them out)."""
     n = len(category_names)
     return sums.loss, channel_means(sums.channel_ce[:n], sums.channel_targets[:n], category_names, first=1)
-
-
-def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets_global: int) -> tuple[
-        torch.Tensor, torch.Tensor]:
-    """(loss to backpropagate = Σ CE / N over the step, per-token CE for the channel sums)."""
-    ce = token_ce(logits, labels)
-    return ce.sum() / max(num_targets_global, 1), ce

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from prep.errors import XprepError
 from train.attention import varlen_attention
+from train.loss import chunked_token_ce
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # q (T, H, D), k/v (T, Hkv, D) -> (T, H, D)
 
@@ -75,6 +76,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).type_as(x)
 
 
+@torch.compiler.disable
+def run_attention(attend: AttentionFn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``attend(q, k, v)``, never traced by torch.compile: the kernels read the document boundaries as
+    Python ints (a compiled graph would be specialized to, and recompiled for, every batch's layout),
+    and context parallelism communicates. A compiled block runs as graphs around this call."""
+    return attend(q, k, v)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention; the attention kernel itself is passed in per forward."""
 
@@ -93,7 +102,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v)  # (T, H, D)
+        out = run_attention(attend, q, k, v)  # (T, H, D)
         return self.wo(out.reshape(t, -1))  # (T, dim)
 
 
@@ -258,6 +267,23 @@ def load_model_config(spec: str, vocab_size: int) -> ModelConfig:
         raise XprepError(f"{path}: {e}") from e
 
 
+def initial_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> Tensor:
+    """The initial value of the model's parameter ``name`` (fp32, CPU): N(0, init_std), residual projections
+    scaled by 1/sqrt(2·n_layers), norms 1, biases 0.
+
+    Drawn from a CPU generator seeded by (seed, name) alone, so it does not depend on device, build
+    order, which parameters exist, or how the model is sharded (train.dist.materialize cuts each
+    rank's shard out of it).
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    scale = 1 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, cfg.init_std * scale, generator=gen)
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -274,23 +300,9 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init: N(0, init_std), residual projections scaled by 1/sqrt(2·n_layers).
-
-        Each parameter draws from its own CPU generator seeded by (seed, parameter name), so the
-        result does not depend on device, build order or which parameters exist. Call it on
-        plain (unsharded) parameters, e.g. after `to_empty` and before `fully_shard`.
-        """
-        std = self.cfg.init_std
+        """Deterministic init of plain (unsharded, materialized) parameters: each is its ``initial_value``."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            if name.endswith(".bias"):
-                p.zero_()
-                continue
-            scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std * scale, generator=gen))
+            p.copy_(initial_value(self.cfg, name, p.shape, seed))
 
     def forward(
         self,
@@ -299,12 +311,17 @@ class Transformer(nn.Module):
         cu_seqlens: Tensor,
         cp: ContextParallel | None = None,
         max_seqlen: int | None = None,
+        labels: Tensor | None = None,
+        loss_chunk: int = 0,
     ) -> Tensor:
-        """Logits (1, T, V) in fp32 for input_ids/position_ids (1, T) and int32 cu_seqlens [n_docs+1].
+        """Logits (1, T, V) in fp32 for input_ids/position_ids (1, T) and int32 cu_seqlens [n_docs+1];
+        with `labels` (1, T), the per-token cross-entropy (T,) in fp32 instead (0 where IGNORE).
 
         With `cp` of size > 1 the row holds this rank's zigzag shard (train.cp.shard_batch):
         position_ids are global positions and attention runs through `cp.attention`.
         `max_seqlen` is only a hint for the flash kernel; computed from cu_seqlens when left out.
+        `loss_chunk` > 0 computes the output layer and the loss `loss_chunk` tokens at a time, never
+        holding the whole (T, V) logits (train.loss.chunked_token_ce).
         """
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be one packed row (1, T), got {tuple(input_ids.shape)}")
@@ -316,6 +333,9 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, attend)
         h = self.norm(h)[None]  # (1, T, dim): logits come out (1, T, V) without a view (FSDP warns on views)
+        if labels is not None:  # the root owns the output weight (tied: the embedding's)
+            weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+            return chunked_token_ce(h[0], weight, labels[0], loss_chunk)  # (T,)
         # Untied: call the module (FSDP hooks see it); tied: the root owns the embedding weight.
         logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
         return logits.float()  # (1, T, V)

@@ -32,7 +32,7 @@ from prep.errors import XprepError
 from prep.io import check_output_dir, write_json_atomic
 from prep.packfile import MANIFEST
 from train.checkpoint import CheckpointManager, check_same_model, check_same_pack
-from train.config import TrainConfig, validate_against_schema
+from train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
 from train.cp import CPContext, shard_batch
 from train.data import PackedDataset, collate, count_targets
 from train.dist import (
@@ -41,12 +41,17 @@ from train.dist import (
     failed_in_collective,
     full_tensor,
     init_distributed,
+    materialize,
     parallelize,
+    param_dtype_for,
     reduce_gradients,
     shutdown,
 )
 from train.evaluate import Validation
-from train.loss import Channels, LossSums, micro_batch_loss, token_ce
+from train.flops import ModelFlops, Throughput, bin_attention_pairs, resolve_peak_tflops
+from train.loggers import build_loggers, check_backends
+from train.loss import Channels, LossSums, token_ce
+from train.memory import peak_memory, reset_peak_memory
 from train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
 from train.rundir import RunLock
@@ -57,12 +62,29 @@ PEER_FAILURE_GRACE_S = 3.0  # a rank whose collective failed waits this long bef
 STEP_END_CALLBACKS: list[Callable[[Trainer], None]] = []  # called after every step of ``run``'s loop (tests)
 
 
-def autocast_for(precision: str, device: torch.device):
-    """bf16 autocast on CUDA (auto) or when asked; fp32 otherwise."""
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if not use_bf16:
+def autocast_for(param_dtype: torch.dtype, device: torch.device, dims: ParallelDims):
+    """The context the forward runs in: autocast to ``param_dtype`` when the parameters are not cast
+    themselves, i.e. without FSDP2 (one process, or ``--no-fsdp``); nothing in fp32 or under FSDP2,
+    whose MixedPrecisionPolicy casts them (train.dist.apply_fsdp). Weights, gradients and optimizer
+    state stay fp32 either way, and the loss is computed in fp32."""
+    if param_dtype == torch.float32 or (dims.fsdp and dims.distributed):
         return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return lambda: torch.autocast(device.type, dtype=param_dtype)
+
+
+def build_model(model: ModelSection, parallel: ParallelSection, vocab_size: int, seed: int, dims: ParallelDims,
+                device: torch.device) -> tuple[nn.Module, dict]:
+    """The model spread over the layout: built on the meta device, sharded, then given its initial values
+    shard by shard (train.dist.materialize), so no rank holds it whole (but for a transformers module,
+    which is loaded whole and sharded after)."""
+    module, config, initial = model.build_meta(vocab_size, seed)
+    if initial is None:
+        module = module.to(device)
+    module = parallelize(module, dims, parallel.reshard_after_forward, parallel.activation_checkpointing,
+                         param_dtype_for(model.precision, device.type), model.compile)
+    if initial is not None:
+        materialize(module, device, initial)
+    return module, config
 
 
 # ---------------------------------------------------------------------------------------- trainer
@@ -72,14 +94,21 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
                  dataset: PackedDataset, sampler: BinSampler, dims: ParallelDims, grad_accum: int,
                  device: torch.device, grad_clip: float = 0.0, autocast=contextlib.nullcontext, category_names=None,
-                 model_config: dict | None = None, hparams: dict | None = None):
+                 model_config: dict | None = None, hparams: dict | None = None, loss_chunk: int = 0,
+                 reduce_every_micro_batch: bool = False, throughput: Throughput | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.dataset, self.sampler, self.dims = dataset, sampler, dims
         self.grad_accum, self.device, self.grad_clip, self.autocast = grad_accum, device, grad_clip, autocast
+        self.loss_chunk = loss_chunk  # > 0: the built-in model computes its loss in chunks of that many tokens
+        self.reduce_every_micro_batch = reduce_every_micro_batch
         self.category_names = category_names if category_names is not None else dataset.category_names
         self.channels = Channels.of(self.category_names, dataset.source_names)
         self.model_config, self.hparams = model_config, hparams  # recorded in checkpoints, compared on resume
         self.settings = optimizer_settings(optimizer, scheduler)  # this run's, put back after a checkpoint loads
+        # model FLOPs → TFLOPS and MFU of each step (no peak: no MFU; no model FLOPs: neither)
+        self.throughput = throughput or Throughput(ModelFlops.from_dict(model_config), None, dims.world_size)
+        self._rank_pairs = 0  # attended (query, key) pairs of this rank's bins of the next step
+        self.attention_pairs = 0  # the same of the last step, all ranks
         self.step = 0
         self.loss: float | None = None  # of the last step
         self.eval_loss: float | None = None  # of the last step, when it evaluated
@@ -89,14 +118,16 @@ class Trainer:
 
         Targets are counted on the CPU, before the batch moves (no device sync in the step).
         """
-        batches, tokens, targets = [], 0, 0
+        batches, tokens, targets, pairs = [], 0, 0, 0
         for _ in range(self.grad_accum):
             bins = self.sampler.next_micro_batch()
             if self.dims.cp_rank == 0:  # the CP ranks of a DP rank read the same bins: count them once
                 tokens += self.dataset.bin_tokens(bins)
+                pairs += bin_attention_pairs(self.dataset, bins)
             batch = self.shard_batch(collate([self.dataset[b] for b in bins]))
             targets += count_targets(batch)
             batches.append(self.to_device(batch))
+        self._rank_pairs = pairs
         return batches, tokens, targets
 
     def shard_batch(self, batch: dict[str, torch.Tensor], dataset: PackedDataset | None = None
@@ -125,6 +156,7 @@ class Trainer:
         return CPContext.from_shard(batch, self.dims.cp_group(), self.dims.cp_rank, self.dims.cp)
 
     def train_step(self) -> StepMetrics:
+        reset_peak_memory(self.device)
         t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         sums, n_tokens, n_targets = self.accumulate_gradients()
@@ -136,8 +168,13 @@ class Trainer:
         total = LossSums.from_flat(all_reduce_sum(sums.flat(), self.dims))
         channel = self.channels.losses(total)
         self.loss, self.eval_loss = total.loss, None
-        return StepMetrics(self.step, total.loss, channel["category"], float(full_tensor(grad_norm)), lr, n_tokens,
-                           n_targets, time.perf_counter() - t0, self.sampler.consumed_samples, channel["source"])
+        grad_norm = float(full_tensor(grad_norm))  # waits for the device: the step is done
+        seconds = time.perf_counter() - t0
+        tflops, mfu = self.throughput.measure(n_tokens, self.attention_pairs, seconds)
+        peak_mem, peak_rss = peak_memory(self.device, self.dims)  # max over ranks
+        return StepMetrics(self.step, total.loss, channel["category"], grad_norm, lr, n_tokens, n_targets, seconds,
+                           self.sampler.consumed_samples, channel["source"], tflops=tflops, mfu=mfu,
+                           peak_mem_bytes=peak_mem, peak_rss_bytes=peak_rss)
 
     def accumulate_gradients(self) -> tuple[LossSums, int, int]:
         """Forward and backward of every micro-batch of the step, gradients summed over ranks.
@@ -145,27 +182,34 @@ class Trainer:
         Returns this rank's loss sums and the step's global token and target counts.
         """
         batches, tokens, targets = self.next_micro_batches()
-        counts = torch.tensor([targets, tokens], dtype=torch.float64, device=self.device)
-        n_targets, n_tokens = all_reduce_sum(counts, self.dims).tolist()  # before any forward
+        counts = torch.tensor([targets, tokens, self._rank_pairs], dtype=torch.float64, device=self.device)
+        n_targets, n_tokens, n_pairs = all_reduce_sum(counts, self.dims).tolist()  # before any forward
+        self.attention_pairs = int(n_pairs)  # for MFU
         sums = self.channels.zeros(self.device)
         for i, batch in enumerate(batches):
-            if self.dims.fsdp:  # FSDP2 reduce-scatters once, after the step's last backward
-                self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            if self.dims.fsdp:  # FSDP2 reduce-scatters after the step's last backward (or after each)
+                self.model.set_requires_gradient_sync(self.reduce_every_micro_batch or i == len(batches) - 1)
             self.forward_backward(batch, n_targets, sums)
         reduce_gradients(self.model, self.dims)
         return sums, int(n_tokens), int(n_targets)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], n_targets: float, sums: LossSums) -> None:
         """Backpropagate Σ CE / (targets of the whole step); accumulate the channel sums."""
-        loss, ce = micro_batch_loss(self.forward(batch), batch["labels"], n_targets)
-        loss.backward()
+        ce = self.token_losses(batch)
+        (ce.sum() / max(n_targets, 1)).backward()
         sums.add(ce, batch["labels"], *self.channels.ids(batch))
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The model's logits (1, T, V) for this rank's share of a micro-batch."""
+    def token_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token cross-entropy (T,) in fp32 of this rank's share of a micro-batch (0 where no target).
+
+        With ``loss_chunk`` the built-in model computes it in chunks (no whole (T, V) logits); else from
+        the logits.
+        """
+        args = (batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
         with self.autocast():
-            return self.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"],
-                              cp=self.cp_context(batch))
+            if self.loss_chunk:
+                return self.model(*args, cp=self.cp_context(batch), labels=batch["labels"], loss_chunk=self.loss_chunk)
+            return token_ce(self.model(*args, cp=self.cp_context(batch)), batch["labels"])
 
     def evaluate(self, validation: Validation) -> EvalMetrics:
         """Loss over the validation bins: Σ CE over every rank's share / their global number of targets.
@@ -181,7 +225,7 @@ class Trainer:
             with torch.no_grad():
                 for bins in validation.rounds:
                     batch = self.to_device(self.shard_batch(collate([dataset[b] for b in bins or [0]]), dataset))
-                    ce = token_ce(self.forward(batch), batch["labels"])
+                    ce = self.token_losses(batch)
                     if bins:
                         sums.add(ce, batch["labels"], *channels.ids(batch))
         finally:
@@ -242,6 +286,7 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     """Check the run directory, open the pack for this layout, plan the batches, find the checkpoint to
     resume, check the model. The run directory may hold an earlier run (resume), but must be one."""
     check_output_dir(cfg.run_dir, option="--output", allow_nonempty=True)
+    check_backends(cfg.log)  # --log's packages are installed
     dataset = cfg.data.build(dims.cp, verify_data)
     ckpt = cfg.checkpoint.build(cfg.run_dir, dims)
     resume_from = ckpt.resolve(cfg.checkpoint.resume)
@@ -307,27 +352,31 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
 
 def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: RunSetup, stream) -> None:
     dataset, plan, ckpt, run_dir = setup.dataset, setup.plan, setup.ckpt, cfg.run_dir
-    model, model_config = cfg.model.build(dataset.vocab_size, cfg.seed)
-    model = parallelize(model.to(device), dims, cfg.parallel.reshard_after_forward,
-                        cfg.parallel.activation_checkpointing)
+    peak, peak_note = resolve_peak_tflops(device, cfg.peak_tflops)
+    model, model_config = build_model(cfg.model, cfg.parallel, dataset.vocab_size, cfg.seed, dims, device)
     model.train()
     optimizer, scheduler = cfg.optimizer.build(model, plan.steps)
     trainer = Trainer(model, optimizer, scheduler, dataset, setup.sampler, dims, plan.grad_accum, device,
-                      cfg.optimizer.grad_clip, autocast_for(cfg.model.precision, device),
-                      model_config=model_config, hparams=cfg.optimizer.hparams())
+                      cfg.optimizer.grad_clip, autocast_for(param_dtype_for(cfg.model.precision, device.type),
+                                                            device, dims),
+                      model_config=model_config, hparams=cfg.optimizer.hparams(), loss_chunk=cfg.model.loss_chunk,
+                      reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
+                      throughput=Throughput(ModelFlops.from_dict(model_config), peak, dims.world_size))
     out = stream or sys.stderr
     if setup.resume_from is not None:
         _resume(setup, trainer, dims.is_main, out)
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_run_config(run_dir, cfg, plan, model_config, dataset, dims, setup.validation)
-    log = MetricsLog(run_dir, plan.steps, cfg.log_every, dims.is_main, stream)
+    loggers = build_loggers(cfg.log, run_dir, cfg.to_dict(), trainer.step) if dims.is_main else []
+    log = MetricsLog(run_dir, plan.steps, cfg.log_every, dims.is_main, stream, loggers=loggers)
     log.open(trainer.step)
     if dims.is_main:
         out.write(_pack_line(dataset) + "\n")
         if setup.validation is not None:
             out.write(_validation_line(setup.validation) + "\n")
         out.write(_start_line(cfg, trainer, plan) + f" → {run_dir}\n")
+        out.write(peak_note + "\n")
     if trainer.step >= plan.steps and dims.is_main:
         out.write(f"{run_dir}: already at step {trainer.step}/{plan.steps}, nothing to do "
                   "(raise --steps to continue)\n")
@@ -378,6 +427,7 @@ def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan) -> str:
     dims, dataset = trainer.dims, trainer.dataset
     n_params = sum(p.numel() for p in trainer.model.parameters())
     layout = f"{dims.dp} DP" + (f" × {dims.cp} CP" if dims.cp_enabled else "") + (", FSDP2" if dims.fsdp else "")
+    layout += ", bf16" if param_dtype_for(cfg.model.precision, dims.device_type) == torch.bfloat16 else ", fp32"
     return (f"{cfg.model.name} ({n_params / 1e6:,.1f}M parameters) on {len(dataset):,} bins of "
             f"{dataset.capacity:,} tokens: {plan.steps:,} steps of {plan.global_batch_size} bins (micro-batch "
             f"{plan.micro_batch_size} × {dims.dp} DP × {plan.grad_accum} accumulation; {layout})"
@@ -398,5 +448,6 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
                  "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
         "categories": dataset.category_names, "sources": dataset.source_names, "validation": val,
         "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
+        "precision": "bf16" if param_dtype_for(cfg.model.precision, dims.device_type) == torch.bfloat16 else "fp32",
         "model": model_config,
     })
