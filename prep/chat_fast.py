@@ -153,7 +153,7 @@ def _qwen3(messages: list, gen: bool, bos: str, eos: str, slots: list | None) ->
 
 
 # -- the known template sources ---------------------------------------------------------------------
-CHATML_XPREP = (  # prep.templates.BUILTIN_TEMPLATES["chatml"]
+CHATML_XPREP = (  # --chat-template chatml (prep.templates.BUILTIN_TEMPLATES)
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -163,7 +163,7 @@ CHATML_HF = (  # the ChatML template of transformers' documentation and many fin
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
     "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-LLAMA3_XPREP = (  # prep.templates.BUILTIN_TEMPLATES["llama3"]
+LLAMA3_XPREP = (  # --chat-template llama3 (prep.templates.BUILTIN_TEMPLATES)
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"

@@ -29,21 +29,9 @@ from pathlib import Path
 from prep import chat_fast
 from prep.errors import XprepError
 
-BUILTIN_TEMPLATES = {
-    "chatml": (
-        "{% for message in messages %}"
-        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    ),
-    "llama3": (
-        "{{ bos_token }}"
-        "{% for message in messages %}"
-        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
-        " + '<|eot_id|>' }}"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-    ),
+BUILTIN_TEMPLATES = {  # defined beside their fast renderers (prep/chat_fast.py)
+    "chatml": chat_fast.CHATML_XPREP,
+    "llama3": chat_fast.LLAMA3_XPREP,
 }
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>", "<|endoftext|>")
 ROLES = {
