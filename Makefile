@@ -32,7 +32,8 @@ demo: $(STAMP)
 		--cp-size 2 --overlong split --split 95,5
 	$(VENV)/bin/xprep inspect $(DEMO)/packed
 	$(VENV)/bin/xtrain run $(DEMO)/packed --model tiny --steps 20 --micro-batch-size 1 --global-batch-size 2 --lr 3e-3 --warmup 2 --sampler random \
-		--eval-every 10 --eval-bins 16 --nproc-per-node 2 --cp 2 --output $(DEMO)/runs/demo
+		--eval-every 10 --eval-bins 16 --nproc-per-node 2 --cp 2 --output $(DEMO)/runs/demo \
+		$$($(PY) -c 'import tensorboard' 2>/dev/null && echo --log tensorboard)
 	$(VENV)/bin/xprep inspect $(DEMO)/runs/demo
 
 bench: $(STAMP)
