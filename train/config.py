@@ -42,7 +42,7 @@ from train.data import PackedDataset
 from train.dist import ParallelDims, materialize
 from train.evaluate import Validation, eval_rounds, open_validation, validation_entry
 from train.flops import check_peak_tflops
-from train.hf import build_hf_model, hf_builtin_config
+from train.hf import build_hf_fallback, hf_builtin_config
 from train.hf_weights import read_hf_weights
 from train.loggers import parse_backends
 from train.loss import Channels
@@ -127,9 +127,9 @@ class ModelSection:
         built-in model cannot compute comes back as the loaded transformers module, with None."""
         torch.manual_seed(seed)
         if self.hf_dir is not None:
-            cfg, _ = hf_builtin_config(self.hf_dir, vocab_size)
+            cfg, why = hf_builtin_config(self.hf_dir, vocab_size)
             if cfg is None:
-                return *build_hf_model(self.hf_dir, vocab_size), None
+                return *build_hf_fallback(self.hf_dir, vocab_size, why), None
             weights = read_hf_weights(self.hf_dir, cfg)
             with torch.device("meta"):
                 model = Transformer(cfg)

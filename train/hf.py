@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from prep.errors import XprepError
-from train.hf_weights import builtin_config, load_hf_into_builtin, safetensors_files
-from train.model import ModelConfig, Transformer
+from train.hf_weights import builtin_config, safetensors_files
+from train.model import ModelConfig
 
 
 class HFCausalLM(nn.Module):
@@ -91,16 +91,9 @@ def _read_hf_config(directory: str) -> dict:
     return transformers.AutoConfig.from_pretrained(directory).to_dict()
 
 
-def build_hf_model(directory: str, vocab_size: int) -> tuple[nn.Module, dict]:
-    """The model in ``directory`` in fp32 (master weights), and its config as recorded in checkpoints.
-
-    The built-in model when the architecture maps onto it (its ModelConfig + ``hf``), else the
-    transformers module (its scalar config entries + ``hf``).
-    """
-    cfg, why = hf_builtin_config(directory, vocab_size)
-    if cfg is not None:
-        model: Transformer = load_hf_into_builtin(directory, cfg)
-        return model, {**cfg.to_dict(), "hf": directory}
+def build_hf_fallback(directory: str, vocab_size: int, why: str) -> tuple[HFCausalLM, dict]:
+    """The transformers module for an architecture the built-in model cannot compute (``why``), with the
+    console note saying so; the built-in path is ``train.config.ModelSection.build_meta``."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"note: --model hf:{directory}: {why}; running it as the transformers module (no context "
               "parallelism)", file=sys.stderr)

@@ -148,15 +148,6 @@ def param_names(cfg: ModelConfig) -> list[str]:
         return [name for name, _ in Transformer(cfg).named_parameters()]
 
 
-def load_hf_into_builtin(directory: str | Path, cfg: ModelConfig) -> Transformer:
-    """A built-in model for ``cfg`` holding the weights of ``directory`` (fp32, on the CPU)."""
-    state = read_hf_weights(directory, cfg)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict(state, assign=True)
-    return model
-
-
 # ------------------------------------------------------------------------------------------ out
 def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int = 8192) -> dict:
     """config.json for ``cfg``: Llama, or Qwen2 when it has q/k/v biases. RoPE's theta is written both as

@@ -427,11 +427,16 @@ def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan) -> str:
     dims, dataset = trainer.dims, trainer.dataset
     n_params = sum(p.numel() for p in trainer.model.parameters())
     layout = f"{dims.dp} DP" + (f" × {dims.cp} CP" if dims.cp_enabled else "") + (", FSDP2" if dims.fsdp else "")
-    layout += ", bf16" if param_dtype_for(cfg.model.precision, dims.device_type) == torch.bfloat16 else ", fp32"
+    layout += f", {_precision(cfg, dims)}"
     return (f"{cfg.model.name} ({n_params / 1e6:,.1f}M parameters) on {len(dataset):,} bins of "
             f"{dataset.capacity:,} tokens: {plan.steps:,} steps of {plan.global_batch_size} bins (micro-batch "
             f"{plan.micro_batch_size} × {dims.dp} DP × {plan.grad_accum} accumulation; {layout})"
             + (f", resuming at step {trainer.step}" if trainer.step else ""))
+
+
+def _precision(cfg: TrainConfig, dims: ParallelDims) -> str:
+    """What --precision resolved to on this run's device: bf16 or fp32."""
+    return "bf16" if param_dtype_for(cfg.model.precision, dims.device_type) == torch.bfloat16 else "fp32"
 
 
 def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_config: dict,
@@ -448,6 +453,6 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
                  "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
         "categories": dataset.category_names, "sources": dataset.source_names, "validation": val,
         "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
-        "precision": "bf16" if param_dtype_for(cfg.model.precision, dims.device_type) == torch.bfloat16 else "fp32",
+        "precision": _precision(cfg, dims),
         "model": model_config,
     })
