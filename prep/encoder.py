@@ -352,6 +352,49 @@ class Encoder:
         enc = self.hf.encode(text, add_special_tokens=False)
         return np.array(enc.ids, np.int64), np.array([s for s, _ in enc.offsets], np.int64)
 
+    def char_starts(self, text: str, ids: np.ndarray) -> np.ndarray:
+        """The character offset at which each of ``ids`` (this encoder's ids of ``text``, no special tokens added)
+        begins, as HF tokenizers' offsets give it.
+
+        From gigatoken's own token bytes where they spell ``text`` exactly and this tokenizer's offsets are
+        byte-derived (``_offsets_verdict``, checked against HF once per tokenizer and memoized): then HF
+        tokenizers never loads (~1 s). Elsewhere (a normalizer that changed the text, HF as the backend) from
+        HF's offsets, whose ids must be ``ids``.
+        """
+        if self._giga is not None:
+            data = text.encode()
+            if self._giga.backend.decode(ids) == data and self._offsets_are_bytes():
+                return byte_char_starts(data, self._token_bytes()[ids])
+        ref_ids, starts = self.offsets(text)
+        if not np.array_equal(ref_ids, ids):
+            raise XprepError("the encoder disagrees with HF tokenizers on a rendered chat; use --backend hf")
+        return starts
+
+    def _token_bytes(self) -> np.ndarray:
+        """Bytes in each token id's spelling (gigatoken's vocabulary), built once."""
+        if not hasattr(self, "_lengths_of_ids"):
+            vocab = self._giga.backend.vocab
+            lengths = np.zeros(max(vocab, default=-1) + 1, np.int64)
+            lengths[np.fromiter(vocab.keys(), np.int64, len(vocab))] = np.fromiter(map(len, vocab.values()),
+                                                                                   np.int64, len(vocab))
+            self._lengths_of_ids = lengths
+        return self._lengths_of_ids
+
+    def _offsets_are_bytes(self) -> bool:
+        if not hasattr(self, "_bytes_verdict"):
+            self._bytes_verdict = _offsets_verdict(self)[0]
+        return self._bytes_verdict
+
+
+def byte_char_starts(data: bytes, token_bytes: np.ndarray) -> np.ndarray:
+    """Character index of the first byte of each token, for tokens of ``token_bytes`` bytes that spell the UTF-8
+    ``data`` in order; a token that begins inside a character gets that character's index."""
+    first_bytes = np.zeros(len(token_bytes), np.int64)
+    np.cumsum(token_bytes[:-1], out=first_bytes[1:])
+    starts_char = (np.frombuffer(data, np.uint8) & 0xC0) != 0x80  # not a UTF-8 continuation byte
+    char_of_byte = np.cumsum(starts_char) - 1
+    return char_of_byte[first_bytes] if len(data) else first_bytes
+
 
 def _find(haystack: list[int], needle: list[int]) -> int:
     for i in range(len(haystack) - len(needle) + 1):
@@ -417,6 +460,34 @@ def choose_backend(info: TokenizerInfo, requested: str) -> tuple[str, str]:
         raise XprepError(f"--backend gigatoken: {reason}; use --backend auto or hf")
     print(f"xprep: using HF tokenizers: {reason}", file=sys.stderr)
     return "hf", reason
+
+
+# Where a chat span boundary splits a pre-token: text whose tokens straddle a boundary, and the sample's.
+OFFSETS_SAMPLE = [*SELF_CHECK_SAMPLE, "<|im_start|>assistant\n\n\nanswer<|im_end|>", "x😀y日本語  z", "é\u0301 ½ "]
+OFFSETS_CHECK_VERSION = 1  # bump when _offsets_check checks something new
+
+
+def _offsets_verdict(encoder: Encoder) -> list:
+    """[ok, reason]: whether character offsets derived from gigatoken's token bytes (``byte_char_starts``) equal
+    HF tokenizers' offsets on ``OFFSETS_SAMPLE`` for this tokenizer; memoized like the self-check."""
+    versions = f"{version('gigatoken')}-{version('tokenizers')}"
+    name = f"offsets-v{OFFSETS_CHECK_VERSION}-{encoder.info.sha256[:40]}-{versions}.json"
+    return _cached(name, lambda: _offsets_check(encoder), _is_verdict)
+
+
+def _offsets_check(encoder: Encoder) -> tuple[bool, str]:
+    flat, lengths = encoder.encode(OFFSETS_SAMPLE, add_special_tokens=False)
+    compared = 0
+    for text, ids in zip(OFFSETS_SAMPLE, np.split(flat, np.cumsum(lengths)[:-1]), strict=True):
+        data = text.encode()
+        if encoder._giga.backend.decode(ids) != data:
+            continue  # a normalizer changed it: such text always takes HF's offsets
+        ref_ids, starts = encoder.offsets(text)
+        if not np.array_equal(ref_ids, ids) or not np.array_equal(byte_char_starts(data, encoder._token_bytes()[ids]),
+                                                                  starts):
+            return False, "HF offsets are not the token bytes' on the sample"
+        compared += 1
+    return compared > 0, f"byte offsets agree with HF on {compared} sample texts"
 
 
 def _is_verdict(value) -> bool:

@@ -484,6 +484,13 @@ def normalize_messages(record: dict, role_map: dict[str, str] | None = None) -> 
     roles = {**ROLES, **role_map} if role_map else ROLES
     out = []
     for j, m in enumerate(raw):
+        if type(m) is dict and len(m) == 2:  # the usual message: a role and a content, both strings
+            role, content = m.get(role_key), m.get(content_key)
+            if type(role) is str and type(content) is str:
+                canonical = roles.get(role) or roles.get(role.lower())
+                if canonical is not None:
+                    out.append({"role": canonical, "content": content})
+                    continue
         if not isinstance(m, dict):
             raise TemplateError(f"message {j} is {json_type(m)}, not an object", "bad message")
         role = m[role_key] if role_key in m else m.get("role")

@@ -151,6 +151,58 @@ def test_fast_path_equals_general_path_with_train_on_all_and_a_category(tokenize
 
 
 @requires_shared_data
+@pytest.mark.parametrize("name", list(CASES))
+def test_character_offsets_from_token_bytes_equal_hf_offsets(name, tokenizer_dir):
+    """Where a span boundary splits a pre-token, each token's first character comes from gigatoken's token bytes:
+    the character offsets HF tokenizers gives, on every rendered conversation (real ones and the edge cases)."""
+    processor = _processor(tokenizer_dir, CASES[name], train_on="all")
+    encoder = processor.encoder
+    assert encoder._giga is not None and encoder._offsets_are_bytes()
+    texts = []  # real conversations once (the templates differ only in their glue), the edge cases for each
+    for line in _batch(limit=2000 if name == "qwen3" else 0).items:
+        try:
+            texts.append(processor.template.render(templates.normalize_messages(json.loads(line))))
+        except TemplateError:
+            continue
+    flat, lengths = encoder.encode(texts, add_special_tokens=False)
+    references = encoder.hf.encode_batch(texts, add_special_tokens=False)
+    from_bytes = 0
+    for text, ids, ref in zip(texts, np.split(flat, np.cumsum(lengths)[:-1]), references, strict=True):
+        assert np.array_equal(ref.ids, ids)
+        assert np.array_equal(encoder.char_starts(text, ids), [s for s, _ in ref.offsets]), text[:200]
+        from_bytes += encoder._giga.backend.decode(ids) == text.encode()
+    assert from_bytes > 0.9 * len(texts) > 20  # all but text that NFC normalization changes
+
+
+@requires_shared_data
+def test_a_pre_token_split_by_a_span_needs_no_hf_tokenizer(tokenizer_dir, monkeypatch):
+    """Real conversations whose assistant content begins with a newline (the template's newline and the content's
+    become one token): masked from the token bytes, with HF tokenizers never loaded, exactly as HF's offsets do."""
+    from prep import encoder as encoder_module
+
+    records = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\n\nanswer"},
+                             {"role": "user", "content": "é"}, {"role": "assistant", "content": "\n 日本語 😀"}]}]
+    lines = [json.dumps(r, ensure_ascii=False).encode() for r in records] + _batch(limit=500).items
+    batch = RawBatch(0, lines, list(range(1, len(lines) + 1)), LINES)
+    processor = _processor(tokenizer_dir, None)
+    assert processor.encoder._offsets_are_bytes()  # memoized: HF is needed once per tokenizer, not per run
+    split = []
+    original = Processor._mask_from_offsets
+
+    def spy(self, text, *args):
+        split.append(text)
+        return original(self, text, *args)
+
+    monkeypatch.setattr(Processor, "_mask_from_offsets", spy)
+    monkeypatch.setattr(encoder_module, "_load_hf", lambda path: pytest.fail("HF tokenizers was loaded"))
+    from_bytes = processor(batch)
+    monkeypatch.undo()
+    assert split, "no conversation split a pre-token"
+    processor.encoder._bytes_verdict = False  # HF's offsets, the reference
+    _assert_same(from_bytes, processor(batch), "token bytes vs HF offsets")
+
+
+@requires_shared_data
 def test_slot_spans_equal_placeholder_spans_on_real_conversations():
     """The fast span search (no second rendering) gives what the placeholder search gives, turn for turn."""
     config = json.loads((SHARED / "tokenizers/qwen3/tokenizer_config.json").read_text())
