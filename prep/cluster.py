@@ -56,7 +56,7 @@ def tokenize_shard(config: TokenizeConfig, job: Job, shard: Shard, key: str, roo
     out = os.path.join(scratch, "dataset")
     lines_read: list[int] = []
     try:
-        with DatasetWriter(out, job.info.vocab_size, job.dtype) as writer:
+        with DatasetWriter(out, job.info.vocab_size, job.dtype, durable=False) as writer:  # see prep/staging.py
             pipeline = _pipeline(job)
             quiet = Progress("shard", interval=0, stream=open(os.devnull, "w"))
             categories = write_all(config, job.sources, list(shard.pieces), writer, pipeline, lines_read, quiet)
@@ -114,7 +114,7 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
     staging.prune(set(keys))
     results: dict[int, ShardDone] = {}
     for k, key in enumerate(keys):
-        done = staging.finished(key)
+        done = staging.reusable(key)
         if done is not None:
             results[k] = done
     reused = len(results)

@@ -187,7 +187,8 @@ class DatasetWriter:
     at ``out`` changes.
     """
 
-    def __init__(self, out: str | Path, vocab_size: int, dtype: np.dtype | None = None):
+    def __init__(self, out: str | Path, vocab_size: int, dtype: np.dtype | None = None, durable: bool = True):
+        self.durable = durable  # False: published without fsync (a Ray shard, verified by its digests on reuse)
         self.out = check_output_dir(out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(self.out)
@@ -304,11 +305,13 @@ class DatasetWriter:
         )
         manifest["fingerprint"] = fingerprint(manifest)
         write_json_atomic(self.tmp / MANIFEST, manifest, durable=False)  # fsync_tree makes all of it durable
-        fsync_tree(self.tmp)
+        if self.durable:
+            fsync_tree(self.tmp)
         if self.out.exists():
             self.out.rmdir()  # empty (checked in __init__)
         os.replace(self.tmp, self.out)
-        fsync_dir(self.out.parent)
+        if self.durable:
+            fsync_dir(self.out.parent)
         return manifest
 
     def abort(self) -> None:

@@ -3,6 +3,11 @@
 Layout of ``OUT.xprep-shards`` (a directory, or a URL beside an object-store output):
 ``shards/KEY/`` a finished shard dataset, ``shards/KEY.done`` its completion marker (written last),
 ``tmp/`` scratch of running tasks.
+
+Shards on a filesystem are published without fsync: the merge reads them back at once (from the page cache),
+and only the merged dataset is made durable, so the data is not forced onto the disk twice. What that risks
+is a shard cut short by a machine crash; a shard left by an earlier run is therefore reused only after its
+files match the digests and counts of its manifest (``reusable``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from prep.io import write_json_atomic
+from prep.errors import XprepError
+from prep.formats import MANIFEST, REJECTS
+from prep.indexed import bin_path, idx_path
+from prep.io import file_sha256, write_json_atomic
 from prep.remote import filesystem, is_url, join
 
 STAGING_SUFFIX = ".xprep-shards"
@@ -74,6 +82,15 @@ class Staging:
         except (FileNotFoundError, ValueError, KeyError):
             return None
 
+    def reusable(self, key: str) -> ShardDone | None:
+        """The marker of a shard an earlier run finished, if the shard is whole; a damaged one is removed."""
+        done = self.finished(key)
+        if done is None or self.remote or _intact(self._path("shards", key)):
+            return done  # an object store's uploads are whole or absent: nothing to check there
+        shutil.rmtree(self._path("shards", key), ignore_errors=True)
+        os.remove(self.marker(key))
+        return None
+
     def publish(self, local_dataset: str, key: str, done: ShardDone) -> None:
         """Move (or upload) a finished shard dataset into place, then write its marker: the marker comes last."""
         target = self._path("shards", key)
@@ -86,7 +103,7 @@ class Staging:
         shutil.rmtree(target, ignore_errors=True)  # an attempt that died between rename and marker
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.replace(local_dataset, target)
-        write_json_atomic(self.marker(key), done.to_json())
+        write_json_atomic(self.marker(key), done.to_json(), durable=False)
 
     def fetch(self, key: str, into: str) -> str:
         """A local directory holding the shard's dataset (downloaded into ``into`` for a URL)."""
@@ -129,3 +146,24 @@ class Staging:
                 fs.rm(inner, recursive=True)
         else:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _intact(dataset: str) -> bool:
+    """Whether a shard dataset's streams have the sha256 its manifest records and its rejects file the records
+    it counts (what a machine crash before the kernel wrote the files back would break)."""
+    try:
+        with open(os.path.join(dataset, MANIFEST)) as f:
+            manifest = json.load(f)
+        for name, stream in manifest["streams"].items():
+            prefix = os.path.join(dataset, name)
+            if (file_sha256(bin_path(prefix), "") != stream["bin_sha256"]
+                    or file_sha256(idx_path(prefix), "") != stream["idx_sha256"]):
+                return False
+        rejects = manifest["rejects"]["count"]
+        if rejects:
+            with open(os.path.join(dataset, REJECTS), encoding="utf-8") as f:
+                if sum(1 for line in f if json.loads(line)) != rejects:
+                    return False
+        return True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, XprepError):
+        return False

@@ -171,10 +171,13 @@ def test_killed_driver_resumes_from_finished_shards(cluster, corpus, tmp_path):
     proc.communicate(timeout=60)
     finished = len(list(markers.glob("*.done")))
     assert 3 <= finished < 17 and not out.exists()
+    # shards are published without fsync: one cut short (as a machine crash would leave it) is run again
+    damaged = markers / sorted(markers.glob("*.done"))[0].name.removesuffix(".done") / "tokens.bin"
+    damaged.write_bytes(damaged.read_bytes()[:-2])
     again = xprep(*args)
     assert again.returncode == 0, again.stderr
     shards, reused, _ = _shards_said(again.stderr)
-    assert shards == 17 and reused >= finished
+    assert shards == 17 and finished - 1 <= reused < 17
     assert_same_files(corpus["reference"], out)
     assert not markers.parent.exists()
 

@@ -149,3 +149,41 @@ def test_a_multi_node_cluster_that_cannot_see_local_paths_is_refused(tmp_path):
     assert "node 10.0.0.2 cannot see /nonexistent-node/" in message and "cluster of 2 nodes" in message
     assert "object-store URLs" in message and str(tmp_path / "out") in message
     assert not os.path.exists(os.path.join(staging.root, "probe"))  # the probe file is cleaned up
+
+
+def _published_shard(tmp_path, rejects: int):
+    """A small shard dataset written as a Ray task writes it (no fsync) and published in a staging area."""
+    import numpy as np
+
+    from prep.dataset import CategoryTable, DatasetWriter
+    from prep.staging import ShardDone, Staging
+
+    staging = Staging(str(tmp_path / "out.xprep-shards"))
+    scratch = staging.scratch()
+    with DatasetWriter(os.path.join(scratch, "dataset"), 1000, np.uint16, durable=False) as writer:
+        writer.append(np.arange(60, dtype=np.int64) % 1000, np.array([10, 20, 30]))
+        for line in range(rejects):
+            writer.reject("in.jsonl", line + 1, "malformed JSON: at column 1", "{")
+        manifest = writer.finish({"tokenizer": {"sha256": "0" * 64}}, CategoryTable())
+    done = ShardDone(manifest["counts"]["documents"], manifest["counts"]["tokens"], 100, (4,))
+    staging.publish(os.path.join(scratch, "dataset"), "k", done)
+    return staging, done, tmp_path / "out.xprep-shards" / "shards" / "k"
+
+
+@pytest.mark.parametrize("damage", ["tokens.bin", "tokens.idx", "rejects.jsonl", "manifest.json"])
+def test_a_shard_damaged_before_reuse_is_run_again(tmp_path, damage):
+    """Shards are published without fsync (only the merged dataset is forced to disk), so a shard an earlier run
+    left is reused only when its files still match its manifest's digests and counts; a damaged one is removed."""
+    staging, done, shard = _published_shard(tmp_path, rejects=2)
+    assert staging.reusable("k") == done
+    path = shard / damage
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # what a crash before the write-back leaves: a file cut short
+    assert staging.reusable("k") is None
+    assert not shard.exists() and staging.finished("k") is None
+
+
+def test_a_whole_shard_without_rejects_is_reused(tmp_path):
+    staging, done, shard = _published_shard(tmp_path, rejects=0)
+    assert not (shard / "rejects.jsonl").exists()
+    assert staging.reusable("k") == done and shard.exists()
