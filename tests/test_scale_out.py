@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,18 +56,33 @@ def xprep_background(*args, env: dict | None = None) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """HOST:PORT of a Ray head started for this module (separate process), stopped after it."""
+    """HOST:PORT of a Ray head started for this module (separate process), stopped after it.
+
+    ``ray start --block`` in its own session and temp dir: ending that one process (SIGTERM) stops this
+    cluster's processes and no other (``ray stop`` would stop every Ray cluster of the machine's user)."""
     port = _free_port()
-    env = {**os.environ, **RAY_ENV}
+    temp = tempfile.mkdtemp(prefix="xprep-ray-")  # short: Ray's socket paths live below it
+    log = open(os.path.join(temp, "start.log"), "w+")
     start = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-             "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-    proc = subprocess.run(start, capture_output=True, text=True, timeout=180, env=env)
-    if proc.returncode != 0:
-        pytest.fail(f"ray start failed: {proc.stderr[-2000:]}")
+             "--node-ip-address=127.0.0.1", "--disable-usage-stats", "--block", f"--temp-dir={temp}"]
+    head = subprocess.Popen(start, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **RAY_ENV},
+                            start_new_session=True)
     try:
+        deadline = time.monotonic() + 180
+        while "Ray runtime started" not in Path(log.name).read_text():
+            if head.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"ray start failed: {Path(log.name).read_text()[-2000:]}")
+            time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120, env=env)
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
