@@ -44,8 +44,14 @@ from prep.staging import ShardDone, ShardOutcome, Staging
 from prep.tokenize import BadInput, Job, Pipeline, TokenizeConfig, check_not_empty, write_all
 
 
-def tokenize_shard(config: TokenizeConfig, job: Job, shard: Shard, key: str, root: str, cwd: str) -> ShardOutcome:
-    """The Ray task: tokenize one shard into the staging area at ``root`` (or find it already there)."""
+def tokenize_shard(config: TokenizeConfig, job: Job, shard: Shard, key: str, root: str, cwd: str,
+                   env: dict[str, str]) -> ShardOutcome:
+    """The Ray task: tokenize one shard into the staging area at ``root`` (or find it already there).
+
+    ``env`` is set in the worker first: the same for every task of the job (a Ray worker serves one job), and
+    given here rather than as a ``runtime_env``, for which Ray starts new worker processes instead of using the
+    idle ones it keeps (~2 s before the first task ran)."""
+    os.environ.update(env)
     if os.path.isdir(cwd):
         os.chdir(cwd)  # inputs and the tokenizer may be given relative to where the command ran
     staging = Staging(root)
@@ -150,9 +156,10 @@ def _run_shards(ray, config, job, shards, keys, staging, results, on_result) -> 
     """
     lost = (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
             ray.exceptions.OutOfMemoryError, ray.exceptions.LocalRayletDiedError)
-    # one CPU per task: the encoder's own thread pool is held to it (it would take every core of the node)
+    # one CPU per task: the encoder's own thread pool is held to it (it would take every core of the node); it is
+    # sized when the worker first encodes, after the task has set this
     env = {"RAYON_NUM_THREADS": "1", **_store_environment(job, config)}
-    task = ray.remote(tokenize_shard).options(num_cpus=1, max_retries=0, runtime_env={"env_vars": env})
+    task = ray.remote(tokenize_shard).options(num_cpus=1, max_retries=0)
     job_ref = ray.put(job)
     progress = Progress("tokenize", total_bytes=sum(s.size for s in job.sources), interval=config.progress_every,
                         total_parts=len(shards), part_name="shards")
@@ -162,7 +169,7 @@ def _run_shards(ray, config, job, shards, keys, staging, results, on_result) -> 
     pending: dict = {}
 
     def submit(k: int) -> None:
-        pending[task.remote(config, job_ref, shards[k], keys[k], staging.root, os.getcwd())] = k
+        pending[task.remote(config, job_ref, shards[k], keys[k], staging.root, os.getcwd(), env)] = k
 
     for k in range(len(shards)):
         if k not in results:
@@ -219,8 +226,10 @@ class Merge:
         self.seconds = 0.0
 
     def advance(self) -> None:
-        """Append every shard that is finished and next in order."""
+        """Append every shard that is finished and next in order, and write them through to the disk while later
+        shards run (the single run's fsync comes at its end, where the merge's would wait for all of it)."""
         t0 = time.perf_counter()
+        appended = self.next
         while self.next in self.results:
             k, key = self.next, self.keys[self.next]
             local = self.staging.fetch(key, os.path.join(self.tmp, key))
@@ -229,6 +238,8 @@ class Merge:
             if local.startswith(self.tmp):
                 shutil.rmtree(local, ignore_errors=True)
             self.next += 1
+        if self.next > appended and self.next < len(self.shards):
+            self.writer.sync()
         self.seconds += time.perf_counter() - t0
 
     def finish(self, config: TokenizeConfig) -> dict:

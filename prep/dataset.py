@@ -235,6 +235,14 @@ class DatasetWriter:
         self.counts.add(lengths, loss_mask, category_ids)
         self._lengths.append(lengths)
 
+    def sync(self) -> None:
+        """Write what was appended so far through to the disk now, while other work runs (a no-op when not
+        ``durable``): the fsync of ``finish`` then has little left to wait for."""
+        if self.durable:
+            for w in (self.tokens, self.loss_mask.writer, self.category_ids.writer):
+                if w is not None:
+                    w.sync()
+
     def _append_lazy(self, stream: _LazyStream, values, lengths, default) -> None:
         if stream.writer is None:
             stream.writer = BinWriter(self.tmp / stream.name, stream.dtype)
