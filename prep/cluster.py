@@ -226,10 +226,8 @@ class Merge:
         self.seconds = 0.0
 
     def advance(self) -> None:
-        """Append every shard that is finished and next in order, and write them through to the disk while later
-        shards run (the single run's fsync comes at its end, where the merge's would wait for all of it)."""
+        """Append every shard that is finished and next in order."""
         t0 = time.perf_counter()
-        appended = self.next
         while self.next in self.results:
             k, key = self.next, self.keys[self.next]
             local = self.staging.fetch(key, os.path.join(self.tmp, key))
@@ -238,8 +236,6 @@ class Merge:
             if local.startswith(self.tmp):
                 shutil.rmtree(local, ignore_errors=True)
             self.next += 1
-        if self.next > appended and self.next < len(self.shards):
-            self.writer.sync()
         self.seconds += time.perf_counter() - t0
 
     def finish(self, config: TokenizeConfig) -> dict:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from prep.indexed import BinWriter, IndexedReader, bin_path
 from prep.io import check_output_dir, file_sha256, fsync_dir, fsync_tree, write_json_atomic
 
 FORMAT = DATASET_FORMAT  # the name prep.inspect imports it by
+WRITE_BEHIND_ITEMS = 64 << 20  # tokens appended between two write-behinds (256 MB of int32)
 FORMAT_VERSION = 1
 UNCATEGORIZED = "uncategorized"
 MAX_CATEGORY = 65_535  # category ids are stored as uint16 at most
@@ -205,6 +207,8 @@ class DatasetWriter:
         self._rejects = None
         self.reject_count = 0
         self.reject_reasons: dict[str, int] = {}
+        self._unsynced = 0  # tokens appended since the last write-behind
+        self._syncing: threading.Thread | None = None
 
     def __enter__(self) -> DatasetWriter:
         return self
@@ -234,14 +238,29 @@ class DatasetWriter:
             self._append_lazy(self.category_ids, category_ids, lengths, _default_categories)
         self.counts.add(lengths, loss_mask, category_ids)
         self._lengths.append(lengths)
+        self._unsynced += len(tokens)
+        if self.durable and self._unsynced >= WRITE_BEHIND_ITEMS:
+            self._write_behind()
 
-    def sync(self) -> None:
-        """Write what was appended so far through to the disk now, while other work runs (a no-op when not
-        ``durable``): the fsync of ``finish`` then has little left to wait for."""
-        if self.durable:
-            for w in (self.tokens, self.loss_mask.writer, self.category_ids.writer):
-                if w is not None:
-                    w.sync()
+    def _write_behind(self) -> None:
+        """Start writing what was appended so far through to the disk in a thread (unless the last one still runs),
+        so that it goes to the disk while the work goes on and the fsync of ``finish`` has little left."""
+        self._unsynced = 0
+        if self._syncing is not None and self._syncing.is_alive():
+            return
+        fds = [w.flushed_fileno() for w in self._writers()]
+        self._syncing = threading.Thread(target=lambda: [os.fdatasync(fd) for fd in fds], name="xprep-write-behind",
+                                         daemon=True)  # an error there is the final fsync's to raise
+        self._syncing.start()
+
+    def _writers(self) -> list[BinWriter]:
+        return [w for w in (self.tokens, self.loss_mask.writer, self.category_ids.writer) if w is not None]
+
+    def _stop_writing_behind(self) -> None:
+        """Wait for the write-behind thread: the files it syncs are about to be closed."""
+        if self._syncing is not None:
+            self._syncing.join()
+            self._syncing = None
 
     def _append_lazy(self, stream: _LazyStream, values, lengths, default) -> None:
         if stream.writer is None:
@@ -255,6 +274,7 @@ class DatasetWriter:
         stream = self.category_ids
         if stream.dtype == np.uint16:
             return
+        self._stop_writing_behind()  # it may be syncing the file closed here
         old = stream.writer
         stream.dtype = np.dtype(np.uint16)
         stream.writer = None
@@ -285,6 +305,7 @@ class DatasetWriter:
 
     def finish(self, manifest: dict, categories: CategoryTable) -> dict:
         """Close every stream, write the manifest with counts and fingerprint, publish."""
+        self._stop_writing_behind()
         streams = {TOKENS_STREAM: {"dtype": self.dtype.name, **self.tokens.close()}}
         for stream in (self.loss_mask, self.category_ids):
             if stream.writer is not None:
@@ -323,6 +344,7 @@ class DatasetWriter:
         return manifest
 
     def abort(self) -> None:
+        self._stop_writing_behind()
         for w in (self.tokens, self.loss_mask.writer, self.category_ids.writer):
             if w is not None:
                 w.abort()

@@ -112,10 +112,10 @@ class BinWriter:
     def lengths(self) -> np.ndarray:
         return np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
 
-    def sync(self) -> None:
-        """Force what was appended so far onto the disk (so that the fsync at the end has less left to do)."""
+    def flushed_fileno(self) -> int:
+        """The file descriptor, everything appended so far handed to the OS (for an fdatasync in another thread)."""
         self._file.flush()
-        os.fdatasync(self._file.fileno())
+        return self._file.fileno()
 
     def close(self) -> dict[str, str]:
         """Flush the ``.bin``, write the ``.idx``; return both digests (hex)."""
