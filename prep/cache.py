@@ -56,6 +56,7 @@ from prep.mixture import (
 from prep.packconfig import PackConfig
 from prep.packfile import PackEntry, open_fingerprinted
 from prep.packing import Packed, held_out, pack_lengths
+from prep.remote import synced_from
 
 PACK_VERSION = 1  # bump when the same options and data would pack differently
 TRAIN, VALIDATION = "train", "validation"  # the parts of a --split pack
@@ -86,7 +87,9 @@ def read_fingerprints(paths: list[str | Path]) -> list[dict]:
         # The fingerprint stands for the data only if the streams were not edited since: re-hash the
         # token index (all a pack depends on; ~12 bytes a document, ~0.1 s at 10M documents).
         verify_streams(p, manifest, "idx", [TOKENS_STREAM])
-        out.append({"path": str(Path(p).resolve()), "fingerprint": manifest["fingerprint"]})
+        described = {"path": str(Path(p).resolve()), "fingerprint": manifest["fingerprint"]}
+        url = synced_from(p)  # a copy of a dataset at a URL: where a machine without the copy syncs it from
+        out.append({**described, "url": url} if url else described)
         tokenizers.setdefault((manifest.get("tokenizer") or {}).get("sha256"), str(p))
     if len(tokenizers) > 1:
         (_, first), (_, other) = list(tokenizers.items())[:2]
@@ -470,11 +473,14 @@ def _publish(tmp: Path, final: Path) -> None:
 # ---------------------------------------------------------------------------------------- manifest
 def _refresh_paths(root: Path, entry: PackEntry, inputs: list[dict]) -> PackEntry:
     """Same data found at other paths (moved or copied): point the entry at the paths given now."""
-    if [d["path"] for d in entry.meta["datasets"]] == [d["path"] for d in inputs]:
+    def where(d: dict) -> tuple:
+        return d["path"], d.get("url")
+
+    if [where(d) for d in entry.meta["datasets"]] == [where(d) for d in inputs]:
         return entry
     with _locked(root / f".{entry.path.name}.lock"):
         meta = dict(entry.meta)
-        meta["datasets"] = [{**old, "path": new["path"]} for old, new in
+        meta["datasets"] = [{**{k: v for k, v in old.items() if k != "url"}, **new} for old, new in
                             zip(entry.meta["datasets"], inputs, strict=True)]
         write_json_atomic(entry.path / PACK_JSON, meta)
     return PackEntry.open(entry.path)

@@ -16,6 +16,7 @@ Bin ``b`` holds items ``bin_offsets[b]:bin_offsets[b+1]``; item ``i`` is tokens
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +151,8 @@ def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it w
     datasets = []
     for i, info in enumerate(listed):
         path = Path(info["path"])
+        if not (path / MANIFEST).is_file() and info.get("url"):
+            path = _sync_again(info["url"], path)
         if not (path / MANIFEST).is_file():
             raise XprepError(f"{where}: input dataset #{i} {path} is missing; restore it or re-run "
                              "`xprep tokenize` and `xprep pack`")
@@ -161,6 +164,16 @@ def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it w
             verify_streams(ds.path, ds.manifest, "bin")
         datasets.append(ds)
     return datasets
+
+
+def _sync_again(url: str, path: Path) -> Path:
+    """A dataset packed from a URL, on a machine without the local copy the pack was made from (a training node,
+    another user): synced into this machine's cache ($XPREP_CACHE), which the fingerprint check then vouches for."""
+    from prep.remote import sync_dataset  # deferred: fsspec, for URLs only
+
+    local = sync_dataset(url)
+    print(f"xprep: {path} is not on this machine: synced its dataset from {url} into {local}", file=sys.stderr)
+    return local
 
 
 def _check_pack_cache(path: Path) -> None:

@@ -148,6 +148,7 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
     if (target / MANIFEST).is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    _origin_file(target).write_text(url + "\n")  # read by synced_from: a pack records where its inputs came from
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
@@ -165,6 +166,18 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def synced_from(path: str | Path) -> str | None:
+    """The URL a dataset at ``path`` was synced from by ``sync_dataset``, if it is such a copy."""
+    try:
+        return _origin_file(Path(path)).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _origin_file(target: Path) -> Path:
+    return target.with_name(f".{target.name}.origin")
 
 
 def _check_digests(directory: Path, manifest: dict, url: str) -> None:

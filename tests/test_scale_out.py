@@ -281,6 +281,14 @@ def test_s3_in_and_out_equals_local_and_packs_the_same(corpus, s3, tmp_path):
     assert [p.name for p in e1] == [p.name for p in e2]  # the same cache key: same fingerprint, same options
     bins = [{k: v for k, v in dir_bytes(e[0]).items() if k != "pack.json"} for e in (e1, e2)]  # (times, paths)
     assert bins[0] == bins[1] and len(bins[0]) >= 4
+    # on a machine without the copy the pack was made from (a training node), the pack syncs it from the URL
+    listed = json.loads((e1[0] / "pack.json").read_text())["datasets"]
+    assert [d["url"] for d in listed] == ["s3://corpus/out/ds"]
+    shutil.rmtree(tmp_path / "cache")
+    elsewhere = xprep("inspect", tmp_path / "p1", env={**s3["env"], "XPREP_CACHE": str(tmp_path / "node-cache")})
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert "synced its dataset from s3://corpus/out/ds" in elsewhere.stderr
+    assert (tmp_path / "node-cache" / "datasets" / listed[0]["fingerprint"] / "ds" / "manifest.json").is_file()
     # a --mix file may name the URL dataset too: copied once into the cache, named after the URL
     mix = tmp_path / "mix.json"
     mix.write_text(json.dumps({"sources": [{"dataset": "s3://corpus/out/ds", "weight": 2},
