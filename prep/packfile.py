@@ -27,6 +27,7 @@ from prep.errors import XprepError
 from prep.formats import DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM, declared_format
 from prep.indexed import idx_path
 from prep.io import read_json
+from prep.remote import sync_dataset  # fsspec itself loads only when a URL is read
 
 ARRAYS = ("bin_offsets", "item_doc", "item_start", "item_len")
 
@@ -169,8 +170,6 @@ def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it w
 def _sync_again(url: str, path: Path) -> Path:
     """A dataset packed from a URL, on a machine without the local copy the pack was made from (a training node,
     another user): synced into this machine's cache ($XPREP_CACHE), which the fingerprint check then vouches for."""
-    from prep.remote import sync_dataset  # deferred: fsspec, for URLs only
-
     local = sync_dataset(url)
     print(f"xprep: {path} is not on this machine: synced its dataset from {url} into {local}", file=sys.stderr)
     return local
