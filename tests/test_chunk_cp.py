@@ -11,14 +11,21 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from test_cp import cu_from, naive_document_attention
+from test_cp import cu_from
 from test_parallel_run import COMMON, CP2, metrics, same_curve, xtrain
-from trainkit import alone_logits, chunk_pack, make_trainer, random_docs, simulated_cp_logits, tiny_model
+from trainkit import (
+    alone_logits,
+    assert_simulated_cp_attention,
+    chunk_pack,
+    make_trainer,
+    random_docs,
+    simulated_cp_logits,
+    tiny_model,
+)
 
 from cli import xtrain as xtrain_cli
 from prep.errors import XprepError
 from train.cp import (
-    CPContext,
     inverse_permutation,
     local_pieces,
     local_segments,
@@ -136,29 +143,8 @@ def test_cp_attention_over_samples_with_simulated_ranks_equals_document_attentio
     sample_len = 2 * cp_size * 5
     items = [7, 2 * cp_size * 5 - 7, 3, 11, 2 * cp_size * 5 - 14]  # two samples; documents across chunk bounds
     batch = chunk_like_batch(items)
-    shards = [shard_batch(batch, r, cp_size, sample_len) for r in range(cp_size)]
-    g = torch.Generator().manual_seed(0)
-    t, heads, kv_heads, dim = sum(items), 4, 2, 8
-    q, k, v = (torch.randn(t, h, dim, generator=g, dtype=torch.float64, requires_grad=True)
-               for h in (heads, kv_heads, kv_heads))
-    weight = torch.randn(t, heads, dim, generator=g, dtype=torch.float64)
-    ref = naive_document_attention(q, k, v, items)
-    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
-    kv_global = torch.cat([k, v], dim=1)
-    total = 0.0
-    for r, shard in enumerate(shards):
-        local = shard["global_index"]
-
-        def fake_gather(x, r=r):
-            parts = [kv_global[s["global_index"]] for s in shards]
-            parts[r] = x
-            return torch.cat(parts)
-
-        out = CPContext.from_shard(shard, None, r, cp_size, gather=fake_gather).attention(q[local], k[local], v[local])
-        torch.testing.assert_close(out, ref[local].detach(), atol=1e-12, rtol=1e-12)
-        total = total + (out * weight[local]).sum()
-    for got, want in zip(torch.autograd.grad(total, (q, k, v)), ref_grads, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert_simulated_cp_attention([shard_batch(batch, r, cp_size, sample_len) for r in range(cp_size)], items,
+                                  cp_size)
 
 
 # ----------------------------------------------------------------------------- packed vs alone

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from trainkit import assert_simulated_cp_attention
 
 from prep.cache import PackConfig
 from prep.packing import item_costs
@@ -173,52 +174,12 @@ def test_shard_batch_rejects_mismatched_shapes():
 # ----------------------------------------------------------------------------- simulated ranks
 
 
-def naive_document_attention(q, k, v, lengths):
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    allowed = torch.ones(len(doc), len(doc), dtype=torch.bool).tril() & (doc[:, None] == doc[None, :])
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
-
-
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
 def test_cp_attention_with_simulated_ranks_equals_full_attention(cp_size):
-    """Each 'rank' runs CPContext.attention with a fake all-gather; outputs and grads match cp=1.
-
-    The fake gather reads the other ranks' K/V from the same global leaves, so summing every
-    rank's loss and backpropagating once gives what the real reduce-scatter would.
-    """
-    lengths = random_lengths(cp_size, n=6, high=30)
-    batch = make_batch(lengths)
+    """Each 'rank' runs CPContext.attention with a fake all-gather; outputs and grads match cp=1."""
+    batch = make_batch(random_lengths(cp_size, n=6, high=30))
     shards = [shard_batch(batch, r, cp_size) for r in range(cp_size)]
-    padded = torch.diff(shards[0]["cu_seqlens_padded"]).tolist()
-    g = torch.Generator().manual_seed(0)
-    t, heads, kv_heads, dim = sum(padded), 4, 2, 8
-    q, k, v = (
-        torch.randn(t, h, dim, generator=g, dtype=torch.float64, requires_grad=True)
-        for h in (heads, kv_heads, kv_heads)
-    )
-    weight = torch.randn(t, heads, dim, generator=g, dtype=torch.float64)
-    ref = naive_document_attention(q, k, v, padded)
-    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
-
-    kv_global = torch.cat([k, v], dim=1)
-    total = 0.0
-    for r, shard in enumerate(shards):
-        local = shard["global_index"]
-
-        def fake_gather(x, r=r):
-            parts = [kv_global[s["global_index"]] for s in shards]
-            parts[r] = x  # this rank's own contribution goes through the code under test
-            return torch.cat(parts)
-
-        ctx = CPContext.from_shard(shard, None, r, cp_size, gather=fake_gather)
-        out = ctx.attention(q[local], k[local], v[local])
-        torch.testing.assert_close(out, ref[local].detach(), atol=1e-12, rtol=1e-12)
-        total = total + (out * weight[local]).sum()
-    for got, want in zip(torch.autograd.grad(total, (q, k, v)), ref_grads, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert_simulated_cp_attention(shards, torch.diff(shards[0]["cu_seqlens_padded"]).tolist(), cp_size)
 
 
 def test_cp_context_needs_a_group_or_gather():

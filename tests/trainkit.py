@@ -7,6 +7,7 @@ so trainer tests do not depend on the packing algorithms.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from pathlib import Path
 
@@ -218,3 +219,45 @@ def alone_logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
     n = ids.shape[1]
     with torch.no_grad():
         return model(ids, torch.arange(n).unsqueeze(0), torch.tensor([0, n], dtype=torch.int32))
+
+
+def naive_document_attention(q, k, v, lengths):
+    """Causal attention within each document of ``lengths`` (GQA by repeating K/V), the slow obvious way."""
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    allowed = torch.ones(len(doc), len(doc), dtype=torch.bool).tril() & (doc[:, None] == doc[None, :])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
+def assert_simulated_cp_attention(shards: list[dict], lengths: list[int], cp_size: int) -> None:
+    """Each 'rank' of ``shards`` runs CPContext.attention with a fake all-gather; its outputs, and the gradients of
+    every rank's loss summed, equal document attention over ``lengths`` (the tokens before sharding) in float64.
+
+    The fake gather reads the other ranks' K/V from the same global leaves, so summing every rank's loss and
+    backpropagating once gives what the real reduce-scatter would.
+    """
+    g = torch.Generator().manual_seed(0)
+    t, heads, kv_heads, dim = sum(lengths), 4, 2, 8
+    q, k, v = (torch.randn(t, h, dim, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))
+    weight = torch.randn(t, heads, dim, generator=g, dtype=torch.float64)
+    ref = naive_document_attention(q, k, v, lengths)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    kv_global = torch.cat([k, v], dim=1)
+    total = 0.0
+    for r, shard in enumerate(shards):
+        local = shard["global_index"]
+
+        def fake_gather(x, r=r):
+            parts = [kv_global[s["global_index"]] for s in shards]
+            parts[r] = x  # this rank's own contribution goes through the code under test
+            return torch.cat(parts)
+
+        out = CPContext.from_shard(shard, None, r, cp_size, gather=fake_gather).attention(q[local], k[local], v[local])
+        torch.testing.assert_close(out, ref[local].detach(), atol=1e-12, rtol=1e-12)
+        total = total + (out * weight[local]).sum()
+    for got, want in zip(torch.autograd.grad(total, (q, k, v)), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
