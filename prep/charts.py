@@ -78,19 +78,21 @@ def nice_step(raw: float) -> float:
     return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
 
 
-def nice_range(lo: float, hi: float, zero: bool = False, count: int = 5) -> tuple[float, float]:
-    """``[lo, hi]`` widened to round steps (and to 0 with ``zero``); an empty range gets a width."""
+def nice_range(lo: float, hi: float, zero: bool = False, count: int = 5, least: float = 0.0) -> tuple[float, float]:
+    """``[lo, hi]`` widened to round steps of at least ``least`` (and to 0 with ``zero``); an empty range gets a
+    width."""
     if zero:
         lo, hi = min(lo, 0.0), max(hi, 0.0)
     if hi <= lo:
         pad = abs(lo) * 0.1 or 1.0
         lo, hi = (lo, lo + pad) if zero and lo == 0 else (lo - pad, hi + pad)
-    step = nice_step((hi - lo) / count)
+    step = nice_step(max((hi - lo) / count, least))
     return math.floor(lo / step + 1e-9) * step, math.ceil(hi / step - 1e-9) * step
 
 
-def linear_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    step = nice_step((hi - lo) / count)
+def linear_ticks(lo: float, hi: float, count: int = 5, least: float = 0.0) -> list[float]:
+    """About ``count`` round ticks in ``[lo, hi]``, at least ``least`` apart (1 on an axis of counts)."""
+    step = nice_step(max((hi - lo) / count, least))
     first = math.ceil(lo / step - 1e-9) * step
     n = int(math.floor((hi - first) / step + 1e-9))
     return [round(first + k * step, 12) for k in range(n + 1)]
@@ -164,15 +166,17 @@ class Frame:
 
 
 def y_value_axis(values: Sequence[float], fmt: Callable[[float], str] = short, zero: bool = True,
-                 log: bool = False) -> tuple[Scale, list[tuple[float, str]]]:
-    """A numeric y axis over ``values`` (from 0 unless ``zero`` is off; log10 when asked and all > 0)."""
+                 log: bool = False, counts: bool = False) -> tuple[Scale, list[tuple[float, str]]]:
+    """A numeric y axis over ``values`` (from 0 unless ``zero`` is off; log10 when asked and all > 0; whole
+    ticks only for ``counts``)."""
     finite = [v for v in values if v is not None and math.isfinite(v)] or [0.0]
     if log and min(finite) > 0:
         lo, hi = 10 ** math.floor(math.log10(min(finite))), 10 ** math.ceil(math.log10(max(finite)))
         hi = hi * 10 if hi == lo else hi
         return Scale(lo, hi, HEIGHT - BOTTOM, TOP, log=True), [(t, fmt(t)) for t in log_ticks(lo, hi)]
-    lo, hi = nice_range(min(finite), max(finite), zero=zero)
-    return Scale(lo, hi, HEIGHT - BOTTOM, TOP), [(t, fmt(t)) for t in linear_ticks(lo, hi)]
+    least = 1.0 if counts else 0.0
+    lo, hi = nice_range(min(finite), max(finite), zero=zero, least=least)
+    return Scale(lo, hi, HEIGHT - BOTTOM, TOP), [(t, fmt(t)) for t in linear_ticks(lo, hi, least=least)]
 
 
 # ------------------------------------------------------------------------------------------ legend
@@ -239,7 +243,7 @@ def histogram(title: str, x_label: str, y_label: str, rows: Sequence[dict], path
     else:
         x = Scale(lo, hi, LEFT, WIDTH - RIGHT)
         x_ticks = [(t, x_fmt(t)) for t in linear_ticks(lo, hi, 6)]
-    y, y_ticks = y_value_axis([r["count"] for _, r in shown])
+    y, y_ticks = y_value_axis([r["count"] for _, r in shown], counts=True)
     frame = Frame(title, x_label, y_label, x, y, x_ticks, y_ticks)
     base = y(0)
     for (i, r), (a, b) in zip(shown, spans, strict=True):
@@ -285,18 +289,19 @@ class Bar:
 
 
 def bar_chart(title: str, value_label: str, row_label: str, rows: Sequence[tuple[str, Sequence[Bar]]],
-              fmt: Callable[[float], str] = short, stacked: bool = False) -> str:
+              fmt: Callable[[float], str] = short, stacked: bool = False, counts: bool = False) -> str:
     """Horizontal bars, one band per row (a category, a reason, a source); inside a band the bars stand side
-    by side, or end to end when ``stacked``."""
+    by side, or end to end when ``stacked``; ``counts`` (tokens, records) get whole ticks only."""
     names = [name for name, _ in rows]
     left = min(max(LEFT, 34 + CHAR_PX * max(map(len, names), default=0)), 200)  # names clear of the axis label
     extent = [sum(b.source.value for b in bars) if stacked else max((b.source.value for b in bars), default=0)
               for _, bars in rows]
-    lo, hi = nice_range(0.0, max(extent, default=0.0), zero=True)
+    least = 1.0 if counts else 0.0
+    lo, hi = nice_range(0.0, max(extent, default=0.0), zero=True, least=least)
     x = Scale(lo, hi, left, WIDTH - RIGHT)
     band = min((HEIGHT - BOTTOM - TOP) / max(len(rows), 1), BAND_MAX)
     frame = Frame(title, value_label, row_label, x, Scale(0, 1, HEIGHT - BOTTOM, TOP),
-                  [(t, fmt(t)) for t in linear_ticks(lo, hi)], [], left=left)
+                  [(t, fmt(t)) for t in linear_ticks(lo, hi, least=least)], [], left=left)
     for k, (name, bars) in enumerate(rows):
         top = TOP + k * band + band * 0.15
         room = int((left - 34) / CHAR_PX)

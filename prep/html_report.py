@@ -287,7 +287,7 @@ def dataset_category_chart(r: dict, colours: Colours) -> str:
     if not rows:
         return ""
     keys = [Key("tokens", NEUTRAL, series="tokens"), Key("target tokens", NEUTRAL, series="targets", opacity=0.45)]
-    return figure(bar_chart("Tokens per category", "tokens (count)", "category", rows), keys)
+    return figure(bar_chart("Tokens per category", "tokens (count)", "category", rows, counts=True), keys)
 
 
 def rejects_chart(r: dict) -> str:
@@ -296,7 +296,7 @@ def rejects_chart(r: dict) -> str:
         return ""
     rows = [(reason, [Bar(Source(ptr("rejects", "by_reason", reason), n), NEUTRAL, f"{reason}: {n:,} records")])
             for reason, n in reasons.items()]
-    return figure(bar_chart("Rejected records by reason", "records (count)", "reason", rows))
+    return figure(bar_chart("Rejected records by reason", "records (count)", "reason", rows, counts=True))
 
 
 def percentile_table(r: dict, parts: tuple, label: str, caption: str = "Percentiles") -> str:
@@ -372,7 +372,8 @@ def capacity_chart(r: dict) -> str:
     bars = [Bar(Source(ptr(key), r[key]), colour, f"{label}: {r[key]:,} tokens", series=key)
             for key, label, colour in parts]
     keys = [Key(label, colour, series=key) for key, label, colour in parts]
-    svg = bar_chart("Capacity of all bins", "tokens (count)", "bins × capacity", [("all bins", bars)], stacked=True)
+    svg = bar_chart("Capacity of all bins", "tokens (count)", "bins × capacity", [("all bins", bars)], stacked=True,
+                    counts=True)
     return figure(svg, keys)
 
 
@@ -382,7 +383,7 @@ def pack_category_chart(r: dict, root: tuple, colours: Colours, title: str = "Pa
         return note(f"Categories: {r.get('categories_note')}")
     rows = [(name, [Bar(Source(ptr(*root, "categories", name), n), colours(name), f"{name}: {n:,} tokens",
                         category=name)]) for name, n in categories.items()]
-    return figure(bar_chart(title, "packed tokens (count)", "category", rows)) if rows else ""
+    return figure(bar_chart(title, "packed tokens (count)", "category", rows, counts=True)) if rows else ""
 
 
 def dp_charts(r: dict) -> list[str]:

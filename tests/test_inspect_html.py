@@ -363,3 +363,19 @@ def test_an_unwritable_page_is_one_line_before_any_work(demo, tmp_path, target, 
     out = target if target.startswith("/") else tmp_path / target
     line = one_line_error(xprep_invoke("inspect", demo["paths"][0], "--html", out))
     assert f"--html {out}" in line and needle in line, line
+
+
+def test_axes_of_counts_have_whole_ticks_only():
+    """Documents, records and tokens come in whole numbers: a count axis of small counts ticks 0, 1, 2, never 0.5,
+    while an axis of values (a loss, a share) keeps fractional ticks."""
+    from prep.charts import linear_ticks, nice_range, y_value_axis
+
+    _, ticks = y_value_axis([0, 1, 3, 2], counts=True)
+    assert [t for t, _ in ticks] == [0, 1, 2, 3]
+    _, ticks = y_value_axis([0, 0], counts=True)  # nothing counted: still whole
+    assert all(float(t).is_integer() for t, _ in ticks)
+    _, ticks = y_value_axis([0.0, 0.3, 0.7])
+    assert any(not float(t).is_integer() for t, _ in ticks)
+    lo, hi = nice_range(0, 2, zero=True, least=1.0)
+    assert (lo, hi) == (0, 2) and linear_ticks(0, 2, least=1.0) == [0, 1, 2]
+    assert linear_ticks(0, 4000, least=1.0) == linear_ticks(0, 4000)  # large counts: the usual round steps
