@@ -12,6 +12,7 @@ files match the digests and counts of its manifest (``reusable``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -87,8 +88,9 @@ class Staging:
         done = self.finished(key)
         if done is None or self.remote or _intact(self._path("shards", key)):
             return done  # an object store's uploads are whole or absent: nothing to check there
+        with contextlib.suppress(FileNotFoundError):  # the marker first: no marker ever names a half-removed shard
+            os.remove(self.marker(key))
         shutil.rmtree(self._path("shards", key), ignore_errors=True)
-        os.remove(self.marker(key))
         return None
 
     def publish(self, local_dataset: str, key: str, done: ShardDone) -> None:
