@@ -12,7 +12,7 @@ import json
 import multiprocessing
 import os
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
@@ -512,10 +512,14 @@ def _work(batch: RawBatch) -> Encoded:
 
 
 class Pipeline:
-    """Ordered map of a Processor over batches: inline, or over N processes with bounded lookahead.
+    """Ordered map of a Processor over batches: in one thread beside this one, or over N processes, with
+    bounded lookahead.
 
-    Worker processes come from ``concurrent.futures``: unlike ``multiprocessing.Pool`` it notices a
-    worker that dies (killed, out of memory) and fails every pending task instead of waiting forever.
+    One worker runs the Processor in a thread, so that this thread reads, splits, writes and hashes the
+    neighbouring batches while the encoder (native code, the GIL released) runs: text tokenizing overlaps
+    its Python with its encoding. Worker processes come from ``concurrent.futures``: unlike
+    ``multiprocessing.Pool`` it notices a worker that dies (killed, out of memory) and fails every pending
+    task instead of waiting forever.
     """
 
     def __init__(self, processor_args: tuple, workers: int):
@@ -528,21 +532,31 @@ class Pipeline:
                                             initializer=_init_worker, initargs=(processor_args,))
 
     def map(self, batches):
-        if self.pool is None:
-            for b in batches:
-                yield b if isinstance(b, Unreadable) else self.inline(b)
+        if self.pool is not None:
+            yield from _ordered(batches, lambda b: self.pool.submit(_work, b), 2 * self.workers)
             return
-        pending: deque = deque()
-        for b in batches:
-            pending.append(b if isinstance(b, Unreadable) else self.pool.submit(_work, b))
-            if len(pending) >= 2 * self.workers:
-                yield _result(pending.popleft())
-        while pending:
-            yield _result(pending.popleft())
+        # a thread per map (not per Pipeline): a Ray worker keeps its Pipeline from task to task
+        thread = ThreadPoolExecutor(1, thread_name_prefix="xprep-encode")
+        try:
+            yield from _ordered(batches, lambda b: thread.submit(self.inline, b), 2)
+        finally:
+            thread.shutdown(wait=True, cancel_futures=True)
 
     def close(self, ok: bool) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=not ok)
+
+
+def _ordered(batches, submit, lookahead: int):
+    """Results of ``submit(batch)`` (a future) in batch order, at most ``lookahead`` submitted ahead; Unreadable
+    markers pass through in their place."""
+    pending: deque = deque()
+    for b in batches:
+        pending.append(b if isinstance(b, Unreadable) else submit(b))
+        if len(pending) >= lookahead:
+            yield _result(pending.popleft())
+    while pending:
+        yield _result(pending.popleft())
 
 
 def _result(item) -> Encoded | Unreadable:

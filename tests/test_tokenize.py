@@ -563,3 +563,34 @@ def test_progress_on_a_terminal_and_in_logs(monkeypatch):
     assert len(log) == 1 and "\r" not in log[0]  # only t=40 is 30 s past the last line
     assert log[0].startswith("tokenize  30.0%  30 docs") and "ETA 1m33s" in log[0] and "[0m40s elapsed]" in log[0]
     assert feed(io.StringIO(), interval=0) == ""
+
+
+def test_one_worker_encodes_beside_the_reading_thread_in_order(monkeypatch):
+    """With one worker the Processor runs in a thread of its own (the encoder releases the GIL, so reading,
+    parsing and writing overlap it): results come back in batch order, unreadable files in their place, an
+    error of the Processor reaches the caller as itself, and a Pipeline can map again after it was closed
+    (a Ray worker keeps its Pipeline from one task to the next)."""
+    import threading
+
+    from prep import tokenize as tk
+    from prep.sources import Unreadable
+
+    class Fake:
+        def __init__(self, *args):
+            self.threads = set()
+
+        def __call__(self, batch):
+            self.threads.add(threading.current_thread().name)
+            if batch == "bad":
+                raise XprepError("bad batch")
+            return f"done {batch}"
+
+    monkeypatch.setattr(tk, "Processor", Fake)
+    pipeline = tk.Pipeline((), 1)
+    gone = Unreadable(0, 0, "unreadable")
+    assert list(pipeline.map([1, 2, gone, 3, 4])) == ["done 1", "done 2", gone, "done 3", "done 4"]
+    assert pipeline.inline.threads and threading.current_thread().name not in pipeline.inline.threads
+    pipeline.close(True)
+    with pytest.raises(XprepError, match="bad batch"):
+        list(pipeline.map([1, "bad", 2]))
+    assert list(pipeline.map([5])) == ["done 5"]
