@@ -85,7 +85,7 @@ def _pipeline(job: Job) -> Pipeline:
     key = hash(repr(job.processor_args))
     if key not in _PIPELINES:
         _PIPELINES.clear()
-        _PIPELINES[key] = Pipeline(job.processor_args, 1)
+        _PIPELINES[key] = Pipeline(job.processor_args, 1, overlap=False)  # num_cpus=1: one thread of work
     return _PIPELINES[key]
 
 

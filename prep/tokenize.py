@@ -522,8 +522,9 @@ class Pipeline:
     task instead of waiting forever.
     """
 
-    def __init__(self, processor_args: tuple, workers: int):
+    def __init__(self, processor_args: tuple, workers: int, overlap: bool = True):
         self.workers = workers
+        self.overlap = overlap  # one worker: its own thread (off where every core already runs a task, as on Ray)
         if workers <= 1:
             self.inline = Processor(*processor_args)
             self.pool = None
@@ -534,6 +535,10 @@ class Pipeline:
     def map(self, batches):
         if self.pool is not None:
             yield from _ordered(batches, lambda b: self.pool.submit(_work, b), 2 * self.workers)
+            return
+        if not self.overlap:
+            for b in batches:
+                yield b if isinstance(b, Unreadable) else self.inline(b)
             return
         # a thread per map (not per Pipeline): a Ray worker keeps its Pipeline from task to task
         thread = ThreadPoolExecutor(1, thread_name_prefix="xprep-encode")

@@ -569,7 +569,7 @@ def test_one_worker_encodes_beside_the_reading_thread_in_order(monkeypatch):
     """With one worker the Processor runs in a thread of its own (the encoder releases the GIL, so reading,
     parsing and writing overlap it): results come back in batch order, unreadable files in their place, an
     error of the Processor reaches the caller as itself, and a Pipeline can map again after it was closed
-    (a Ray worker keeps its Pipeline from one task to the next)."""
+    (a Ray worker keeps its Pipeline from one task to the next, and runs it without the extra thread)."""
     import threading
 
     from prep import tokenize as tk
@@ -594,3 +594,6 @@ def test_one_worker_encodes_beside_the_reading_thread_in_order(monkeypatch):
     with pytest.raises(XprepError, match="bad batch"):
         list(pipeline.map([1, "bad", 2]))
     assert list(pipeline.map([5])) == ["done 5"]
+    own = tk.Pipeline((), 1, overlap=False)  # a Ray task: one CPU, one thread of work
+    assert list(own.map([1, gone, 2])) == ["done 1", gone, "done 2"]
+    assert own.inline.threads == {threading.current_thread().name}
