@@ -345,9 +345,8 @@ class DatasetWriter:
 
     def abort(self) -> None:
         self._stop_writing_behind()
-        for w in (self.tokens, self.loss_mask.writer, self.category_ids.writer):
-            if w is not None:
-                w.abort()
+        for w in self._writers():
+            w.abort()
         if self._rejects is not None:
             self._rejects.close()
         shutil.rmtree(self.tmp, ignore_errors=True)

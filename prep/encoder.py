@@ -361,14 +361,23 @@ class Encoder:
         tokenizers never loads (~1 s). Elsewhere (a normalizer that changed the text, HF as the backend) from
         HF's offsets, whose ids must be ``ids``.
         """
-        if self._giga is not None:
-            data = text.encode()
-            if self._giga.backend.decode(ids) == data and self._offsets_are_bytes():
-                return byte_char_starts(data, self._token_bytes()[ids])
+        starts = self._starts_from_bytes(text, ids)
+        if starts is not None and self._offsets_are_bytes():
+            return starts
         ref_ids, starts = self.offsets(text)
         if not np.array_equal(ref_ids, ids):
             raise XprepError("the encoder disagrees with HF tokenizers on a rendered chat; use --backend hf")
         return starts
+
+    def _starts_from_bytes(self, text: str, ids: np.ndarray) -> np.ndarray | None:
+        """``byte_char_starts`` of ``ids``, or None where gigatoken does not encode or its tokens do not spell
+        ``text`` byte for byte (a normalizer changed it)."""
+        if self._giga is None:
+            return None
+        data = text.encode()
+        if self._giga.backend.decode(ids) != data:
+            return None
+        return byte_char_starts(data, self._token_bytes()[ids])
 
     def _token_bytes(self) -> np.ndarray:
         """Bytes in each token id's spelling (gigatoken's vocabulary), built once."""
@@ -479,12 +488,11 @@ def _offsets_check(encoder: Encoder) -> tuple[bool, str]:
     flat, lengths = encoder.encode(OFFSETS_SAMPLE, add_special_tokens=False)
     compared = 0
     for text, ids in zip(OFFSETS_SAMPLE, np.split(flat, np.cumsum(lengths)[:-1]), strict=True):
-        data = text.encode()
-        if encoder._giga.backend.decode(ids) != data:
+        from_bytes = encoder._starts_from_bytes(text, ids)
+        if from_bytes is None:
             continue  # a normalizer changed it: such text always takes HF's offsets
         ref_ids, starts = encoder.offsets(text)
-        if not np.array_equal(ref_ids, ids) or not np.array_equal(byte_char_starts(data, encoder._token_bytes()[ids]),
-                                                                  starts):
+        if not np.array_equal(ref_ids, ids) or not np.array_equal(from_bytes, starts):
             return False, "HF offsets are not the token bytes' on the sample"
         compared += 1
     return compared > 0, f"byte offsets agree with HF on {compared} sample texts"

@@ -19,10 +19,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from prep.dataset import read_manifest, verify_streams
 from prep.errors import XprepError
-from prep.formats import MANIFEST, REJECTS
-from prep.indexed import bin_path, idx_path
-from prep.io import file_sha256, write_json_atomic
+from prep.formats import REJECTS
+from prep.io import write_json_atomic
 from prep.remote import filesystem, is_url, join
 
 STAGING_SUFFIX = ".xprep-shards"
@@ -154,13 +154,9 @@ def _intact(dataset: str) -> bool:
     """Whether a shard dataset's streams have the sha256 its manifest records and its rejects file the records
     it counts (what a machine crash before the kernel wrote the files back would break)."""
     try:
-        with open(os.path.join(dataset, MANIFEST)) as f:
-            manifest = json.load(f)
-        for name, stream in manifest["streams"].items():
-            prefix = os.path.join(dataset, name)
-            if (file_sha256(bin_path(prefix), "") != stream["bin_sha256"]
-                    or file_sha256(idx_path(prefix), "") != stream["idx_sha256"]):
-                return False
+        manifest = read_manifest(dataset)
+        for part in ("idx", "bin"):  # the small files first
+            verify_streams(dataset, manifest, part)
         rejects = manifest["rejects"]["count"]
         if rejects:
             with open(os.path.join(dataset, REJECTS), encoding="utf-8") as f:
