@@ -27,6 +27,7 @@ order, each later one in a fresh permutation seeded by (seed, source, epoch); a 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +62,7 @@ def _most_behind(weights, scale, delivered):
     return best
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def greedy_blend(weights, unit, sizes, size_offsets, counts, later, later_offsets, total_tokens, out_source,
                  out_index, taken, delivered):
     """Continue the greedy blend from ``taken``/``delivered`` until ``total_tokens`` are delivered; return the bins
@@ -86,17 +87,16 @@ def greedy_blend(weights, unit, sizes, size_offsets, counts, later, later_offset
             ready_size[i] = sizes[size_offsets[i] + taken[i]]
     while total < total_tokens:
         best = _most_behind(weights, max(total, unit), delivered)
+        # the t-th bin a source gives: its own order, then its later epochs' (chosen without a branch: whether a
+        # source is in its first epoch follows the choices, which no branch predictor foresees)
         t = taken[best]
-        if t < counts[best]:  # the t-th bin a source gives: its own order, then its later epochs'
-            b = t
-        else:
-            pos = later_offsets[best] + t - counts[best]
-            if pos >= later_offsets[best + 1]:
-                return -1 - best
-            b = later[pos]
+        pos = later_offsets[best] + t - counts[best]
+        if pos >= later_offsets[best + 1]:
+            return -1 - best
+        later_bin = later[max(pos, 0)]  # ``later`` holds one element more than its epochs: never empty
         size = ready_size[best] if sized else 1.0  # (a constant keeps the load off the chain of choices)
         out_source[n] = best
-        out_index[n] = b
+        out_index[n] = t if t < counts[best] else later_bin
         delivered[best] += size
         total += size
         n += 1
@@ -132,29 +132,48 @@ def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int
     out_source = np.empty(capacity, np.int16)
     out_index = np.empty(capacity, index_dtype)
     taken, delivered = np.zeros(k, np.int64), np.zeros(k, np.float64)
-    while True:
+
+    def prepared(epochs: list[int]) -> tuple:
         later, later_offsets = later_epochs(counts, epochs, seed, index_dtype)
+        if uniform:
+            return later, later_offsets, np.zeros(0, np.uint16), np.zeros(k + 1, np.int64)
+        return (later, later_offsets, *taken_sizes(bin_sizes, later, later_offsets, biggest))
+
+    def run(arrays: tuple) -> int:
+        later, later_offsets, sizes, size_offsets = arrays
         if uniform:  # every bin counts 1; the blend ends at the bins that hold total_tokens
-            n = greedy_blend(weights, 1.0, np.zeros(0, np.uint16), np.zeros(k + 1, np.int64), counts, later,
-                             later_offsets, float(-(-total_tokens // unit)), out_source, out_index, taken, delivered)
-        else:
-            sizes, size_offsets = taken_sizes(bin_sizes, later, later_offsets, biggest)
-            n = greedy_blend(weights, float(unit), sizes, size_offsets, counts, later, later_offsets,
-                             float(total_tokens), out_source, out_index, taken, delivered)
-            del sizes
-        if n >= 0:
-            break
+            return greedy_blend(weights, 1.0, sizes, size_offsets, counts, later, later_offsets,
+                                float(-(-total_tokens // unit)), out_source, out_index, taken, delivered)
+        return greedy_blend(weights, float(unit), sizes, size_offsets, counts, later, later_offsets,
+                            float(total_tokens), out_source, out_index, taken, delivered)
+
+    if max(epochs) > 1:
+        # The blend starts on the first epochs (nothing to prepare but the sizes in one array) while the later
+        # epochs' orders and sizes are prepared in a thread beside it (the kernel holds no GIL); it stops when a
+        # source has given its first epoch, and resumes on them.
+        with ThreadPoolExecutor(1, thread_name_prefix="xprep-blend") as pool:
+            coming = pool.submit(prepared, epochs)
+            n = run(prepared([1] * k))
+            arrays = coming.result()
+        if n < 0:
+            n = run(arrays)
+        del arrays
+    else:
+        n = run(prepared(epochs))
+    while n < 0:
         epochs[-1 - n] *= 2  # rare: that source ran further ahead than prepared for; resume with more epochs
+        n = run(prepared(epochs))
     return Blend(bin_source=out_source[:n], bin_index=out_index[:n], bins=taken,
                  tokens=taken * unit if uniform else delivered.astype(np.int64),
                  epochs=np.maximum(1, -(-taken // counts)))
 
 
 def later_epochs(counts: np.ndarray, epochs: list[int], seed: int, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Every source's later epochs (``later_orders``) in one array, and where each source starts."""
+    """Every source's later epochs (``later_orders``) in one array (and one element after them), and where each
+    source starts."""
     offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum([int(c) * (e - 1) for c, e in zip(counts, epochs, strict=True)], out=offsets[1:])
-    later = np.empty(offsets[-1], dtype)
+    later = np.zeros(offsets[-1] + 1, dtype)  # one more: the kernel reads it without a branch, never empty
     for i, (c, e) in enumerate(zip(counts, epochs, strict=True)):
         later_orders(int(c), e, seed, i, dtype, out=later[offsets[i]:offsets[i + 1]])
     return later, offsets

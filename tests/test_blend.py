@@ -161,14 +161,17 @@ def test_equal_to_a_plain_reference_greedy(kind):
 
 
 def test_a_source_running_out_resumes_where_it_stopped(monkeypatch):
-    """When a source has no prepared bin left the kernel stops; more epochs are prepared and it carries on."""
+    """The kernel stops when a source has no prepared bin left and carries on from there: at the end of every
+    first epoch (the later ones are prepared beside it), and where too few epochs were prepared (more are, then)."""
     prepared = []
 
-    def first_without_later_epochs(counts, epochs, seed, dtype):
-        prepared.append(list(epochs))
-        return later_epochs(counts, [1] * len(epochs) if len(prepared) == 1 else epochs, seed, dtype)
+    def one_epoch_short(counts, epochs, seed, dtype):
+        if max(epochs) > 1:  # the first preparation of later epochs falls one short for every repeated source
+            prepared.append(list(epochs))
+            epochs = [max(1, e - 1) for e in epochs] if len(prepared) == 1 else epochs
+        return later_epochs(counts, epochs, seed, dtype)
 
-    monkeypatch.setattr(blend, "later_epochs", first_without_later_epochs)
+    monkeypatch.setattr(blend, "later_epochs", one_epoch_short)
     for sizes in ([7, 50, 3], [np.arange(1, 8), np.full(50, 8), np.array([8, 1, 5])]):
         prepared.clear()
         got = blend.blend_bins(sizes, np.array([0.5, 0.3, 0.2]), 8, 8 * 120, seed=5)
