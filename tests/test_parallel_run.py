@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -105,12 +104,10 @@ def test_a_dying_rank_ends_the_job(runs, tmp_path, launcher):
         cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(FAULT_WORKER), "run", *args]
     else:
         cmd = [sys.executable, str(FAULT_WORKER), "run", *args, "--nproc-per-node", "2"]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
-    elapsed = time.monotonic() - t0
+    # a job left waiting on the failed rank would sit until the gloo timeout (600 s): a TimeoutExpired here
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode not in (0, None), proc.stderr
     assert "rank 1 fails at step 3 (test hook)" in proc.stderr  # the failing rank's own error
-    assert elapsed < 60, f"{elapsed:.0f} s"  # start-up included; a hang would wait for the gloo timeout
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]
     if launcher == "nproc-per-node":  # one closing line names the rank that failed first, and its error
         last = proc.stderr.strip().splitlines()[-1]
@@ -139,10 +136,9 @@ def test_a_sigkilled_rank_ends_the_job(tmp_path):
     packed = cp_pack(tmp_path)
     args = [str(packed), "--steps", "50", "--micro-batch-size", "1", "--log-every", "100", *DP2,
             "--output", str(tmp_path / "run")]
-    t0 = time.monotonic()
-    proc = xtrain(*args, env={KILL_AFTER_STEP_ENV: "2", KILL_RANK_ENV: "1"}, timeout=120)
-    elapsed = time.monotonic() - t0
+    # A job left waiting on the dead rank would sit until the gloo timeout (600 s) and fail here as a
+    # TimeoutExpired; how long the start-up takes is the machine's business, not this test's.
+    proc = xtrain(*args, env={KILL_AFTER_STEP_ENV: "2", KILL_RANK_ENV: "1"}, timeout=180)
     assert proc.returncode not in (0, None), proc.stderr
-    assert elapsed < 60, f"{elapsed:.0f} s"  # start-up included; a hang would wait for the gloo timeout
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: rank 1 of 2 failed (signal SIGKILL)"), last
