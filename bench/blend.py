@@ -8,7 +8,11 @@ Target (issue 11): the blend index of 100M bins over 10 sources ≤ 2 s, peak RS
 fixed-capacity bins (sequential/multipack/chunk: every bin counts its capacity) with every source holding
 enough bins, and token-aware bins (each counts its tokens) where the five smallest sources repeat 4-5 times.
 
-Baseline, measured in the same run on the same mixtures: the previous implementation, kept below as
+The new implementation uses both cores of the machine: a long blend runs in two parts at once (the second from
+a guess of the greedy's state mid-way, taken over where the first meets it; ``prep.blend.Ahead``), and a
+repeated source's later epochs are shuffled beside the first part.
+
+Baseline, measured in the same run on the same mixtures: the previous implementation (one thread), kept below as
 ``previous_blend_bins`` (its kernels verbatim: a full argmax per bin, in two chains for bin counts, a helper
 call for every bin's index, and sizes read by bin id, i.e. at random in a repeated source's later epochs).
 Each (mixture, implementation) runs in its own process, so its peak RSS is its own; the outputs of both are

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prep import blend
-from prep.blend import blend_bins, epoch_orders, later_epochs
+from prep.blend import blend_bins, epoch_orders, epochs_needed, later_epochs
 
 
 def fixed(*counts: int, capacity: int = 8) -> list[np.ndarray]:
@@ -160,22 +160,95 @@ def test_equal_to_a_plain_reference_greedy(kind):
             assert getattr(got, field).tolist() == value, (case, field)
 
 
+@pytest.fixture
+def in_two_parts(monkeypatch) -> list[bool]:
+    """Blends of a few hundred bins run in two parts (as 4M-bin ones do); yields, per blend, whether they met."""
+    monkeypatch.setattr(blend, "SPLIT_MIN_BINS", 20)
+    monkeypatch.setattr(blend, "CHECK_EVERY", 3)
+    met, join = [], blend.Ahead.join
+
+    def joined(self, n, arrays, taken, delivered):
+        reached = n == self.split
+        n = join(self, n, arrays, taken, delivered)
+        if reached:
+            met.append(self.met)
+        return n
+
+    monkeypatch.setattr(blend.Ahead, "join", joined)
+    return met
+
+
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+def test_a_blend_run_in_two_parts_is_the_greedy_bin_for_bin(kind, in_two_parts):
+    """The second part starts from a guess of the state at the split; where the parts meet, the rest is the
+    second's, else the first runs on: either way the reference greedy's blend, ties and repeats included."""
+    rng = np.random.default_rng(100 + WEIGHT_KINDS.index(kind))
+    for case in range(40):
+        sizes, weights, unit, total = random_case(rng, kind)
+        got = blend_bins(sizes, weights, unit, total, seed=case)
+        want = reference_blend(sizes, weights, unit, total, seed=case)
+        for field, value in want.items():
+            assert getattr(got, field).tolist() == value, (case, field)
+    assert sum(in_two_parts) >= 10  # the parts met in most blends
+
+
+def test_parts_that_do_not_meet_leave_the_rest_to_the_first(in_two_parts, monkeypatch):
+    """A second part started far from the true state, compared at one point only: the first part runs the rest
+    over its bins, and the blend is still the greedy's."""
+    guess = blend.Ahead.guess
+
+    def far_off(self, arrays):
+        state = guess(self, arrays)
+        if state is None or len(state[0]) < 2:
+            return state
+        taken, _ = state
+        moved = taken.copy()
+        moved[0], moved[1] = moved[0] + moved[1], 0  # every bin of source 1 guessed as source 0's
+        return guess_state(self, arrays, moved)
+
+    def guess_state(self, arrays, taken):
+        _, later_offsets, sizes, size_offsets = arrays
+        if np.any(taken > self.counts + np.diff(later_offsets)):
+            return None
+        if len(sizes) == 0:
+            return taken, taken.astype(np.float64)
+        return taken, np.array([float(np.sum(sizes[a:a + t], dtype=np.int64))
+                                for a, t in zip(size_offsets[:-1], taken, strict=True)])
+
+    monkeypatch.setattr(blend.Ahead, "guess", far_off)
+    monkeypatch.setattr(blend, "CHECK_POINTS", 1)
+    monkeypatch.setattr(blend, "CHECK_EVERY", 1)
+    sizes = [np.arange(1, 40) % 7 + 1, np.full(300, 8), np.arange(1, 200) % 5 + 4]
+    for seed in range(5):
+        got = blend_bins(sizes, np.array([0.5, 0.3, 0.2]), 8, 8 * 600, seed=seed)
+        want = reference_blend(sizes, np.array([0.5, 0.3, 0.2]), 8, 8 * 600, seed=seed)
+        for field, value in want.items():
+            assert getattr(got, field).tolist() == value, (seed, field)
+    assert in_two_parts and not any(in_two_parts)
+
+
 def test_a_source_running_out_resumes_where_it_stopped(monkeypatch):
     """The kernel stops when a source has no prepared bin left and carries on from there: at the end of every
-    first epoch (the later ones are prepared beside it), and where too few epochs were prepared (more are, then)."""
-    prepared = []
+    first epoch (the later ones are prepared beside it), and where too few epochs were planned (more are, then)."""
+    planned, prepared = [], []
 
-    def one_epoch_short(counts, epochs, seed, dtype):
-        if max(epochs) > 1:  # the first preparation of later epochs falls one short for every repeated source
-            prepared.append(list(epochs))
-            epochs = [max(1, e - 1) for e in epochs] if len(prepared) == 1 else epochs
-        return later_epochs(counts, epochs, seed, dtype)
+    def one_epoch_short(weights, tokens, total_tokens, biggest):
+        epochs = epochs_needed(weights, tokens, total_tokens, biggest)
+        planned.append(epochs)
+        return [max(1, e - 1) for e in epochs]
 
-    monkeypatch.setattr(blend, "later_epochs", one_epoch_short)
+    def counted(counts, epochs, seed, dtype, threads=None):
+        prepared.append(list(epochs))
+        return later_epochs(counts, epochs, seed, dtype, threads)
+
+    monkeypatch.setattr(blend, "epochs_needed", one_epoch_short)
+    monkeypatch.setattr(blend, "later_epochs", counted)
     for sizes in ([7, 50, 3], [np.arange(1, 8), np.full(50, 8), np.array([8, 1, 5])]):
+        planned.clear()
         prepared.clear()
         got = blend.blend_bins(sizes, np.array([0.5, 0.3, 0.2]), 8, 8 * 120, seed=5)
         want = reference_blend(sizes, np.array([0.5, 0.3, 0.2]), 8, 8 * 120, seed=5)
-        assert len(prepared) == 2 and max(want["epochs"]) > 1
+        assert len(planned) == 1 and max(planned[0]) > 1
+        assert len(prepared) == 2 and prepared[1] != prepared[0]  # ran out of the epochs planned: more, then
         for field, value in want.items():
             assert getattr(got, field).tolist() == value, field
