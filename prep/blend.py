@@ -23,6 +23,7 @@ it) as long as it evaluates that expression. There is no shortcut through per-so
 
 A source asked for more bins than it has is repeated epoch after epoch: its first epoch in the pack's own
 order, each later one in a fresh permutation seeded by (seed, source, epoch); a source asked for less is cut.
+A long blend is computed in two parts at once, on two cores, and is the same bin for bin (``Ahead``).
 """
 
 from __future__ import annotations
@@ -207,16 +208,16 @@ def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int
 
 
 class Ahead:
-    """The second half of a long blend, run beside the first from a guess of the state at the split.
+    """The second part of a long blend, run beside the first from a guess of the state at the split.
 
     The greedy's state after ``n`` bins is the bins taken from each source: the tokens delivered are their sizes'
     sum, exact in float64, and every later choice depends on nothing else. So a run from a guessed state that
     at some point has taken, source for source, the bins the true run has taken at that point goes on exactly as
     the true run does. The greedy pulls every source to within a bin or two of its share, and runs from nearby
     states meet soon (within about a thousand bins from the shares rounded, on the benchmark's mixtures). This
-    half records its state every ``every`` bins over ``points`` points past the split; the first half, once at
+    part records its state every ``every`` bins over ``points`` points past the split; the first part, once at
     the split, carries on to the first point where its state equals the one recorded there, and the rest is
-    this half's. Where they do not meet (or this half runs out of prepared bins) the first half runs the rest
+    this part's. Where they do not meet (or this part runs out of prepared bins) the first part runs the rest
     itself, over this one's bins.
     """
 
@@ -227,7 +228,7 @@ class Ahead:
         self.split, self.every = split, every
         self.states = np.zeros((points, len(weights)), np.int64)
         self.recorded = 0
-        self.past = threading.Event()  # set once this half is past its points, or stopped
+        self.past = threading.Event()  # set once this part is past its points, or stopped
         self.end, self.taken, self.delivered = -1, None, None  # where it ended, and its state there
         self.met = False  # whether the first part met this one's bins (then the rest is this one's)
         self.future: Future | None = None
@@ -268,13 +269,13 @@ class Ahead:
             self.past.set()
 
     def join(self, n: int, arrays: tuple, taken: np.ndarray, delivered: np.ndarray) -> int:
-        """The first half stopped at ``n`` (the split, unless the blend ended before it or a source ran out):
-        carry it on to where the halves meet; return the blend's bins (negative as ``greedy_blend``) with
+        """The first part stopped at ``n`` (the split, unless the blend ended before it or a source ran out):
+        carry it on to where the parts meet; return the blend's bins (negative as ``greedy_blend``) with
         ``taken``/``delivered`` its state at the end."""
         if n != self.split:
             self.future.result()  # nothing more is written beside the caller
             return n
-        self.past.wait()  # this half is past the points: the first writes its bins before them, never beside
+        self.past.wait()  # this part is past the points: the first writes its bins before them, never beside
         for j in range(self.recorded):
             stop = self.split + (j + 1) * self.every
             n = self._run(arrays, taken, delivered, stop)
