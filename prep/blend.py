@@ -40,8 +40,9 @@ from prep.packing import shuffled_order
 
 MAX_SOURCES = 32_767  # sources are stored as int16, as Megatron stores its dataset index
 SPLIT_MIN_BINS = 4_000_000  # a blend of fewer bins runs in one part (see ``Ahead``)
-CHECK_EVERY = 1024  # bins between the states the two halves compare
-CHECK_POINTS = 1024  # states compared at most: where the halves have not met by then, the first runs the rest
+CHECK_EVERY = 1024  # bins between the states the two parts compare
+CHECK_POINTS = 1024  # states compared at most: where the parts have not met by then, the first runs the rest
+CHECK_STATES = 1 << 22  # ... and no more than this many counts in all (32 MiB: fewer points for many sources)
 
 
 @dataclass
@@ -171,7 +172,8 @@ def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int
     with ThreadPoolExecutor(1, thread_name_prefix="xprep-blend") as pool:
 
         def start_ahead(split: int) -> Ahead:
-            ahead = Ahead(run, weights, counts, tokens, split, CHECK_EVERY, CHECK_POINTS)
+            points = max(1, min(CHECK_POINTS, CHECK_STATES // k))
+            ahead = Ahead(run, weights, counts, tokens, split, CHECK_EVERY, points)
             ahead.future = pool.submit(ahead.run, arrays)
             return ahead
 
