@@ -165,7 +165,7 @@ def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int
 
     # A long blend runs in two parts at once, the second from a guess of the state where it starts (``Ahead``):
     # from the middle, or where the first part stops to wait for the later epochs (then the middle of the rest).
-    mean = tokens / counts
+    mean = tokens / counts  # each source's mean bin size
     expected = int(total_tokens * float(np.sum(weights / mean)))  # bins the blend will take, about
     split = expected // 2 if expected >= SPLIT_MIN_BINS else capacity
     ahead = None
@@ -173,7 +173,7 @@ def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int
 
         def start_ahead(split: int) -> Ahead:
             points = max(1, min(CHECK_POINTS, CHECK_STATES // k))
-            ahead = Ahead(run, weights, counts, tokens, split, CHECK_EVERY, points)
+            ahead = Ahead(run, weights, counts, mean, split, CHECK_EVERY, points)
             ahead.future = pool.submit(ahead.run, arrays)
             return ahead
 
@@ -223,10 +223,9 @@ class Ahead:
     itself, over this one's bins.
     """
 
-    def __init__(self, run, weights: np.ndarray, counts: np.ndarray, tokens: np.ndarray, split: int, every: int,
+    def __init__(self, run, weights: np.ndarray, counts: np.ndarray, mean: np.ndarray, split: int, every: int,
                  points: int):
-        self._run, self.weights, self.counts = run, weights, counts
-        self.mean = tokens / counts
+        self._run, self.weights, self.counts, self.mean = run, weights, counts, mean
         self.split, self.every = split, every
         self.states = np.zeros((points, len(weights)), np.int64)
         self.recorded = 0
@@ -235,12 +234,17 @@ class Ahead:
         self.met = False  # whether the first part met this one's bins (then the rest is this one's)
         self.future: Future | None = None
 
-    def guess(self, arrays: tuple) -> tuple[np.ndarray, np.ndarray] | None:
-        """Each source's share of ``split`` bins (largest remainders), and the tokens those bins hold."""
-        later, later_offsets, sizes, size_offsets = arrays
+    def shares(self) -> np.ndarray:
+        """Each source's share of ``split`` bins (its weight over its mean bin size), by largest remainders."""
         share = self.split * (self.weights / self.mean) / np.sum(self.weights / self.mean)
         taken = np.floor(share).astype(np.int64)
         taken[np.argsort(taken - share, kind="stable")[: self.split - int(taken.sum())]] += 1
+        return taken
+
+    def guess(self, arrays: tuple) -> tuple[np.ndarray, np.ndarray] | None:
+        """The state at the split: ``shares``, and the tokens those bins hold (None: more than is prepared)."""
+        later, later_offsets, sizes, size_offsets = arrays
+        taken = self.shares()
         if np.any(taken > self.counts + np.diff(later_offsets)):
             return None  # more than is prepared: no guess
         if len(sizes) == 0:
