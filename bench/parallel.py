@@ -56,6 +56,8 @@ import traceback  # noqa: E402
 from dataclasses import asdict, dataclass, fields, replace  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
+from bench.procs import descendants  # noqa: E402
+
 if TYPE_CHECKING:
     from train.model import ModelConfig
 
@@ -396,26 +398,6 @@ def worker_main(kind: str, cfg: BenchConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------- launcher
-def descendants(pid: int) -> list[int]:
-    """All live descendants of `pid` (torchrun starts its ranks in sessions of their own)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
-
-
 def stop(proc: subprocess.Popen) -> None:
     """Stop a worker launch we started: SIGTERM (torchrun passes it on to its ranks), then SIGKILL by pid."""
     pids = descendants(proc.pid)
