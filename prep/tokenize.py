@@ -8,6 +8,7 @@ encodes a whole batch at once. Output bytes do not depend on the worker count.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from prep import chat_columns
 from prep.dataset import CategoryTable, DatasetWriter, token_dtype
 from prep.encoder import Encoder, TokenizerInfo, add_around, choose_backend, load_tokenizer_info
 from prep.errors import XprepError
@@ -25,6 +27,7 @@ from prep.formats import AUTO, CHAT, RECORD_FORMATS, REJECTS, TEXT, TOKENS
 from prep.progress import Progress
 from prep.sources import LINES, ROWS, TEXT_FILE, RawBatch, Unreadable, plan_shard, read_batches, resolve_inputs
 from prep.templates import (
+    RENDER_ENV,
     ChatTemplate,
     TemplateError,
     TemplateSpec,
@@ -161,6 +164,9 @@ class BadRecord(ValueError):
         self.kind = kind
 
 
+NO_ANSWER = "no assistant message: nothing to train on (use --train-on all to keep it)"
+
+
 class Unusable(BadRecord):
     """A well-formed record with nothing to train on: always set aside in rejects.jsonl, counted."""
 
@@ -172,16 +178,21 @@ class Processor:
         self.encoder = Encoder(info, backend)
         self.template = ChatTemplate(template) if template is not None else None
         self.options = options
+        plain = (options.format in (AUTO, CHAT) and not options.role_map and not options.category_field
+                 and os.environ.get(RENDER_ENV, "").lower() != "records")
+        self.columns = chat_columns.for_template(self.template, options.train_on == "all") if plain else None
 
     def __call__(self, batch: RawBatch) -> Encoded:
         docs: list[tuple[str, object, str | int | None]] = []  # (kind, payload, category)
         rejects = []
+        rendered = self.columns.render(batch.items) if self.columns is not None and batch.kind == LINES else None
+        parse = self._parse if rendered is None else self._rendered_parser(rendered)
         for item, line in zip(batch.items, batch.lines, strict=True):
             try:
-                docs.append(self._parse(item, batch.kind))
+                docs.append(parse(item, batch.kind))
             except (BadRecord, TemplateError) as e:
                 rejects.append(Rejected(line, e.kind, str(e), _snippet(item), fatal=not isinstance(e, Unusable)))
-        out = self._encode(batch.source, docs)
+        out = self._encode(batch.source, docs, rendered)
         out.rejects = rejects
         out.bytes_in = sum(len(i) for i in batch.items) if batch.kind != ROWS else 0
         return out
@@ -220,11 +231,25 @@ class Processor:
                 if "category" in m:
                     m["category"] = _category_name(m["category"], "message category")
             if self.options.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
-                raise Unusable("no assistant message: nothing to train on (use --train-on all to keep it)",
-                               "no assistant message")
+                raise Unusable(NO_ANSWER, "no assistant message")
             text, spans = self.template.render_with_spans(messages)  # a template error rejects this record
-            return CHAT, (messages, text, spans), category
+            return CHAT, (text, [(a, b, messages[i].get("category")) for a, b, i in spans]), category
         return TOKENS, self._tokens(record), category
+
+    def _rendered_parser(self, rendered: chat_columns.Rendered):
+        """``_parse`` for a batch ``chat_columns`` rendered: the index of each record it kept among them (see
+        ``_encode_chats``), the per-record way for the others."""
+        status, kept = iter(rendered.status.tolist()), itertools.count()
+
+        def parse(item, kind: str):
+            done = next(status)
+            if done == chat_columns.KEPT:
+                return CHAT, next(kept), self.options.category
+            if done == chat_columns.NO_ANSWER:
+                raise Unusable(NO_ANSWER, "no assistant message")
+            return self._parse(item, kind)
+
+        return parse
 
     def _category(self, record: dict) -> str | None:
         field_name = self.options.category_field
@@ -253,7 +278,7 @@ class Processor:
         return {"input_ids": ids, "loss_mask": mask, "category_ids": cats}
 
     # -- encoding ------------------------------------------------------------------------------
-    def _encode(self, source: int, docs: list) -> Encoded:
+    def _encode(self, source: int, docs: list, rendered: chat_columns.Rendered | None = None) -> Encoded:
         keys: list = [None]
         code_of: dict = {None: 0}
 
@@ -276,7 +301,7 @@ class Processor:
                 return self._text_batch(source, flat, lengths, [cat for _, _, cat in docs], need_cat, code, keys)
             offsets = np.concatenate([[0], np.cumsum(lengths)])
         chats = [(p, cat) for kind, p, cat in docs if kind == CHAT]
-        chat_out = self._encode_chats(chats, code) if chats else []
+        chat_out = self._encode_chats(chats, code, rendered) if chats else []
         ti = ci = 0
         for kind, payload, cat in docs:
             if kind == TEXT:
@@ -332,66 +357,89 @@ class Processor:
         eod = self.options.append_eod
         return self.options.eod_id is not None and (eod or (eod is None and kind == TEXT))
 
-    def _encode_chats(self, chats: list, code) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def _encode_chats(self, chats: list, code, rendered: chat_columns.Rendered | None = None
+                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Encode every rendered conversation whole and as its span-separated segments, in one encoder call for
         the whole batch, and mark the assistant spans as targets.
 
-        Where a conversation's segment ids concatenate to its whole-text ids (the common case: spans begin and
-        end at special tokens or newlines) the segment lengths give the mask. Elsewhere each token's first
-        character (``Encoder.char_starts``) places it inside or outside the spans.
+        A chat is (text, spans) or, for a batch ``chat_columns`` rendered, the index of one of its kept
+        conversations, whose segments it cuts for all of them at once. Where a conversation's segment ids
+        concatenate to its whole-text ids (the common case: spans begin and end at special tokens or newlines)
+        the segment lengths give the mask. Elsewhere each token's first character (``Encoder.char_starts``)
+        places it inside or outside the spans.
         """
         texts, seg_texts, seg_target, seg_cat, seg_count = [], [], [], [], []
-        for (messages, text, spans), cat in chats:
+        convs = []  # (position in chats, spans or None for a column-wise one, category) in encoding order
+        for j, (payload, cat) in enumerate(chats):
+            if isinstance(payload, int):
+                continue
+            text, spans = payload
             texts.append(text)
+            convs.append((j, spans, cat))
             pos, first = 0, len(seg_texts)
-            for start, end, i in spans:
+            for start, end, span_cat in spans:
                 if start > pos:
                     seg_texts.append(text[pos:start])
                     seg_target.append(False)
                     seg_cat.append(code(cat))
                 seg_texts.append(text[start:end])
                 seg_target.append(True)
-                seg_cat.append(code(messages[i].get("category") or cat))
+                seg_cat.append(code(span_cat or cat))
                 pos = end
             if pos < len(text):
                 seg_texts.append(text[pos:])
                 seg_target.append(False)
                 seg_cat.append(code(cat))
             seg_count.append(len(seg_texts) - first)
+        seg_target, seg_cat = np.array(seg_target, bool), np.array(seg_cat, np.uint16)
+        seg_count = np.array(seg_count, np.int64)
+        columnar = [j for j, (payload, _) in enumerate(chats) if isinstance(payload, int)]
+        if columnar:  # all of the batch's kept conversations, in order, and one category (no message has one)
+            assert rendered is not None and len(columnar) == len(rendered.texts)
+            more, target, counts = rendered.segments()
+            cat = chats[columnar[0]][1]
+            texts += rendered.texts
+            convs += [(j, None, cat) for j in columnar]
+            seg_texts += more
+            seg_target = np.concatenate([seg_target, target])
+            seg_cat = np.concatenate([seg_cat, np.full(len(target), code(cat) if len(target) else 0, np.uint16)])
+            seg_count = np.concatenate([seg_count, counts])
         flat, lengths = self.encoder.encode(texts + seg_texts, add_special_tokens=False)
         n = len(texts)
         whole_len, seg_len = lengths[:n], lengths[n:]
-        whole_off, seg_first = _offsets(whole_len), _offsets(np.array(seg_count, np.int64))
+        whole_off, seg_first = _offsets(whole_len), _offsets(seg_count)
         split = int(whole_off[-1])
         whole_flat, seg_flat = flat[:split], flat[split:]
         conv_seg = _offsets(seg_len)[seg_first]  # where each conversation's segment ids start in seg_flat
         # the common case, checked for the whole batch at once: every conversation's segments give its ids
         same = bool(np.array_equal(conv_seg, whole_off)) and np.array_equal(seg_flat, whole_flat)
-        target = np.repeat(np.array(seg_target, bool), seg_len)
-        cats = np.repeat(np.array(seg_cat, np.uint16), seg_len)
+        target = np.repeat(seg_target, seg_len)
+        cats = np.repeat(seg_cat, seg_len)
         mask = np.ones(len(target), np.uint8) if self.options.train_on == "all" else target.view(np.uint8).copy()
-        out = []
-        for k, ((messages, text, spans), cat) in enumerate(chats):
+        out: list = [None] * len(chats)
+        for k, (j, spans, cat) in enumerate(convs):
             a, b = whole_off[k], whole_off[k + 1]
             sa, sb = conv_seg[k], conv_seg[k + 1]
             ids = whole_flat[a:b]
             if same or (sb - sa == b - a and np.array_equal(seg_flat[sa:sb], ids)):
                 doc_mask, doc_cats = mask[sa:sb], cats[sa:sb]
             else:
-                doc_target, doc_cats = self._mask_from_offsets(text, ids, spans, messages, cat, code)
+                if spans is None:
+                    spans = [(s, e, None) for s, e in rendered.spans(k - (len(convs) - len(columnar)))]
+                doc_target, doc_cats = self._mask_from_offsets(texts[k], ids, spans, cat, code)
                 doc_mask = np.ones(b - a, np.uint8) if self.options.train_on == "all" else doc_target.astype(np.uint8)
             doc_mask[:1] = 0
-            out.append((ids, doc_mask, doc_cats))
+            out[j] = (ids, doc_mask, doc_cats)
         return out
 
-    def _mask_from_offsets(self, text, ids, spans, messages, cat, code):
+    def _mask_from_offsets(self, text, ids, spans, cat, code):
         starts = self.encoder.char_starts(text, ids)
         target = np.zeros(len(ids), bool)
         cats = np.full(len(ids), code(cat), np.uint16)
-        for start, end, i in spans:
+        for start, end, span_cat in spans:
             inside = (starts >= start) & (starts < end)
             target |= inside
-            cats[inside] = code(messages[i].get("category") or cat)
+            cats[inside] = code(span_cat or cat)
         return target, cats
 
 

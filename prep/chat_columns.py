@@ -1,0 +1,348 @@
+"""Chat batches parsed and rendered column-wise, for the ChatML-shaped templates (ChatML, Qwen3).
+
+Per record, the fast renderers of ``prep.chat_fast`` still run a few microseconds of CPython per message:
+``json.loads``, ``normalize_messages``, the renderer, the span search. For a batch of JSON lines whose
+conversations are plain (roles system/user/assistant and, for ChatML, tool; string contents; no reasoning
+or tool markup) all of that is column work: pyarrow's JSON reader parses the batch, each message becomes
+``head + content + tail`` gathered by one numpy index, and each assistant span is arithmetic on the
+message offsets. The text and spans equal what ``ChatTemplate.render_with_spans`` gives for the same
+record, character for character (tests/test_chat_columns.py compares them on every conversation of the
+shared chat data and on hostile lines).
+
+A record is left to the per-record path (``Row.OTHER``) wherever this module is not sure to agree with it:
+a message with another field, role or type; content holding ``</think>``, ``<tool_response>`` or the span
+search's placeholder character; an answer that Qwen3 would strip. A batch is left to it whole
+where pyarrow does not read it as Python's ``json`` would, or might not survive it: a line with more than
+``MAX_OPENINGS`` brackets, any line pyarrow refuses (malformed, duplicate
+keys, lone surrogates, raw control characters), invalid UTF-8, a row count other than the line count, a
+``category``/``conversations`` field, or another top-level field that is not a scalar.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from prep import chat_fast
+from prep.templates import ROLES, ChatTemplate, TemplateError, normalize_messages
+
+SYSTEM, USER, ASSISTANT, TOOL, THINKING = 0, 1, 2, 3, 4  # head codes; THINKING: Qwen3's answer after the last query
+OTHER, KEPT, NO_ANSWER = 0, 1, 2  # what became of each record of a batch
+HEADER = "<|im_start|>assistant\n"  # the generation prompt: an assistant span begins after it
+END = "<|im_end|>"
+_HEADS = {
+    SYSTEM: "<|im_start|>system\n",
+    USER: "<|im_start|>user\n",
+    ASSISTANT: HEADER,
+    TOOL: "<|im_start|>tool\n",
+    THINKING: HEADER + "<think>\n\n</think>\n\n",
+}
+_TAIL = END + "\n"
+_CANONICAL = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
+# content the per-record renderers treat specially (Qwen3's reasoning split at ``</think>``, tool responses), or
+# that the span search refuses (its placeholder character): such a record goes the per-record way
+_MARKUP = {"qwen3": (b"</think>", b"<tool_response>", "\ue000".encode()),
+           "chatml": ("\ue000".encode(),)}
+NAMES = tuple(_MARKUP)
+# pyarrow's JSON parser recurses per nesting level: 20,000 levels overflow an 8 MB thread stack (a segfault,
+# not an error). A line's nesting depth is at most its count of "[" and "{": lines with more than this many (a
+# thousand messages, or much code in a content) send their batch the per-record way.
+MAX_OPENINGS = 2048
+ROLE_BYTES = 16  # a role of 16 bytes or more (none of ROLES) goes the per-record way
+
+
+class Rendered:
+    """One batch, column-wise: ``status[j]`` of record j; for the KEPT ones, in order, their texts (slices of
+    ``text``, the batch's at ``bounds``) and assistant spans, ``starts``/``ends`` in ``text`` (characters), as
+    many per conversation as ``answers`` says."""
+
+    def __init__(self, status: np.ndarray, text: str = "", bounds: np.ndarray | None = None,
+                 starts: np.ndarray | None = None, ends: np.ndarray | None = None, answers: np.ndarray | None = None):
+        self.status, self.text = status, text
+        none = np.zeros(0, np.int64)
+        self.bounds = bounds if bounds is not None else np.zeros(1, np.int64)
+        self.starts, self.ends = (starts, ends) if starts is not None else (none, none)
+        self.answers = answers if answers is not None else none
+        cuts = self.bounds.tolist()
+        self.texts = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+    def spans(self, k: int) -> list[tuple[int, int]]:
+        """Conversation k's spans, as ``render_with_spans`` gives them (in its text)."""
+        first = int(self.answers[:k].sum())
+        at = int(self.bounds[k])
+        return list(zip((self.starts[first : first + self.answers[k]] - at).tolist(),
+                        (self.ends[first : first + self.answers[k]] - at).tolist(), strict=True))
+
+    def segments(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """What ``Processor._encode_chats`` cuts each conversation into, for all of them at once: the texts
+        between and of the spans (a gap only where not empty), whether each is a span, and how many each
+        conversation has."""
+        n = len(self.texts)
+        per_row = 2 * self.answers + 2  # the conversation's start, each span's start and end, its end
+        first = np.concatenate([[0], np.cumsum(per_row)])
+        points = np.empty(int(first[-1]), np.int64)
+        points[first[:-1]] = self.bounds[:-1]
+        points[first[1:] - 1] = self.bounds[1:]
+        inner = np.ones(len(points), bool)
+        inner[first[:-1]] = inner[first[1:] - 1] = False
+        points[inner] = np.stack([self.starts, self.ends], 1).ravel()
+        lo, hi = points[:-1], points[1:]
+        row = np.repeat(np.arange(n), per_row)[:-1]  # each pair's conversation: that of its first point
+        within = np.ones(len(lo), bool)
+        within[first[1:-1] - 1] = False  # the pair from one conversation's end to the next one's start
+        target = np.arange(len(lo)) % 2 == 1  # a block starts at an even index: its odd pairs are the spans
+        keep = within & (target | (hi > lo))
+        lo, hi, target = lo[keep], hi[keep], target[keep]
+        counts = np.bincount(row[keep], minlength=n)
+        text = self.text
+        return [text[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)], target, counts
+
+
+class ColumnarChat:
+    """Column-wise parsing and rendering of a batch of JSON lines for one ChatML-shaped template (``name`` in
+    NAMES); ``keep_unanswered``: a conversation without an assistant turn is a document (``--train-on all``)
+    rather than a reject."""
+
+    def __init__(self, name: str, keep_unanswered: bool, end_len: int = len(END)):
+        import pyarrow as pa  # deferred with the module itself: only chat batches need it
+
+        self.name, self.keep_unanswered = name, keep_unanswered
+        self.end_len = end_len  # what the span search takes after an answer's content (END, as a rule)
+        message = pa.struct([("role", pa.string()), ("content", pa.string())])
+        self._message_type = message
+        self._schema = pa.schema([("messages", pa.list_(message))])
+        self._markup = _MARKUP[name]
+        heads = [_HEADS[k].encode() for k in sorted(_HEADS)]
+        self._const = np.frombuffer(b"".join(heads) + _TAIL.encode(), np.uint8)
+        self._head_len = np.array([len(h) for h in heads], np.int64)
+        self._head_at = np.concatenate([[0], np.cumsum(self._head_len)[:-1]])
+        self._tail_at = int(self._head_len.sum())
+
+    def render(self, items: list[bytes]) -> Rendered | None:
+        """The batch rendered, or None where it must go the per-record way whole (see the module's docstring)."""
+        table = self._read(items)
+        if table is None:
+            return None
+        messages = table.column("messages").combine_chunks()
+        n = len(items)
+        starts = np.frombuffer(messages.offsets.buffers()[1], np.int32)[messages.offset : messages.offset + n + 1]
+        starts = starts.astype(np.int64)
+        counts = np.diff(starts)
+        structs = messages.values
+        role, content = structs.field("role"), structs.field("content")
+        m = len(structs)
+        msg_ok = _valid(structs) & _valid(role) & _valid(content)
+        code = self._roles(role, m)
+        msg_ok &= code >= 0
+        c_off = np.frombuffer(content.buffers()[1], np.int32)[content.offset : content.offset + m + 1].astype(np.int64)
+        data = content.buffers()[2]
+        data = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+        msg_ok &= ~self._has_markup(data, c_off)
+        # per record: every message fine, at least one message, and (below) the template's own conditions
+        row_of_msg = np.repeat(np.arange(n), counts)
+        bad = np.bincount(row_of_msg, weights=~msg_ok, minlength=n) > 0
+        ok = ~bad & (counts > 0) & _valid(messages)
+        answered = np.bincount(row_of_msg, weights=code == ASSISTANT, minlength=n) > 0
+        if self.name == "qwen3":
+            code, ok = self._qwen3_heads(code, ok, starts, counts, row_of_msg, data, c_off)
+        status = np.where(ok, np.where(answered | self.keep_unanswered, KEPT, NO_ANSWER), OTHER).astype(np.int8)
+        gathered = self._gather(status == KEPT, starts, counts, code, data, c_off)
+        return Rendered(status, *gathered) if gathered is not None else Rendered(status)
+
+    def agrees_with(self, template: ChatTemplate) -> bool:
+        """Whether every probe this path renders comes out as ``template.render_with_spans`` renders it, and every
+        one it rejects for want of an answer has none (each probe a batch of its own)."""
+        import json
+
+        for probe in PROBES + chat_fast.PROBES:
+            line = json.dumps({"messages": probe}, ensure_ascii=False).encode() + b"\n"
+            rendered = self.render([line])
+            if rendered is None or rendered.status[0] == OTHER:
+                continue
+            try:
+                messages = normalize_messages({"messages": probe})
+                text, spans = template.render_with_spans(messages)
+            except TemplateError:
+                return False
+            if rendered.status[0] == NO_ANSWER:
+                if any(m["role"] == "assistant" for m in messages):
+                    return False
+            elif rendered.texts[0] != text or rendered.spans(0) != [(a, b) for a, b, _ in spans]:
+                return False
+        return True
+
+    def _read(self, items: list[bytes]):
+        import pyarrow as pa
+        import pyarrow.json as pj
+
+        if not items or max(i.count(b"[") + i.count(b"{") for i in items) > MAX_OPENINGS:
+            return None  # a line nested that deep (or holding that many brackets) could overflow pyarrow's stack
+        raw = b"\n".join(items) + b"\n"  # lines without their newlines (a blank line between is skipped)
+        try:
+            table = pj.read_json(io.BytesIO(raw),
+                                 read_options=pj.ReadOptions(use_threads=False, block_size=len(raw) + 1),
+                                 parse_options=pj.ParseOptions(explicit_schema=self._schema,
+                                                               unexpected_field_behavior="infer"))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            return None
+        if table.num_rows != len(items) or table.schema.field("messages").type != self._schema.field(0).type:
+            return None
+        for f in table.schema:
+            if f.name in ("category", "conversations") or (f.name != "messages" and pa.types.is_nested(f.type)):
+                return None
+        try:
+            table.validate(full=True)  # invalid UTF-8 passes pyarrow's reader; Python's json refuses it
+        except pa.ArrowInvalid:
+            return None
+        return table
+
+    @staticmethod
+    def _roles(role, m: int) -> np.ndarray:
+        """Each message's head code by its role, as ``normalize_messages`` maps it (-1: not for this path; a null
+        role's code is whatever, the caller refuses it by its validity).
+
+        Roles are told apart by their bytes and length with numpy alone (longer than ``ROLE_BYTES`` - 1: -1):
+        pyarrow's ``dictionary_encode`` would import pyarrow.compute, ~0.3 s of every worker's start."""
+        if m == 0:
+            return np.zeros(0, np.int64)
+        offsets = np.frombuffer(role.buffers()[1], np.int32)[role.offset : role.offset + m + 1].astype(np.int64)
+        data = role.buffers()[2]
+        data = np.frombuffer(data, np.uint8) if data is not None else np.zeros(1, np.uint8)
+        lengths = np.diff(offsets)
+        short = lengths < ROLE_BYTES
+        width = np.arange(ROLE_BYTES - 1)
+        inside = width < np.where(short, lengths, 0)[:, None]
+        padded = np.zeros((m, ROLE_BYTES), np.uint8)  # the role's bytes, then its length in the last byte
+        padded[:, :-1][inside] = data[(offsets[:-1, None] + width)[inside]]
+        padded[:, -1] = np.where(short, lengths, 0)
+        halves = padded.view(np.uint64)  # (m, 2): one key of two words, made one by their ranks
+        first, first_rank = np.unique(halves[:, 0], return_inverse=True)
+        second, second_rank = np.unique(halves[:, 1], return_inverse=True)
+        keys, inverse = np.unique(first_rank.ravel() * len(second) + second_rank.ravel(), return_inverse=True)
+        rows = np.zeros(len(keys), np.int64)
+        rows[inverse.ravel()] = np.arange(m)  # one message per distinct key
+        names = [bytes(padded[r, : padded[r, -1]]) for r in rows.tolist()]
+        lut = np.array([_CANONICAL.get(_canonical(name), -1) for name in names], np.int64)
+        return np.where(short, lut[inverse.ravel()], -1)
+
+    def _has_markup(self, data: np.ndarray, c_off: np.ndarray) -> np.ndarray:
+        """Per message: whether its content holds any of this template's markup strings."""
+        found = np.zeros(len(c_off) - 1, bool)
+        raw = data.tobytes()
+        for needle in self._markup:
+            at = raw.find(needle)
+            while at >= 0:
+                found[np.searchsorted(c_off, at, side="right") - 1] = True
+                at = raw.find(needle, at + 1)
+        return found
+
+    def _qwen3_heads(self, code, ok, starts, counts, row_of_msg, data, c_off):
+        """Qwen3: tool turns are grouped (left to the per-record path); the last message, when an answer after the
+        last query (user turn), opens with an empty ``<think>`` block and loses its content's leading newlines
+        (such content is left to the per-record path too)."""
+        n = len(counts)
+        ok = ok & ~(np.bincount(row_of_msg, weights=code == TOOL, minlength=n) > 0)
+        position = np.arange(len(code)) - starts[row_of_msg]  # each message's index in its conversation
+        last_user = np.full(n, -1, np.int64)
+        users = np.flatnonzero(code == USER)
+        np.maximum.at(last_user, row_of_msg[users], position[users])
+        last_query = np.where(last_user >= 0, last_user, counts - 1)
+        rows = np.flatnonzero(counts > 0)
+        last = starts[rows + 1] - 1  # the last message of each non-empty conversation
+        opens = last[(code[last] == ASSISTANT) & (position[last] > last_query[rows])]
+        code = code.copy()
+        code[opens] = THINKING
+        filled = opens[c_off[opens + 1] > c_off[opens]]
+        newline = filled[data[c_off[filled]] == ord("\n")]
+        ok = ok.copy()
+        ok[row_of_msg[newline]] = False
+        return code, ok
+
+    def _gather(self, kept, starts, counts, code, data, c_off):
+        """The kept conversations rendered: every message as head + content + tail, in one gather. Returns
+        ``Rendered``'s text, bounds, span starts and ends, answers per conversation (None for no conversation)."""
+        rows = np.flatnonzero(kept)
+        if len(rows) == 0:
+            return None
+        k_counts = counts[rows]
+        msgs = np.repeat(starts[rows] - np.concatenate([[0], np.cumsum(k_counts)[:-1]]), k_counts) + np.arange(
+            int(k_counts.sum()))
+        mc = code[msgs]
+        c_start, c_len = c_off[msgs], c_off[msgs + 1] - c_off[msgs]
+        h_len = self._head_len[mc]
+        t_len = len(_TAIL.encode())
+        msg_len = h_len + c_len + t_len
+        msg_at = np.concatenate([[0], np.cumsum(msg_len)])  # each message's byte offset in the output
+        total = int(msg_at[-1])
+        # three pieces per message: head (constants), content (data), tail (constants)
+        src = np.concatenate([data, self._const])
+        base = len(data)
+        piece_src = np.stack([base + self._head_at[mc], c_start, np.full(len(mc), base + self._tail_at)], 1).ravel()
+        piece_len = np.stack([h_len, c_len, np.full(len(mc), t_len)], 1).ravel()
+        piece_out = np.concatenate([[0], np.cumsum(piece_len)[:-1]])
+        out = src[np.repeat(piece_src - piece_out, piece_len) + np.arange(total)]
+        # assistant spans: after the header, to the end of the content's end marker
+        answer = (mc == ASSISTANT) | (mc == THINKING)
+        span_start = msg_at[:-1][answer] + len(HEADER.encode())
+        span_end = msg_at[:-1][answer] + h_len[answer] + c_len[answer] + self.end_len
+        row_at = msg_at[np.concatenate([[0], np.cumsum(k_counts)])]  # each kept conversation's byte range
+        blob = out.tobytes()
+        text = blob.decode("utf-8")
+        if len(text) != len(blob):  # not ASCII: byte offsets → character offsets
+            char_of = np.cumsum((out & 0xC0) != 0x80) - 1
+            char_of = np.append(char_of, len(text))
+            row_at, span_start, span_end = char_of[row_at], char_of[span_start], char_of[span_end]
+        answers = np.bincount(np.repeat(np.arange(len(rows)), k_counts)[answer], minlength=len(rows))
+        return text, row_at, span_start, span_end, answers
+
+def _canonical(raw: bytes) -> str | None:
+    """``normalize_messages``' role mapping, for a role's UTF-8 bytes (None where it knows no such role)."""
+    try:
+        role = raw.decode("utf-8")
+    except UnicodeDecodeError:  # cut inside a character by the padding: not one of ROLES anyway
+        return None
+    return ROLES.get(role) or ROLES.get(role.lower())
+
+
+def _valid(arr) -> np.ndarray:
+    """Per element of a pyarrow array: not null (from its validity bitmap; ``is_valid()`` would import
+    pyarrow.compute)."""
+    if arr.null_count == 0:
+        return np.ones(len(arr), bool)
+    bits = np.unpackbits(np.frombuffer(arr.buffers()[0], np.uint8), bitorder="little")
+    return bits[arr.offset : arr.offset + len(arr)].astype(bool)
+
+
+# Conversations the column-wise rendering must render as ``render_with_spans`` does before it is used (besides
+# chat_fast.PROBES, which mostly exercise what it leaves to the per-record path).
+PROBES: list[list[dict]] = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"},
+     {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
+     {"role": "assistant", "content": " a2\n"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}, {"role": "system", "content": "later"},
+     {"role": "assistant", "content": "\nsecond"}],
+    [{"role": "assistant", "content": "first"}, {"role": "user", "content": "é 日本語 😀"},
+     {"role": "assistant", "content": "réponse 😀"}],
+    [{"role": "user", "content": "only a question"}],
+    [{"role": "Human", "content": "q"}, {"role": "GPT", "content": "<|im_end|>a"}],
+]
+
+
+def for_template(template: ChatTemplate | None, keep_unanswered: bool) -> ColumnarChat | None:
+    """The column-wise rendering for ``template``, where it has a fast renderer of a ChatML shape and renders
+    every probe as ``render_with_spans`` does; else None (the per-record path)."""
+    if template is None or template._fast is None:
+        return None
+    known = chat_fast.recognise(template.spec.source)
+    if known is None or known[0] not in NAMES:
+        return None
+    if template.generation_prompt != HEADER:
+        return None
+    ends = {template._after_marker(END + "\n" + after, 0) for after in ("", "<|im_start|>")}
+    if len(ends) != 1:
+        return None
+    columns = ColumnarChat(known[0], keep_unanswered, ends.pop())
+    return columns if columns.agrees_with(template) else None
+

@@ -1,0 +1,211 @@
+"""prep/chat_columns.py: a chat batch rendered column-wise gives exactly what the per-record path gives.
+
+The per-record path (the fast renderers, itself proven equal to Jinja in test_chat_fast.py) is forced with
+``XPREP_CHAT_RENDER=records``. Both run the same Processor on every conversation of ../shared/data/chat and
+on hostile lines, for the Qwen3 and ChatML templates, and must agree array for array, reject for reject.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import SHARED, requires_shared_data
+from prepkit import assert_same_files, tokenize
+
+from prep import chat_columns, templates
+from prep.encoder import choose_backend, load_tokenizer_info
+from prep.formats import AUTO, CHAT
+from prep.sources import LINES, RawBatch
+from prep.templates import RENDER_ENV, ChatTemplate, TemplateSpec
+from prep.tokenize import Options, Processor
+
+QWEN3 = SHARED / "tokenizers/qwen3"
+CHATML = TemplateSpec("chatml", templates.BUILTIN_TEMPLATES["chatml"], "", "<|im_end|>")
+BATCH = chat_columns.OTHER - 1  # the whole batch went the per-record way
+
+
+def _processor(spec: TemplateSpec | None, train_on: str = "assistant", category: str | None = None,
+               fmt: str = CHAT) -> Processor:
+    info = load_tokenizer_info(str(QWEN3))
+    if spec is None:
+        spec = TemplateSpec("tokenizer", info.chat_template, info.bos_token or "", info.eos_token)
+    backend, _ = choose_backend(info, "auto")
+    return Processor(info, backend, spec, Options(fmt, "text", train_on, category, None, None, info.eod_id,
+                                                  info.vocab_size))
+
+
+def _pair(monkeypatch, spec, **kw) -> tuple[Processor, Processor]:
+    columns = _processor(spec, **kw)
+    assert columns.columns is not None
+    monkeypatch.setenv(RENDER_ENV, "records")
+    records = _processor(spec, **kw)
+    monkeypatch.delenv(RENDER_ENV)
+    assert records.columns is None and records.template._fast is not None
+    return columns, records
+
+
+def _chitchat(limit: int | None = None) -> list[bytes]:
+    return (SHARED / "chat/chitchat.jsonl").read_bytes().splitlines()[:limit]
+
+
+def _batches(lines: list[bytes], size: int = 1024) -> list[RawBatch]:
+    return [RawBatch(0, lines[i : i + size], list(range(i + 1, i + 1 + len(lines[i : i + size]))), LINES)
+            for i in range(0, len(lines), size)]
+
+
+def _assert_same(a, b, name: str) -> None:
+    assert [(r.line, r.kind, r.reason, r.record, r.fatal) for r in a.rejects] == [
+        (r.line, r.kind, r.reason, r.record, r.fatal) for r in b.rejects], name
+    assert np.array_equal(a.lengths, b.lengths), name
+    assert np.array_equal(a.tokens, b.tokens), name
+    assert (a.loss_mask is None) == (b.loss_mask is None) and np.array_equal(a.loss_mask, b.loss_mask), name
+    assert a.cat_keys == b.cat_keys, name
+    assert (a.cat_codes is None) == (b.cat_codes is None) and np.array_equal(a.cat_codes, b.cat_codes), name
+    assert a.bytes_in == b.bytes_in, name
+
+
+@requires_shared_data
+@pytest.mark.parametrize("template", ["qwen3", "chatml"])
+@pytest.mark.parametrize("train_on,category", [("assistant", None), ("all", "chat")])
+def test_every_conversation_column_wise_equals_per_record(template, train_on, category, monkeypatch):
+    columns, records = _pair(monkeypatch, None if template == "qwen3" else CHATML, train_on=train_on,
+                             category=category)
+    kept = 0
+    for batch in _batches(_chitchat()):
+        rendered = columns.columns.render(batch.items)
+        assert rendered is not None  # chitchat is plain chat: every batch goes column-wise
+        kept += int((rendered.status == chat_columns.KEPT).sum())
+        _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
+    assert kept > 4000
+
+
+def _msgs(*turns, **extra) -> list[dict]:
+    return [{"role": r, "content": c, **extra} for r, c in turns]
+
+
+QA = _msgs(("user", "q"), ("assistant", "a"))
+# (name, raw line, what becomes of it with Qwen3's template, with ChatML): a status of chat_columns, or BATCH
+HOSTILE: list[tuple[str, bytes, int, int]] = [
+    ("duplicate key", b'{"messages": [{"role": "user", "content": "a", "role": "assistant"}]}', BATCH, BATCH),
+    ("lone surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}, '
+                       b'{"role": "assistant", "content": "x"}]}', BATCH, BATCH),
+    ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "a\xffb"}, '
+                      b'{"role": "assistant", "content": "x"}]}', BATCH, BATCH),
+    ("surrogate bytes", b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}, '
+                        b'{"role": "assistant", "content": "x"}]}', BATCH, BATCH),
+    ("raw control character", b'{"messages": [{"role": "user", "content": "a\x01b"}, '
+                              b'{"role": "assistant", "content": "x"}]}', BATCH, BATCH),
+    ("two objects", json.dumps({"messages": QA}).encode() * 2, BATCH, BATCH),
+    ("not an object", b"[1, 2]", BATCH, BATCH),
+    ("cut off", b'{"messages": [{"role": "user"', BATCH, BATCH),
+    ("blank", b"", BATCH, BATCH),
+    ("message field", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), name="bob")}).encode(),
+     BATCH, BATCH),
+    ("record category", json.dumps({"category": "x", "messages": QA}).encode(), BATCH, BATCH),
+    ("nested field", json.dumps({"meta": {"a": [1]}, "messages": QA}).encode(), BATCH, BATCH),
+    ("number content", b'{"messages": [{"role": "user", "content": 5}]}', BATCH, BATCH),
+    ("string messages", b'{"messages": "hi"}', BATCH, BATCH),
+    ("deep nesting", b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b', "messages": []}', BATCH, BATCH),
+    ("many brackets", json.dumps({"messages": _msgs(("user", "{[" * 1100), ("assistant", "a"))}).encode(),
+     BATCH, BATCH),
+    ("a field of another type", json.dumps({"id": 7, "messages": QA}).encode(), BATCH, BATCH),  # chitchat's are str
+    ("conversations", json.dumps({"conversations": [{"from": "human", "value": "q"}]}).encode(), BATCH, BATCH),
+    ("empty messages", b'{"messages": []}', chat_columns.OTHER, chat_columns.OTHER),
+    ("null messages", b'{"messages": null, "text": "plain text"}', chat_columns.OTHER, chat_columns.OTHER),
+    ("null message", b'{"messages": [null, {"role": "assistant", "content": "a"}]}', chat_columns.OTHER,
+     chat_columns.OTHER),
+    ("null content", b'{"messages": [{"role": "user", "content": null}, {"role": "assistant", "content": "a"}]}',
+     chat_columns.OTHER, chat_columns.OTHER),
+    ("missing role", b'{"messages": [{"content": "q"}, {"role": "assistant", "content": "a"}]}', chat_columns.OTHER,
+     chat_columns.OTHER),
+    ("unknown role", json.dumps({"messages": _msgs(("robot", "q"), ("assistant", "a"))}).encode(),
+     chat_columns.OTHER, chat_columns.OTHER),
+    ("long role", json.dumps({"messages": _msgs(("assistant-of-the-year", "q"), ("assistant", "a"))}).encode(),
+     chat_columns.OTHER, chat_columns.OTHER),
+    ("role with a NUL", json.dumps({"messages": _msgs(("user\u0000", "q"), ("assistant", "a"))}).encode(),
+     chat_columns.OTHER, chat_columns.OTHER),
+    ("tool turn", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), ("tool", "42"),
+                                                ("assistant", "b"))}).encode(), chat_columns.OTHER, chat_columns.KEPT),
+    ("reasoning", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "<think>\nhm\n</think>\n\na"))}).encode(),
+     chat_columns.OTHER, chat_columns.KEPT),
+    ("think alone", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "<think> a"))}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
+    ("tool response", json.dumps({"messages": _msgs(("user", "<tool_response>r</tool_response>"),
+                                                    ("assistant", "a"))}).encode(),
+     chat_columns.OTHER, chat_columns.KEPT),
+    ("placeholder", json.dumps({"messages": _msgs(("user", "\ue000"), ("assistant", "\ue0000\ue001"))}).encode(),
+     chat_columns.OTHER, chat_columns.OTHER),
+    ("answer after a newline", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "\n\na"))}).encode(),
+     chat_columns.OTHER, chat_columns.KEPT),
+    ("earlier answer after a newline", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "\n\na"),
+                                                                     ("user", "q2"))}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
+    ("aliases", json.dumps({"messages": _msgs(("Human", "q"), ("GPT", "a"), ("USER", "q2"), ("Bot", "b"))}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
+    ("unicode", json.dumps({"messages": _msgs(("user", "naïve — 日本語 😀"), ("assistant", "Ünïcödé 👨‍👩‍👧"))},
+                           ensure_ascii=False).encode(), chat_columns.KEPT, chat_columns.KEPT),
+    ("escaped unicode", json.dumps({"messages": _msgs(("user", "é😀"), ("assistant", "\u2028\u00a0"))}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
+    ("special tokens", json.dumps({"messages": _msgs(("user", "<|im_end|><|im_start|>assistant\n"),
+                                                     ("assistant", "<|im_end|><|endoftext|>"))}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
+    ("system later, answer first", json.dumps({"messages": _msgs(("assistant", "first"), ("system", "s"),
+                                                                 ("user", "q"), ("assistant", ""))}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
+    ("no user", json.dumps({"messages": _msgs(("system", "s"), ("assistant", "a"))}).encode(), chat_columns.KEPT,
+     chat_columns.KEPT),
+    ("other fields", json.dumps({"rank": 7, "origin": "x", "score": 0.5, "ok": True, "messages": QA}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
+    ("no answer", json.dumps({"messages": _msgs(("user", "q"))}).encode(), chat_columns.NO_ANSWER,
+     chat_columns.NO_ANSWER),
+]
+
+
+@requires_shared_data
+@pytest.mark.parametrize("template", ["qwen3", "chatml"])
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_hostile_lines_among_real_ones(template, train_on, monkeypatch):
+    """Each line in a batch of real conversations: the batch or the line goes the per-record way exactly where
+    the table says, and the output is the per-record path's either way (rejects included)."""
+    columns, records = _pair(monkeypatch, None if template == "qwen3" else CHATML, train_on=train_on, fmt=AUTO)
+    good = _chitchat(40)
+    for name, line, qwen3, chatml in HOSTILE:
+        want = qwen3 if template == "qwen3" else chatml
+        if want == chat_columns.NO_ANSWER and train_on == "all":
+            want = chat_columns.KEPT
+        batch = RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES)
+        rendered = columns.columns.render(batch.items)
+        got = BATCH if rendered is None else int(rendered.status[20])
+        assert got == want, name
+        _assert_same(columns(batch), records(batch), name)
+
+
+def test_probes_are_checked_before_use():
+    info_template = ChatTemplate(CHATML)
+    assert chat_columns.for_template(info_template, False) is not None
+    wrong_end = chat_columns.ColumnarChat("chatml", False, len(chat_columns.END) + 1)
+    assert not wrong_end.agrees_with(info_template)
+
+
+def test_other_templates_and_options_go_the_per_record_way(monkeypatch):
+    llama3 = ChatTemplate(TemplateSpec("llama3", templates.BUILTIN_TEMPLATES["llama3"], "<|begin_of_text|>",
+                                       "<|eot_id|>"))
+    assert llama3._fast is not None and chat_columns.for_template(llama3, False) is None
+    variant = ChatTemplate(TemplateSpec("mine", CHATML.source.replace("{% endfor %}", "{%  endfor %}"), "",
+                                        "<|im_end|>"))
+    assert chat_columns.for_template(variant, False) is None  # Jinja's: no fast renderer
+    monkeypatch.setenv(RENDER_ENV, "jinja")
+    assert chat_columns.for_template(ChatTemplate(CHATML), False) is None
+
+
+@requires_shared_data
+def test_tokenize_chat_is_byte_identical_column_wise_and_per_record(tmp_path, monkeypatch):
+    lines = _chitchat(1500) + [line for _, line, _, _ in HOSTILE if line]
+    corpus = tmp_path / "chat.jsonl"
+    corpus.write_bytes(b"\n".join(lines) + b"\n")
+    for mode in ("auto", "records"):
+        monkeypatch.setenv(RENDER_ENV, mode)
+        tokenize(corpus, tmp_path / mode, QWEN3, on_error="skip", workers=2)
+    assert_same_files(tmp_path / "auto", tmp_path / "records")
