@@ -43,7 +43,7 @@ class TreeRss:
     largest sum seen. The kernel's own peak (wait4's ru_maxrss) is that of the largest single process of the tree,
     which says nothing of N workers together."""
 
-    def __init__(self, pid: int, interval: float = 0.05):
+    def __init__(self, pid: int, interval: float = 0.25):
         self.pid, self.interval, self.peak = pid, interval, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)

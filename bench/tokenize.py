@@ -113,12 +113,13 @@ def write_repeated(path: Path, lines: list[str], megabytes: float) -> int:
                 written += len(line)
                 if written >= target:
                     break
+    os.sync()  # its write-back would otherwise run beside the first command timed
     return written
 
 
 def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> tuple[float, float]:
     """Run a command to completion; return (wall seconds, peak RSS in MB of the command's processes together: its
-    worker processes included, sampled every 50 ms, and never below the kernel's peak of its largest process)."""
+    worker processes included, sampled every 0.25 s, and never below the kernel's peak of its largest process)."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, **(env or {})})
@@ -174,7 +175,8 @@ def transformers_loop(corpus: Path, limit: int) -> float:
 
 def chat_breakdown(corpus: Path, limit: int) -> dict:
     """Per-conversation time of one worker (parse, render, encode, mask) on the first ``limit`` records, in-process,
-    and the share of it spent rendering (with spans): for the fast path and the general Jinja path."""
+    and the share of it spent rendering (with spans; column-wise, parsing too): for the fast path (column-wise),
+    the same per record (``XPREP_CHAT_RENDER=records``) and the general Jinja path."""
     sys.path.insert(0, str(ROOT))
     from prep.encoder import choose_backend, load_tokenizer_info
     from prep.formats import CHAT
@@ -187,29 +189,33 @@ def chat_breakdown(corpus: Path, limit: int) -> dict:
     backend, _ = choose_backend(info, "auto")
     options = Options(CHAT, "text", "assistant", None, None, None, info.eod_id, info.vocab_size)
     with open(corpus, "rb") as f:
-        lines = list(itertools.islice(f, limit))
+        lines = [line.rstrip(b"\n") for line in itertools.islice(f, limit)]  # as read_batches gives them
     batches = [RawBatch(0, lines[i : i + 1024], list(range(i + 1, i + 1 + len(lines[i : i + 1024]))), LINES)
                for i in range(0, len(lines), 1024)]
     out = {}
-    for path in ("auto", "jinja"):
+    for path in ("auto", "records", "jinja"):
         os.environ[RENDER_ENV] = path
         processor = Processor(info, backend, spec, options)
         processor(batches[0])  # warm: imports, first encoder call
         render_s = [0.0]
-        render = processor.template.render_with_spans
 
-        def timed(messages, render=render, render_s=render_s):
-            t = time.perf_counter()
-            try:
-                return render(messages)
-            finally:
-                render_s[0] += time.perf_counter() - t
+        def timed(render, render_s=render_s):
+            def call(*args):
+                t = time.perf_counter()
+                try:
+                    return render(*args)
+                finally:
+                    render_s[0] += time.perf_counter() - t
+            return call
 
-        processor.template.render_with_spans = timed
+        processor.template.render_with_spans = timed(processor.template.render_with_spans)
+        if processor.columns is not None:  # parsing too: the column-wise path does both at once
+            processor.columns.render = timed(processor.columns.render)
         t0 = time.perf_counter()
         n = sum(len(processor(b).lengths) for b in batches)
+        how = "column-wise" if processor.columns is not None else "per record"
         out[path] = {"conversations": n, "render_s": render_s[0], "total_s": time.perf_counter() - t0,
-                     "path": processor.template.path}
+                     "path": f"{processor.template.path}, {how}"}
     os.environ.pop(RENDER_ENV)
     return out
 
@@ -242,7 +248,8 @@ def chat_bench(work: Path, chat_mb: float, quick: bool) -> None:
     for p in parts.values():
         per_conv = p["total_s"] / p["conversations"] * 1e6
         print(f"  one worker, in-process, {p['conversations']:,} conversations, {p['path']}: {per_conv:.0f} us per "
-              f"conversation, {p['render_s'] / p['total_s']:.0%} of it rendering with spans")
+              f"conversation, {p['render_s'] / p['total_s']:.0%} of it rendering with spans (column-wise: and "
+              "parsing)")
 
 
 def text_bench(work: Path, text_mb: float, skip_classic: bool) -> None:

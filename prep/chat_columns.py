@@ -110,7 +110,6 @@ class ColumnarChat:
         self.name, self.keep_unanswered = name, keep_unanswered
         self.end_len = end_len  # what the span search takes after an answer's content (END, as a rule)
         message = pa.struct([("role", pa.string()), ("content", pa.string())])
-        self._message_type = message
         self._schema = pa.schema([("messages", pa.list_(message))])
         self._markup = _MARKUP[name]
         heads = [_HEADS[k].encode() for k in sorted(_HEADS)]
@@ -176,7 +175,7 @@ class ColumnarChat:
         import pyarrow as pa
         import pyarrow.json as pj
 
-        if not items or max(i.count(b"[") + i.count(b"{") for i in items) > MAX_OPENINGS:
+        if not items or any(len(i) > MAX_OPENINGS and i.count(b"[") + i.count(b"{") > MAX_OPENINGS for i in items):
             return None  # a line nested that deep (or holding that many brackets) could overflow pyarrow's stack
         raw = b"\n".join(items) + b"\n"  # lines without their newlines (a blank line between is skipped)
         try:

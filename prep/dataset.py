@@ -30,6 +30,8 @@ FORMAT_VERSION = 1
 UNCATEGORIZED = "uncategorized"
 MAX_CATEGORY = 65_535  # category ids are stored as uint16 at most
 
+_REJECT_JSON = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(..., ensure_ascii=False), one encoder
+
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits with room for added tokens (vocab < 65,500), else int32."""
@@ -299,7 +301,7 @@ class DatasetWriter:
         entry = {"source": source, "line": line, "kind": kind, "reason": reason}
         if record is not None:
             entry["record"] = record[:500]
-        self._rejects.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._rejects.write(_REJECT_JSON(entry) + "\n")
         self.reject_count += 1
         self.reject_reasons[kind] = self.reject_reasons.get(kind, 0) + 1
 
