@@ -9,18 +9,30 @@ message offsets. The text and spans equal what ``ChatTemplate.render_with_spans`
 record, character for character (tests/test_chat_columns.py compares them on every conversation of the
 shared chat data and on hostile lines).
 
-A record is left to the per-record path (``Row.OTHER``) wherever this module is not sure to agree with it:
+A record is left to the per-record path (``OTHER``) wherever this module is not sure to agree with it:
 a message with another field, role or type; content holding ``</think>``, ``<tool_response>`` or the span
-search's placeholder character; an answer that Qwen3 would strip. A batch is left to it whole
-where pyarrow does not read it as Python's ``json`` would, or might not survive it: a line with more than
-``MAX_OPENINGS`` brackets, any line pyarrow refuses (malformed, duplicate
-keys, lone surrogates, raw control characters), invalid UTF-8, a row count other than the line count, a
-``category``/``conversations`` field, or another top-level field that is not a scalar.
+search's placeholder character; an answer that Qwen3 would strip. A batch is left to it whole where pyarrow
+might not read it as Python's ``json`` does, or might not survive it:
+
+- a line that is not one object (after JSON whitespace, ``{`` first and ``}`` last): pyarrow's reader is
+  not line-based (``{..}{..}`` on one line is two rows, a record over two lines one, a top-level ``null``
+  first in a batch crashes it), but no valid record spans lines between a ``}`` and a ``{``, so with one
+  object a line and as many rows as lines, rows and lines pair up;
+- a line with more than ``MAX_OPENINGS`` brackets (its parser recurses per nesting level);
+- any line pyarrow refuses (malformed, duplicate keys, lone surrogates, raw control characters), invalid
+  UTF-8 (which it accepts), a ``category``/``conversations`` field, another top-level field that is not a
+  scalar;
+- a batch whose first line names no ``messages`` (text under ``--format auto``) or of more than
+  ``MAX_BATCH_BYTES``.
+
+The parser's behaviour on these is checked at start (``agrees_with``), with the rendering, since it may
+change from one pyarrow version to the next.
 """
 
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 
@@ -45,10 +57,12 @@ _CANONICAL = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TO
 _MARKUP = {"qwen3": (b"</think>", b"<tool_response>", "\ue000".encode()),
            "chatml": ("\ue000".encode(),)}
 NAMES = tuple(_MARKUP)
-# pyarrow's JSON parser recurses per nesting level: 20,000 levels overflow an 8 MB thread stack (a segfault,
-# not an error). A line's nesting depth is at most its count of "[" and "{": lines with more than this many (a
-# thousand messages, or much code in a content) send their batch the per-record way.
-MAX_OPENINGS = 2048
+# pyarrow's JSON parser recurses per nesting level: 20,000 levels overflow an 8 MB thread stack, ~2,000 a 1 MB
+# one (a segfault, not an error). A line's nesting depth is at most its count of "[" and "{": lines with more
+# than this many (~500 messages, or much code in a content) send their batch the per-record way.
+MAX_OPENINGS = 1024
+# the gather indexes every output byte (int32): a batch bigger than this (one huge line) goes the per-record way
+MAX_BATCH_BYTES = 16 << 20
 ROLE_BYTES = 16  # a role of 16 bytes or more (none of ROLES) goes the per-record way
 
 
@@ -64,15 +78,14 @@ class Rendered:
         self.bounds = bounds if bounds is not None else np.zeros(1, np.int64)
         self.starts, self.ends = (starts, ends) if starts is not None else (none, none)
         self.answers = answers if answers is not None else none
+        self._first = np.concatenate([[0], np.cumsum(self.answers)])  # each conversation's first span
         cuts = self.bounds.tolist()
         self.texts = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
     def spans(self, k: int) -> list[tuple[int, int]]:
         """Conversation k's spans, as ``render_with_spans`` gives them (in its text)."""
-        first = int(self.answers[:k].sum())
-        at = int(self.bounds[k])
-        return list(zip((self.starts[first : first + self.answers[k]] - at).tolist(),
-                        (self.ends[first : first + self.answers[k]] - at).tolist(), strict=True))
+        a, b, at = self._first[k], self._first[k + 1], self.bounds[k]
+        return list(zip((self.starts[a:b] - at).tolist(), (self.ends[a:b] - at).tolist(), strict=True))
 
     def segments(self) -> tuple[list[str], np.ndarray, np.ndarray]:
         """What ``Processor._encode_chats`` cuts each conversation into, for all of them at once: the texts
@@ -150,17 +163,18 @@ class ColumnarChat:
         return Rendered(status, *gathered) if gathered is not None else Rendered(status)
 
     def agrees_with(self, template: ChatTemplate) -> bool:
-        """Whether every probe this path renders comes out as ``template.render_with_spans`` renders it, and every
-        one it rejects for want of an answer has none (each probe a batch of its own)."""
-        import json
-
-        for probe in PROBES + chat_fast.PROBES:
-            line = json.dumps({"messages": probe}, ensure_ascii=False).encode() + b"\n"
+        """Whether every probe this path renders comes out as ``template.render_with_spans`` renders it, every one
+        it rejects for want of an answer has none (each probe a batch of its own), JSON escapes decode as
+        Python's ``json`` decodes them, and every line pyarrow's reader could take otherwise sends its batch
+        the per-record way (``REFUSED``)."""
+        lines = [json.dumps({"messages": probe}, ensure_ascii=False).encode() for probe in PROBES + chat_fast.PROBES]
+        lines.append(json.dumps({"messages": ESCAPES}, ensure_ascii=True).encode())  # emoji as surrogate pairs
+        for line in lines:
             rendered = self.render([line])
             if rendered is None or rendered.status[0] == OTHER:
                 continue
             try:
-                messages = normalize_messages({"messages": probe})
+                messages = normalize_messages(json.loads(line))
                 text, spans = template.render_with_spans(messages)
             except TemplateError:
                 return False
@@ -169,15 +183,22 @@ class ColumnarChat:
                     return False
             elif rendered.texts[0] != text or rendered.spans(0) != [(a, b) for a, b, _ in spans]:
                 return False
-        return True
+        return all(self.render([lines[0], line]) is None for line in REFUSED)
 
     def _read(self, items: list[bytes]):
-        import pyarrow as pa
-        import pyarrow.json as pj
+        import pyarrow as pa  # deferred with the module itself: only chat batches need it
+        import pyarrow.json as pj  # deferred: as pyarrow
 
-        if not items or any(len(i) > MAX_OPENINGS and i.count(b"[") + i.count(b"{") > MAX_OPENINGS for i in items):
-            return None  # a line nested that deep (or holding that many brackets) could overflow pyarrow's stack
-        raw = b"\n".join(items) + b"\n"  # lines without their newlines (a blank line between is skipped)
+        if not items or b'"messages"' not in items[0] or sum(map(len, items)) > MAX_BATCH_BYTES:
+            return None  # not chat (a text corpus under --format auto), or too big for the gather's indexes
+        for line in items:
+            if line[:1] != b"{" or line[-1:] != b"}":
+                line = line.strip(b" \t\r\n")
+                if line[:1] != b"{" or line[-1:] != b"}":
+                    return None  # one object a line, else rows and lines may not pair up (module docstring)
+            if len(line) > MAX_OPENINGS and line.count(b"[") + line.count(b"{") > MAX_OPENINGS:
+                return None  # nested that deep (or holding that many brackets), it could overflow pyarrow's stack
+        raw = b"\n".join(items) + b"\n"  # lines without their newlines
         try:
             table = pj.read_json(io.BytesIO(raw),
                                  read_options=pj.ReadOptions(use_threads=False, block_size=len(raw) + 1),
@@ -280,7 +301,9 @@ class ColumnarChat:
         piece_src = np.stack([base + self._head_at[mc], c_start, np.full(len(mc), base + self._tail_at)], 1).ravel()
         piece_len = np.stack([h_len, c_len, np.full(len(mc), t_len)], 1).ravel()
         piece_out = np.concatenate([[0], np.cumsum(piece_len)[:-1]])
-        out = src[np.repeat(piece_src - piece_out, piece_len) + np.arange(total)]
+        index = np.repeat((piece_src - piece_out).astype(np.int32), piece_len)  # int32: MAX_BATCH_BYTES bounds it
+        index += np.arange(total, dtype=np.int32)
+        out = src[index]
         # assistant spans: after the header, to the end of the content's end marker
         answer = (mc == ASSISTANT) | (mc == THINKING)
         span_start = msg_at[:-1][answer] + len(HEADER.encode())
@@ -289,7 +312,7 @@ class ColumnarChat:
         blob = out.tobytes()
         text = blob.decode("utf-8")
         if len(text) != len(blob):  # not ASCII: byte offsets → character offsets
-            char_of = np.cumsum((out & 0xC0) != 0x80) - 1
+            char_of = np.cumsum((out & 0xC0) != 0x80, dtype=np.int32) - 1
             char_of = np.append(char_of, len(text))
             row_at, span_start, span_end = char_of[row_at], char_of[span_start], char_of[span_end]
         answers = np.bincount(np.repeat(np.arange(len(rows)), k_counts)[answer], minlength=len(rows))
@@ -326,6 +349,21 @@ PROBES: list[list[dict]] = [
      {"role": "assistant", "content": "réponse 😀"}],
     [{"role": "user", "content": "only a question"}],
     [{"role": "Human", "content": "q"}, {"role": "GPT", "content": "<|im_end|>a"}],
+]
+
+# Escapes Python's json decodes: \uXXXX (emoji as surrogate pairs), \", \\ and \t.
+ESCAPES: list[dict] = [{"role": "user", "content": "\"quoted\" back\\slash /slash\ttab \u0000 \u2028 é 日本"},
+                       {"role": "assistant", "content": "😀 👨‍👩‍👧 \ue001 <|im_end|>"}]
+# Lines Python's json reads otherwise than pyarrow's reader (or refuses where it does not): each must send its
+# batch the per-record way.
+REFUSED: list[bytes] = [
+    b'{"messages": [{"role": "user", "content": "a", "content": "b"}, {"role": "assistant", "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": "a\xffb"}, {"role": "assistant", "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}, {"role": "assistant", "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": "a\x01b"}, {"role": "assistant", "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}]}{"messages": []}',
+    b"null",
 ]
 
 

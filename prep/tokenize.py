@@ -402,7 +402,7 @@ class Processor:
             convs += [(j, None, cat) for j in columnar]
             seg_texts += more
             seg_target = np.concatenate([seg_target, target])
-            seg_cat = np.concatenate([seg_cat, np.full(len(target), code(cat) if len(target) else 0, np.uint16)])
+            seg_cat = np.concatenate([seg_cat, np.full(len(target), code(cat), np.uint16)])
             seg_count = np.concatenate([seg_count, counts])
         flat, lengths = self.encoder.encode(texts + seg_texts, add_special_tokens=False)
         n = len(texts)

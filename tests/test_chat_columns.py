@@ -98,6 +98,9 @@ HOSTILE: list[tuple[str, bytes, int, int]] = [
     ("raw control character", b'{"messages": [{"role": "user", "content": "a\x01b"}, '
                               b'{"role": "assistant", "content": "x"}]}', BATCH, BATCH),
     ("two objects", json.dumps({"messages": QA}).encode() * 2, BATCH, BATCH),
+    ("two objects, a carriage return between", json.dumps({"messages": QA}).encode() + b"\r{}", BATCH, BATCH),
+    ("null", b"null", BATCH, BATCH),
+    ("padded", b"  " + json.dumps({"messages": QA}).encode() + b" \t\r", chat_columns.KEPT, chat_columns.KEPT),
     ("not an object", b"[1, 2]", BATCH, BATCH),
     ("cut off", b'{"messages": [{"role": "user"', BATCH, BATCH),
     ("blank", b"", BATCH, BATCH),
@@ -108,7 +111,7 @@ HOSTILE: list[tuple[str, bytes, int, int]] = [
     ("number content", b'{"messages": [{"role": "user", "content": 5}]}', BATCH, BATCH),
     ("string messages", b'{"messages": "hi"}', BATCH, BATCH),
     ("deep nesting", b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b', "messages": []}', BATCH, BATCH),
-    ("many brackets", json.dumps({"messages": _msgs(("user", "{[" * 1100), ("assistant", "a"))}).encode(),
+    ("many brackets", json.dumps({"messages": _msgs(("user", "{[" * 600), ("assistant", "a"))}).encode(),
      BATCH, BATCH),
     ("a field of another type", json.dumps({"id": 7, "messages": QA}).encode(), BATCH, BATCH),  # chitchat's are str
     ("conversations", json.dumps({"conversations": [{"from": "human", "value": "q"}]}).encode(), BATCH, BATCH),
@@ -182,11 +185,31 @@ def test_hostile_lines_among_real_ones(template, train_on, monkeypatch):
         _assert_same(columns(batch), records(batch), name)
 
 
+@requires_shared_data
+@pytest.mark.parametrize("lines", [
+    [b"null", json.dumps({"messages": QA}).encode()],  # pyarrow's reader crashes on a first top-level null
+    [json.dumps({"messages": QA}).encode() * 2, b'{"messages": [{"role": "user", "content": "x"},',
+     b'{"role": "assistant", "content": "y"}]}'],  # three lines, three rows: one too many and one too few
+    [b'{"text": "plain text, no chat"}', json.dumps({"messages": QA}).encode()],  # not chat: not parsed twice
+], ids=["null first", "rows and lines out of step", "text first"])
+def test_batches_whose_rows_might_not_be_their_lines(lines, monkeypatch):
+    columns, records = _pair(monkeypatch, None, fmt=AUTO)
+    batch = RawBatch(0, lines + _chitchat(5), list(range(1, len(lines) + 6)), LINES)
+    assert columns.columns.render(batch.items) is None
+    _assert_same(columns(batch), records(batch), "out of step")
+
+
 def test_probes_are_checked_before_use():
     info_template = ChatTemplate(CHATML)
     assert chat_columns.for_template(info_template, False) is not None
     wrong_end = chat_columns.ColumnarChat("chatml", False, len(chat_columns.END) + 1)
     assert not wrong_end.agrees_with(info_template)
+
+
+def test_a_parser_that_takes_a_line_json_refuses_is_not_used(monkeypatch):
+    """Were pyarrow to read a duplicate key as Python does not (a later version, say), the path is not used."""
+    monkeypatch.setattr(chat_columns, "REFUSED", [*chat_columns.REFUSED, json.dumps({"messages": QA}).encode()])
+    assert chat_columns.for_template(ChatTemplate(CHATML), False) is None
 
 
 def test_other_templates_and_options_go_the_per_record_way(monkeypatch):
