@@ -180,12 +180,23 @@ class Processor:
         self.options = options
         plain = (options.format in (AUTO, CHAT) and not options.role_map and not options.category_field
                  and os.environ.get(RENDER_ENV, "").lower() != "records")
-        self.columns = chat_columns.for_template(self.template, options.train_on == "all") if plain else None
+        self._columns_for = (self.template, options.train_on == "all") if plain and self.template else None
+        self._columns = None
+
+    @property
+    def columns(self) -> chat_columns.ColumnarChat | None:
+        """The column-wise chat path (``chat_columns``) where it applies, built on first use: it imports pyarrow
+        and checks its probes, which a text corpus under ``--format auto`` never needs."""
+        if self._columns_for is not None:
+            self._columns = chat_columns.for_template(*self._columns_for)
+            self._columns_for = None
+        return self._columns
 
     def __call__(self, batch: RawBatch) -> Encoded:
         docs: list[tuple[str, object, str | int | None]] = []  # (kind, payload, category)
         rejects = []
-        rendered = self.columns.render(batch.items) if self.columns is not None and batch.kind == LINES else None
+        chat = batch.kind == LINES and batch.items and b'"messages"' in batch.items[0]
+        rendered = self.columns.render(batch.items) if chat and self.columns is not None else None
         parse = self._parse if rendered is None else self._rendered_parser(rendered)
         for item, line in zip(batch.items, batch.lines, strict=True):
             try:
