@@ -78,7 +78,7 @@ class Rendered:
         self.bounds = bounds if bounds is not None else np.zeros(1, np.int64)
         self.starts, self.ends = (starts, ends) if starts is not None else (none, none)
         self.answers = answers if answers is not None else none
-        self._first = np.concatenate([[0], np.cumsum(self.answers)])  # each conversation's first span
+        self._first = _bounds(self.answers)  # each conversation's first span
         cuts = self.bounds.tolist()
         self.texts = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
@@ -93,7 +93,7 @@ class Rendered:
         conversation has."""
         n = len(self.texts)
         per_row = 2 * self.answers + 2  # the conversation's start, each span's start and end, its end
-        first = np.concatenate([[0], np.cumsum(per_row)])
+        first = _bounds(per_row)
         points = np.empty(int(first[-1]), np.int64)
         points[first[:-1]] = self.bounds[:-1]
         points[first[1:] - 1] = self.bounds[1:]
@@ -128,7 +128,7 @@ class ColumnarChat:
         heads = [_HEADS[k].encode() for k in sorted(_HEADS)]
         self._const = np.frombuffer(b"".join(heads) + _TAIL.encode(), np.uint8)
         self._head_len = np.array([len(h) for h in heads], np.int64)
-        self._head_at = np.concatenate([[0], np.cumsum(self._head_len)[:-1]])
+        self._head_at = _bounds(self._head_len)[:-1]
         self._tail_at = int(self._head_len.sum())
 
     def render(self, items: list[bytes]) -> Rendered | None:
@@ -138,8 +138,7 @@ class ColumnarChat:
             return None
         messages = table.column("messages").combine_chunks()
         n = len(items)
-        starts = np.frombuffer(messages.offsets.buffers()[1], np.int32)[messages.offset : messages.offset + n + 1]
-        starts = starts.astype(np.int64)
+        starts = _offsets(messages)
         counts = np.diff(starts)
         structs = messages.values
         role, content = structs.field("role"), structs.field("content")
@@ -147,15 +146,12 @@ class ColumnarChat:
         msg_ok = _valid(structs) & _valid(role) & _valid(content)
         code = self._roles(role, m)
         msg_ok &= code >= 0
-        c_off = np.frombuffer(content.buffers()[1], np.int32)[content.offset : content.offset + m + 1].astype(np.int64)
-        data = content.buffers()[2]
-        data = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+        c_off, data = _offsets(content), _data(content)
         msg_ok &= ~self._has_markup(data, c_off)
         # per record: every message fine, at least one message, and (below) the template's own conditions
         row_of_msg = np.repeat(np.arange(n), counts)
-        bad = np.bincount(row_of_msg, weights=~msg_ok, minlength=n) > 0
-        ok = ~bad & (counts > 0) & _valid(messages)
-        answered = np.bincount(row_of_msg, weights=code == ASSISTANT, minlength=n) > 0
+        ok = ~_any(~msg_ok, row_of_msg, n) & (counts > 0) & _valid(messages)
+        answered = _any(code == ASSISTANT, row_of_msg, n)
         if self.name == "qwen3":
             code, ok = self._qwen3_heads(code, ok, starts, counts, row_of_msg, data, c_off)
         status = np.where(ok, np.where(answered | self.keep_unanswered, KEPT, NO_ANSWER), OTHER).astype(np.int8)
@@ -226,9 +222,7 @@ class ColumnarChat:
         pyarrow's ``dictionary_encode`` would import pyarrow.compute, ~0.3 s of every worker's start."""
         if m == 0:
             return np.zeros(0, np.int64)
-        offsets = np.frombuffer(role.buffers()[1], np.int32)[role.offset : role.offset + m + 1].astype(np.int64)
-        data = role.buffers()[2]
-        data = np.frombuffer(data, np.uint8) if data is not None else np.zeros(1, np.uint8)
+        offsets, data = _offsets(role), _data(role)
         lengths = np.diff(offsets)
         short = lengths < ROLE_BYTES
         width = np.arange(ROLE_BYTES - 1)
@@ -262,7 +256,7 @@ class ColumnarChat:
         last query (user turn), opens with an empty ``<think>`` block and loses its content's leading newlines
         (such content is left to the per-record path too)."""
         n = len(counts)
-        ok = ok & ~(np.bincount(row_of_msg, weights=code == TOOL, minlength=n) > 0)
+        ok = ok & ~_any(code == TOOL, row_of_msg, n)
         position = np.arange(len(code)) - starts[row_of_msg]  # each message's index in its conversation
         last_user = np.full(n, -1, np.int64)
         users = np.flatnonzero(code == USER)
@@ -275,8 +269,7 @@ class ColumnarChat:
         code[opens] = THINKING
         filled = opens[c_off[opens + 1] > c_off[opens]]
         newline = filled[data[c_off[filled]] == ord("\n")]
-        ok = ok.copy()
-        ok[row_of_msg[newline]] = False
+        ok[row_of_msg[newline]] = False  # ok is this function's own array
         return code, ok
 
     def _gather(self, kept, starts, counts, code, data, c_off):
@@ -286,21 +279,21 @@ class ColumnarChat:
         if len(rows) == 0:
             return None
         k_counts = counts[rows]
-        msgs = np.repeat(starts[rows] - np.concatenate([[0], np.cumsum(k_counts)[:-1]]), k_counts) + np.arange(
+        msgs = np.repeat(starts[rows] - _bounds(k_counts)[:-1], k_counts) + np.arange(
             int(k_counts.sum()))
         mc = code[msgs]
         c_start, c_len = c_off[msgs], c_off[msgs + 1] - c_off[msgs]
         h_len = self._head_len[mc]
         t_len = len(_TAIL.encode())
         msg_len = h_len + c_len + t_len
-        msg_at = np.concatenate([[0], np.cumsum(msg_len)])  # each message's byte offset in the output
+        msg_at = _bounds(msg_len)  # each message's byte offset in the output
         total = int(msg_at[-1])
         # three pieces per message: head (constants), content (data), tail (constants)
         src = np.concatenate([data, self._const])
         base = len(data)
         piece_src = np.stack([base + self._head_at[mc], c_start, np.full(len(mc), base + self._tail_at)], 1).ravel()
         piece_len = np.stack([h_len, c_len, np.full(len(mc), t_len)], 1).ravel()
-        piece_out = np.concatenate([[0], np.cumsum(piece_len)[:-1]])
+        piece_out = _bounds(piece_len)[:-1]
         index = np.repeat((piece_src - piece_out).astype(np.int32), piece_len)  # int32: MAX_BATCH_BYTES bounds it
         index += np.arange(total, dtype=np.int32)
         out = src[index]
@@ -308,7 +301,7 @@ class ColumnarChat:
         answer = (mc == ASSISTANT) | (mc == THINKING)
         span_start = msg_at[:-1][answer] + len(HEADER.encode())
         span_end = msg_at[:-1][answer] + h_len[answer] + c_len[answer] + self.end_len
-        row_at = msg_at[np.concatenate([[0], np.cumsum(k_counts)])]  # each kept conversation's byte range
+        row_at = msg_at[_bounds(k_counts)]  # each kept conversation's byte range
         blob = out.tobytes()
         text = blob.decode("utf-8")
         if len(text) != len(blob):  # not ASCII: byte offsets → character offsets
@@ -325,6 +318,28 @@ def _canonical(raw: bytes) -> str | None:
     except UnicodeDecodeError:  # cut inside a character by the padding: not one of ROLES anyway
         return None
     return ROLES.get(role) or ROLES.get(role.lower())
+
+
+def _bounds(lengths: np.ndarray) -> np.ndarray:
+    """Where each of ``lengths`` starts, laid end to end, and (last) where the last ends."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _offsets(arr) -> np.ndarray:
+    """A pyarrow string or list array's offsets (one more than its length), from their buffer: ``to_numpy``
+    would import pyarrow.compute."""
+    return np.frombuffer(arr.buffers()[1], np.int32)[arr.offset : arr.offset + len(arr) + 1].astype(np.int64)
+
+
+def _data(arr) -> np.ndarray:
+    """A pyarrow string array's bytes (all of its buffer: ``_offsets`` index it)."""
+    data = arr.buffers()[2]
+    return np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+
+
+def _any(flags: np.ndarray, row: np.ndarray, n: int) -> np.ndarray:
+    """Per record (of ``n``): whether any of its messages (``row`` of each) is flagged."""
+    return np.bincount(row, weights=flags, minlength=n) > 0
 
 
 def _valid(arr) -> np.ndarray:
