@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import numpy as np
 
@@ -63,6 +64,7 @@ NAMES = tuple(_MARKUP)
 MAX_OPENINGS = 1024
 # the gather indexes every output byte (int32): a batch bigger than this (one huge line) goes the per-record way
 MAX_BATCH_BYTES = 16 << 20
+_SPACE = re.compile(r"\s")  # str.isspace's characters
 ROLE_BYTES = 16  # a role of 16 bytes or more (none of ROLES) goes the per-record way
 
 
@@ -86,6 +88,27 @@ class Rendered:
         """Conversation k's spans, as ``render_with_spans`` gives them (in its text)."""
         a, b, at = self._first[k], self._first[k + 1], self.bounds[k]
         return list(zip((self.starts[a:b] - at).tolist(), (self.ends[a:b] - at).tolist(), strict=True))
+
+    def clean(self, cuts) -> np.ndarray:
+        """Per conversation, whether every cut of its segments is clean under ``cuts`` (an ``encoder.Cuts``).
+
+        A span starts after a head that ends with "\n" and ends with ``END`` (both checked here for the whole
+        batch at once): with both rules proven for the tokenizer, the cuts to check are the starts, and a start
+        is clean unless the answer begins with whitespace.
+        """
+        text, n = self.text, len(self.texts)
+        starts, ends = self.starts.tolist(), self.ends.tolist()
+        row = np.repeat(np.arange(n), self.answers)
+        built = ("".join([text[at - 1] for at in starts]) == "\n" * len(starts)
+                 and "".join([text[at - len(END) : at] for at in ends]) == END * len(ends))
+        if cuts.after_newline and END in cuts.after_tokens and built:
+            bad = np.zeros(len(starts), bool)
+            bad[[m.start() for m in _SPACE.finditer("".join([text[at] for at in starts]))]] = True
+        else:  # not what this module renders, or a tokenizer without both rules: every cut, one by one
+            last = self.bounds[1:][row].tolist()
+            bad = np.array([not (cuts.clean(text, a) and (b == z or cuts.clean(text, b)))
+                            for a, b, z in zip(starts, ends, last, strict=True)], bool)
+        return np.bincount(row, weights=bad, minlength=n) == 0
 
     def segments(self) -> tuple[list[str], np.ndarray, np.ndarray]:
         """What ``Processor._encode_chats`` cuts each conversation into, for all of them at once: the texts

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -48,6 +48,16 @@ END_OF_TURN_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "
 MIN_SAMPLE_IDS = 8  # distinct ids the built-in sample must encode to: fewer means an (almost) empty vocabulary
 FACTS_VERSION = 3  # bump when _tokenizer_facts computes something new
 SELF_CHECK_VERSION = 1  # bump when _self_check checks something new (another sample, another comparison)
+# Split patterns (Qwen2 and Qwen3; Llama 3) under which "\n" never joins a following character that is not
+# whitespace in one pre-token: it is matched only by the whitespace alternatives, which take "\s*[\r\n]+" before
+# "\s+(?!\S)", and as the [\r\n]* tail of a punctuation run; each stops before such a character. (GPT-2's
+# pattern is not one of them: there "  \n" at the end of a text is one pre-token, "  " and "\n" before a word.)
+NEWLINE_SAFE_PATTERNS = frozenset({
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+",
+})
+CUTS_VERSION = 1  # bump when clean_cuts proves something new
 
 
 @dataclass(frozen=True)
@@ -319,6 +329,86 @@ def _load_hf(path: Path):
         raise XprepError(f"{path}: not a loadable HF tokenizer.json ({e})") from None
 
 
+@dataclass(frozen=True)
+class Cuts:
+    """Where a text can be cut and its pieces encoded apart with the ids of the whole (``clean_cuts``)."""
+
+    after_newline: bool = False  # right after "\n", before a character that is not whitespace
+    after_tokens: tuple[str, ...] = ()  # right after one of these added tokens
+
+    def clean(self, text: str, at: int) -> bool:
+        """Whether cutting ``text`` at character ``at`` leaves the ids of the whole equal to those of its pieces."""
+        if at <= 0 or at >= len(text):
+            return True
+        before = text[at - 1]
+        if before == "\n" and self.after_newline and not text[at].isspace():
+            return True
+        ending = self._by_last_char.get(before)
+        return ending is not None and text.endswith(ending, 0, at)
+
+    @cached_property
+    def _by_last_char(self) -> dict[str, tuple[str, ...]]:
+        by: dict[str, tuple[str, ...]] = {}
+        for token in self.after_tokens:
+            by[token[-1]] = (*by.get(token[-1], ()), token)
+        return by
+
+
+def clean_cuts(info: TokenizerInfo) -> Cuts:
+    r"""The cuts proven clean for this tokenizer from its ``tokenizer.json`` (memoized per content).
+
+    Added tokens are split out of the text first and what lies between them is encoded piece by piece, so a
+    cut right after an added token ``T`` is clean where that occurrence is the one matched: no added token
+    (``T`` included) overlaps its start (a proper suffix of one that is a prefix of ``T``, or holds it) and
+    none extends it. A cut right after "\n", before a character that is not whitespace (``str.isspace``, a
+    superset of the regex's ``\s``), is clean under a ``Split`` pattern of ``NEWLINE_SAFE_PATTERNS`` then a
+    byte-level pre-tokenizer that adds no prefix space: a pre-token ends there, the patterns have no
+    look-behind and their one look-ahead follows runs that ``\s*[\r\n]+`` takes first, so the pre-tokens on
+    each side are those of each piece; NFC never composes "\n" with what follows; no added token holds "\n"
+    before its last character. Both rules need BPE without dropout, no normalizer but NFC, a byte-level
+    pre-tokenizer that adds no prefix space (a Metaspace one may treat a piece by where it starts), and added
+    tokens that strip nothing (lstrip, rstrip, single_word) and are matched before normalization. Any other
+    tokenizer gets no clean cut: its chat segments are checked against the whole text.
+    """
+    name = f"cuts-v{CUTS_VERSION}-{info.sha256[:40]}.json"
+    after_newline, after_tokens = _cached(name, lambda: _prove_cuts(info.path), _are_cuts)
+    return Cuts(after_newline, tuple(after_tokens))
+
+
+def _prove_cuts(path: str) -> list:
+    with open(path, "rb") as f:
+        spec = json.load(f)
+    added = spec.get("added_tokens") or []
+    model, normalizer, pre = spec.get("model") or {}, spec.get("normalizer"), spec.get("pre_tokenizer") or {}
+    if (model.get("type") != "BPE" or model.get("dropout") not in (None, 0)
+            or any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") or t.get("normalized")
+                   for t in added)):
+        return [False, []]
+    contents = [t["content"] for t in added]
+
+    def matched_whole(token: str) -> bool:
+        return not any(other != token and other.startswith(token) for other in contents) and not any(
+            token.startswith(other[k:]) or other[k:].startswith(token)
+            for other in contents for k in range(1, len(other)))
+
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    split, byte_level = steps if len(steps) == 2 else ({}, steps[0] if len(steps) == 1 else {})
+    if (normalizer not in (None, {"type": "NFC"}) or byte_level.get("type") != "ByteLevel"
+            or byte_level.get("add_prefix_space") or (split and (
+                split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert")
+                or byte_level.get("use_regex", True)))):
+        return [False, []]  # a normalizer or pre-tokenizer that may treat a piece by where it starts
+    after_newline = ((split.get("pattern") or {}).get("Regex") in NEWLINE_SAFE_PATTERNS
+                     and not any("\n" in c[:-1] for c in contents))
+    return [after_newline, [c for c in contents if c and matched_whole(c)]]
+
+
+def _are_cuts(value) -> bool:
+    """Whether a cached value has the shape ``_prove_cuts`` gives: [bool, [str, ...]]."""
+    return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], bool)
+            and isinstance(value[1], list) and all(isinstance(t, str) for t in value[1]))
+
+
 class Encoder:
     """Batch encoder returning flat ids plus per-text lengths (CSR), never per-token Python."""
 
@@ -328,6 +418,11 @@ class Encoder:
         self._giga = _load_gigatoken(info.path) if backend == "gigatoken" else None
         self.prefix = np.array(info.prefix, np.int64)
         self.suffix = np.array(info.suffix, np.int64)
+
+    @cached_property
+    def cuts(self) -> Cuts:
+        """Cuts of a text proven to leave its ids unchanged (``clean_cuts``)."""
+        return clean_cuts(self.info)
 
     @property
     def hf(self):

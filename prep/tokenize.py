@@ -370,17 +370,20 @@ class Processor:
 
     def _encode_chats(self, chats: list, code, rendered: chat_columns.Rendered | None = None
                       ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Encode every rendered conversation whole and as its span-separated segments, in one encoder call for
-        the whole batch, and mark the assistant spans as targets.
+        """Encode every rendered conversation as its span-separated segments, in one encoder call for the whole
+        batch, and mark the assistant spans as targets.
 
         A chat is (text, spans) or, for a batch ``chat_columns`` rendered, the index of one of its kept
-        conversations, whose segments it cuts for all of them at once. Where a conversation's segment ids
-        concatenate to its whole-text ids (the common case: spans begin and end at special tokens or newlines)
-        the segment lengths give the mask. Elsewhere each token's first character (``Encoder.char_starts``)
-        places it inside or outside the spans.
+        conversations, whose segments it cuts for all of them at once. Where every cut of a conversation is
+        proven clean for this tokenizer (``Encoder.cuts``: right after an added token such as the end-of-turn
+        marker, or after "\n" before a character that is not whitespace) its segment ids are its ids. Elsewhere
+        its whole text is encoded too: where the segment ids still concatenate to its ids, the segment lengths
+        give the mask, else each token's first character (``Encoder.char_starts``) places it inside or outside
+        the spans. Under ``--train-on all`` with one category for everything, no segment is needed at all.
         """
-        texts, seg_texts, seg_target, seg_cat, seg_count = [], [], [], [], []
+        texts, seg_texts, seg_target, seg_cat, seg_count, clean = [], [], [], [], [], []
         convs = []  # (position in chats, spans or None for a column-wise one, category) in encoding order
+        cuts = self.encoder.cuts
         for j, (payload, cat) in enumerate(chats):
             if isinstance(payload, int):
                 continue
@@ -402,45 +405,66 @@ class Processor:
                 seg_target.append(False)
                 seg_cat.append(code(cat))
             seg_count.append(len(seg_texts) - first)
+            clean.append(all(cuts.clean(text, start) and cuts.clean(text, end) for start, end, _ in spans))
         seg_target, seg_cat = np.array(seg_target, bool), np.array(seg_cat, np.uint16)
-        seg_count = np.array(seg_count, np.int64)
+        seg_count, clean = np.array(seg_count, np.int64), np.array(clean, bool)
         columnar = [j for j, (payload, _) in enumerate(chats) if isinstance(payload, int)]
         if columnar:  # all of the batch's kept conversations, in order, and one category (no message has one)
             assert rendered is not None and len(columnar) == len(rendered.texts)
-            more, target, counts = rendered.segments()
-            cat = chats[columnar[0]][1]
             texts += rendered.texts
-            convs += [(j, None, cat) for j in columnar]
+            convs += [(j, None, chats[columnar[0]][1]) for j in columnar]
+        if not self._needs_segments(seg_cat, convs, code):
+            return self._encode_whole(texts, convs, len(chats), code(convs[0][2]))
+        if columnar:
+            more, target, counts = rendered.segments()
             seg_texts += more
             seg_target = np.concatenate([seg_target, target])
-            seg_cat = np.concatenate([seg_cat, np.full(len(target), code(cat), np.uint16)])
+            seg_cat = np.concatenate([seg_cat, np.full(len(target), code(convs[-1][2]), np.uint16)])
             seg_count = np.concatenate([seg_count, counts])
-        flat, lengths = self.encoder.encode(texts + seg_texts, add_special_tokens=False)
-        n = len(texts)
-        whole_len, seg_len = lengths[:n], lengths[n:]
-        whole_off, seg_first = _offsets(whole_len), _offsets(seg_count)
+            clean = np.concatenate([clean, rendered.clean(cuts)])
+        whole = np.flatnonzero(~clean)  # the conversations encoded whole as well
+        flat, lengths = self.encoder.encode([texts[k] for k in whole] + seg_texts, add_special_tokens=False)
+        whole_off = _offsets(lengths[: len(whole)])
         split = int(whole_off[-1])
-        whole_flat, seg_flat = flat[:split], flat[split:]
-        conv_seg = _offsets(seg_len)[seg_first]  # where each conversation's segment ids start in seg_flat
-        # the common case, checked for the whole batch at once: every conversation's segments give its ids
-        same = bool(np.array_equal(conv_seg, whole_off)) and np.array_equal(seg_flat, whole_flat)
+        whole_flat, seg_flat, seg_len = flat[:split], flat[split:], lengths[len(whole):]
+        conv_seg = _offsets(seg_len)[_offsets(seg_count)]  # where each conversation's segment ids start in seg_flat
         target = np.repeat(seg_target, seg_len)
         cats = np.repeat(seg_cat, seg_len)
         mask = np.ones(len(target), np.uint8) if self.options.train_on == "all" else target.view(np.uint8).copy()
         out: list = [None] * len(chats)
-        for k, (j, spans, cat) in enumerate(convs):
-            a, b = whole_off[k], whole_off[k + 1]
+        for k, (j, _, _) in enumerate(convs):
             sa, sb = conv_seg[k], conv_seg[k + 1]
-            ids = whole_flat[a:b]
-            if same or (sb - sa == b - a and np.array_equal(seg_flat[sa:sb], ids)):
-                doc_mask, doc_cats = mask[sa:sb], cats[sa:sb]
-            else:
+            out[j] = (seg_flat[sa:sb], mask[sa:sb], cats[sa:sb])
+        for w, k in enumerate(whole.tolist()):
+            j, spans, cat = convs[k]
+            ids = whole_flat[whole_off[w] : whole_off[w + 1]]
+            sa, sb = conv_seg[k], conv_seg[k + 1]
+            if not (sb - sa == len(ids) and np.array_equal(seg_flat[sa:sb], ids)):
                 if spans is None:
                     spans = [(s, e, None) for s, e in rendered.spans(k - (len(convs) - len(columnar)))]
                 doc_target, doc_cats = self._mask_from_offsets(texts[k], ids, spans, cat, code)
-                doc_mask = np.ones(b - a, np.uint8) if self.options.train_on == "all" else doc_target.astype(np.uint8)
+                doc_mask = np.ones(len(ids), np.uint8) if self.options.train_on == "all" else doc_target.astype(
+                    np.uint8)
+                out[j] = (ids, doc_mask, doc_cats)
+        for _, doc_mask, _ in out:
             doc_mask[:1] = 0
-            out[j] = (ids, doc_mask, doc_cats)
+        return out
+
+    def _needs_segments(self, seg_cat: np.ndarray, convs: list, code) -> bool:
+        """Whether the spans matter: for the mask (not ``--train-on all``) or for a category of their own."""
+        one = code(convs[0][2])
+        return self.options.train_on != "all" or not np.all(seg_cat == one) or any(code(c) != one for *_, c in convs)
+
+    def _encode_whole(self, texts: list[str], convs: list, n: int, cat: int) -> list:
+        """``_encode_chats`` where every token is a target of one category: the whole texts only."""
+        flat, lengths = self.encoder.encode(texts, add_special_tokens=False)
+        off = _offsets(lengths)
+        mask = np.ones(len(flat), np.uint8)
+        mask[off[:-1][lengths > 0]] = 0
+        cats = np.full(len(flat), cat, np.uint16)
+        out: list = [None] * n
+        for k, (j, _, _) in enumerate(convs):
+            out[j] = (flat[off[k] : off[k + 1]], mask[off[k] : off[k + 1]], cats[off[k] : off[k + 1]])
         return out
 
     def _mask_from_offsets(self, text, ids, spans, cat, code):
