@@ -338,13 +338,20 @@ class Cuts:
 
     def clean(self, text: str, at: int) -> bool:
         """Whether cutting ``text`` at character ``at`` leaves the ids of the whole equal to those of its pieces."""
-        if at <= 0 or at >= len(text):
-            return True
-        before = text[at - 1]
-        if before == "\n" and self.after_newline and not text[at].isspace():
-            return True
-        ending = self._by_last_char.get(before)
-        return ending is not None and text.endswith(ending, 0, at)
+        return self.spans_clean(text, ((at, at),))
+
+    def spans_clean(self, text: str, spans) -> bool:
+        """Whether every start and end of ``spans`` ((start, end, ...) in ``text``) is a clean cut (``clean``)."""
+        size, newline, by_last = len(text), self.after_newline, self._by_last_char
+        for span in spans:
+            for at in span[:2]:
+                if 0 < at < size:
+                    before = text[at - 1]
+                    if not (newline and before == "\n" and not text[at].isspace()):
+                        ending = by_last.get(before)
+                        if ending is None or not text.endswith(ending, 0, at):
+                            return False
+        return True
 
     @cached_property
     def _by_last_char(self) -> dict[str, tuple[str, ...]]:

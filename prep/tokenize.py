@@ -405,7 +405,7 @@ class Processor:
                 seg_target.append(False)
                 seg_cat.append(code(cat))
             seg_count.append(len(seg_texts) - first)
-            clean.append(all(cuts.clean(text, start) and cuts.clean(text, end) for start, end, _ in spans))
+            clean.append(cuts.spans_clean(text, spans))
         seg_target, seg_cat = np.array(seg_target, bool), np.array(seg_cat, np.uint16)
         seg_count, clean = np.array(seg_count, np.int64), np.array(clean, bool)
         columnar = [j for j, (payload, _) in enumerate(chats) if isinstance(payload, int)]
