@@ -408,14 +408,14 @@ REFUSED: list[bytes] = [
 def for_template(template: ChatTemplate | None, keep_unanswered: bool) -> ColumnarChat | None:
     """The column-wise rendering for ``template``, where it has a fast renderer of a ChatML shape and renders
     every probe as ``render_with_spans`` does; else None (the per-record path)."""
-    if template is None or template._fast is None:
+    if template is None or not template.has_fast_path:
         return None
     known = chat_fast.recognise(template.spec.source)
     if known is None or known[0] not in NAMES:
         return None
     if template.generation_prompt != HEADER:
         return None
-    ends = {template._after_marker(END + "\n" + after, 0) for after in ("", "<|im_start|>")}
+    ends = {template.span_end(END + "\n" + after, 0) for after in ("", "<|im_start|>")}
     if len(ends) != 1:
         return None
     columns = ColumnarChat(known[0], keep_unanswered, ends.pop())

@@ -237,6 +237,16 @@ class ChatTemplate:
         return next((m for m in self._markers if found and after.startswith(m)), None)
 
     @property
+    def has_fast_path(self) -> bool:
+        """Whether a fast renderer (checked against Jinja) renders this template."""
+        return self._fast is not None
+
+    def span_end(self, text: str, end: int) -> int:
+        """Where an assistant span that ends its content at ``end`` in ``text`` ends: past the end-of-turn marker
+        there (after whitespace), as ``render_with_spans`` places it."""
+        return self._after_marker(text, end)
+
+    @property
     def generation_prompt(self) -> str:
         """What ``add_generation_prompt`` appends after a user turn (e.g. the assistant header)."""
         if not hasattr(self, "_generation_prompt"):

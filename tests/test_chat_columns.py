@@ -42,7 +42,7 @@ def _pair(monkeypatch, spec, **kw) -> tuple[Processor, Processor]:
     monkeypatch.setenv(RENDER_ENV, "records")
     records = _processor(spec, **kw)
     monkeypatch.delenv(RENDER_ENV)
-    assert records.columns is None and records.template._fast is not None
+    assert records.columns is None and records.template.has_fast_path
     return columns, records
 
 
@@ -215,7 +215,7 @@ def test_a_parser_that_takes_a_line_json_refuses_is_not_used(monkeypatch):
 def test_other_templates_and_options_go_the_per_record_way(monkeypatch):
     llama3 = ChatTemplate(TemplateSpec("llama3", templates.BUILTIN_TEMPLATES["llama3"], "<|begin_of_text|>",
                                        "<|eot_id|>"))
-    assert llama3._fast is not None and chat_columns.for_template(llama3, False) is None
+    assert llama3.has_fast_path and chat_columns.for_template(llama3, False) is None
     variant = ChatTemplate(TemplateSpec("mine", CHATML.source.replace("{% endfor %}", "{%  endfor %}"), "",
                                         "<|im_end|>"))
     assert chat_columns.for_template(variant, False) is None  # Jinja's: no fast renderer

@@ -146,7 +146,7 @@ def test_fast_path_equals_general_path_with_train_on_all_and_a_category(tokenize
     fast = _processor(tokenizer_dir, None, train_on="all", category="chat")
     monkeypatch.setenv(RENDER_ENV, "jinja")
     general = _processor(tokenizer_dir, None, train_on="all", category="chat")
-    assert fast.template._fast is not None and general.template._fast is None
+    assert fast.template.has_fast_path and not general.template.has_fast_path
     _assert_same(fast(batch), general(batch), "qwen3 --train-on all")
 
 
@@ -236,7 +236,7 @@ def test_unknown_template_takes_the_general_path():
     # ChatML with one more space: not a known source, so rendered by Jinja (in the sandbox) — and still right.
     source = templates.BUILTIN_TEMPLATES["chatml"].replace("{% endfor %}", "{%  endfor %}")
     t = ChatTemplate(TemplateSpec("mine", source, "", "<|im_end|>"))
-    assert t.path == "Jinja (not a template the fast path knows)" and t._fast is None
+    assert t.path == "Jinja (not a template the fast path knows)" and not t.has_fast_path
     text, spans = t.render_with_spans([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
     assert [text[a:b] for a, b, _ in spans] == ["a<|im_end|>"]
 
@@ -251,7 +251,7 @@ def test_a_renderer_that_disagrees_with_jinja_is_not_used(monkeypatch):
     monkeypatch.setitem(chat_fast.KNOWN, chat_fast._sha(chat_fast.CHATML_XPREP), (name, off_by_one_space))
     monkeypatch.setattr(templates, "_VERDICTS", {})
     t = ChatTemplate(TemplateSpec("chatml", chat_fast.CHATML_XPREP, "", "<|im_end|>"))
-    assert t._fast is None
+    assert not t.has_fast_path
     assert t.path.startswith("Jinja (fast path chatml failed its self-check: probe ")
 
 
@@ -259,7 +259,7 @@ def test_template_errors_are_the_same_on_both_paths(monkeypatch):
     fast = ChatTemplate(TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"))
     monkeypatch.setenv(RENDER_ENV, "jinja")
     general = ChatTemplate(TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"))
-    assert fast._fast is not None and general._fast is None
+    assert fast.has_fast_path and not general.has_fast_path
     for msgs, message in (([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], "must alternate"),
                           ([{"role": "user", "content": "q"}, {"role": "tool", "content": "t"}], "roles are supported"),
                           ([{"role": "tool", "content": "t"}], "must alternate")):
@@ -274,7 +274,7 @@ def test_the_fast_path_runs_no_template_code():
     tries to reach Python internals) is not recognised, and the sandbox stops it as before."""
     evil = templates.BUILTIN_TEMPLATES["chatml"] + "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     t = ChatTemplate(TemplateSpec("evil", evil, "", None))
-    assert t._fast is None
+    assert not t.has_fast_path
     with pytest.raises(TemplateError, match="chat template failed"):
         t.render([{"role": "user", "content": "x"}])
 
