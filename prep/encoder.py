@@ -393,10 +393,12 @@ def _prove_cuts(path: str) -> list:
         return [False, []]
     contents = [t["content"] for t in added]
 
+    suffixes = {c[k:] for c in contents for k in range(1, len(c))}  # proper ones: where a match that began earlier
+    # could still run
+
     def matched_whole(token: str) -> bool:
-        return not any(other != token and other.startswith(token) for other in contents) and not any(
-            token.startswith(other[k:]) or other[k:].startswith(token)
-            for other in contents for k in range(1, len(other)))
+        return not any(token[:i] in suffixes for i in range(1, len(token) + 1)) and not any(
+            token in other[1:] or (other != token and other.startswith(token)) for other in contents)
 
     steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
     split, byte_level = steps if len(steps) == 2 else ({}, steps[0] if len(steps) == 1 else {})
