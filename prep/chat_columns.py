@@ -9,10 +9,15 @@ message offsets. The text and spans equal what ``ChatTemplate.render_with_spans`
 record, character for character (tests/test_chat_columns.py compares them on every conversation of the
 shared chat data and on hostile lines).
 
+Categories are read as columns too: the record's (``category``, or the ``--category-field``) and each
+message's ``category``; a span takes its message's, the rest of the conversation the record's (or the
+command's ``--category``).
+
 A record is left to the per-record path (``OTHER``) wherever this module is not sure to agree with it:
 a message with another field, role or type; content holding ``</think>``, ``<tool_response>`` or the span
-search's placeholder character; an answer that Qwen3 would strip. A batch is left to it whole where pyarrow
-might not read it as Python's ``json`` does, or might not survive it:
+search's placeholder character; an answer that Qwen3 would strip; an empty category, or a message category
+set to null (pyarrow reads it as a missing one, which is fine where null is refused). A batch is left to it
+whole where pyarrow might not read it as Python's ``json`` does, or might not survive it:
 
 - a line that is not one object (after JSON whitespace, ``{`` first and ``}`` last): pyarrow's reader is
   not line-based (``{..}{..}`` on one line is two rows, a record over two lines one, a top-level ``null``
@@ -20,8 +25,8 @@ might not read it as Python's ``json`` does, or might not survive it:
   object a line and as many rows as lines, rows and lines pair up;
 - a line with more than ``MAX_OPENINGS`` brackets (its parser recurses per nesting level);
 - any line pyarrow refuses (malformed, duplicate keys, lone surrogates, raw control characters), invalid
-  UTF-8 (which it accepts), a ``category``/``conversations`` field, another top-level field that is not a
-  scalar;
+  UTF-8 (which it accepts), a ``conversations`` field, a category that is not a string, another top-level
+  field that is not a scalar;
 - a batch whose first line names no ``messages`` (text under ``--format auto``) or of more than
   ``MAX_BATCH_BYTES``.
 
@@ -74,15 +79,24 @@ class Rendered:
     many per conversation as ``answers`` says."""
 
     def __init__(self, status: np.ndarray, text: str = "", bounds: np.ndarray | None = None,
-                 starts: np.ndarray | None = None, ends: np.ndarray | None = None, answers: np.ndarray | None = None):
+                 starts: np.ndarray | None = None, ends: np.ndarray | None = None, answers: np.ndarray | None = None,
+                 categories: list | None = None, span_categories: list | None = None):
         self.status, self.text = status, text
         none = np.zeros(0, np.int64)
         self.bounds = bounds if bounds is not None else np.zeros(1, np.int64)
         self.starts, self.ends = (starts, ends) if starts is not None else (none, none)
         self.answers = answers if answers is not None else none
+        # the record's category of each kept conversation (None: the command's), each span's own (None: none)
+        self.categories = categories if categories is not None else [None] * (len(self.bounds) - 1)
+        self.has_span_categories = span_categories is not None
+        self.span_categories = span_categories if span_categories is not None else [None] * len(self.starts)
         self._first = _bounds(self.answers)  # each conversation's first span
         cuts = self.bounds.tolist()
         self.texts = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+    def span_categories_of(self, k: int) -> list:
+        """Conversation k's spans' own categories (None: none)."""
+        return self.span_categories[self._first[k] : self._first[k + 1]]
 
     def spans(self, k: int) -> list[tuple[int, int]]:
         """Conversation k's spans, as ``render_with_spans`` gives them (in its text)."""
@@ -110,10 +124,10 @@ class Rendered:
                             for a, b, z in zip(starts, ends, last, strict=True)], bool)
         return np.bincount(row, weights=bad, minlength=n) == 0
 
-    def segments(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+    def segments(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
         """What ``Processor._encode_chats`` cuts each conversation into, for all of them at once: the texts
-        between and of the spans (a gap only where not empty), whether each is a span, and how many each
-        conversation has."""
+        between and of the spans (a gap only where not empty), whether each is a span, how many each
+        conversation has, and of each segment which span it is (-1 for a gap)."""
         n = len(self.texts)
         per_row = 2 * self.answers + 2  # the conversation's start, each span's start and end, its end
         first = _bounds(per_row)
@@ -131,8 +145,10 @@ class Rendered:
         keep = within & (target | (hi > lo))
         lo, hi, target = lo[keep], hi[keep], target[keep]
         counts = np.bincount(row[keep], minlength=n)
+        span = np.full(len(target), -1, np.int64)
+        span[target] = np.arange(int(target.sum()))  # spans come in order, one per odd pair
         text = self.text
-        return [text[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)], target, counts
+        return [text[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)], target, counts, span
 
 
 class ColumnarChat:
@@ -140,13 +156,16 @@ class ColumnarChat:
     NAMES); ``keep_unanswered``: a conversation without an assistant turn is a document (``--train-on all``)
     rather than a reject."""
 
-    def __init__(self, name: str, keep_unanswered: bool, end_len: int = len(END)):
+    def __init__(self, name: str, keep_unanswered: bool, end_len: int = len(END), category_field: str | None = None):
         import pyarrow as pa  # deferred with the module itself: only chat batches need it
 
         self.name, self.keep_unanswered = name, keep_unanswered
         self.end_len = end_len  # what the span search takes after an answer's content (END, as a rule)
-        message = pa.struct([("role", pa.string()), ("content", pa.string())])
-        self._schema = pa.schema([("messages", pa.list_(message))])
+        self.category_field = category_field or "category"  # the record's category (--category-field)
+        fields = [("role", pa.string()), ("content", pa.string())]
+        self._schema = pa.schema([("messages", pa.list_(pa.struct(fields))), (self.category_field, pa.string())])
+        # a message's category is left out of the schema: then a batch without any has no such field at all
+        self._with_category = {pa.list_(pa.struct([*fields, ("category", t)])) for t in (pa.string(), pa.null())}
         self._markup = _MARKUP[name]
         heads = [_HEADS[k].encode() for k in sorted(_HEADS)]
         self._const = np.frombuffer(b"".join(heads) + _TAIL.encode(), np.uint8)
@@ -156,6 +175,8 @@ class ColumnarChat:
 
     def render(self, items: list[bytes]) -> Rendered | None:
         """The batch rendered, or None where it must go the per-record way whole (see the module's docstring)."""
+        import pyarrow as pa  # deferred with the module itself (imported already by __init__)
+
         table = self._read(items)
         if table is None:
             return None
@@ -165,21 +186,39 @@ class ColumnarChat:
         counts = np.diff(starts)
         structs = messages.values
         role, content = structs.field("role"), structs.field("content")
+        msg_cat = structs.field("category") if structs.type.get_field_index("category") >= 0 else None
         m = len(structs)
         msg_ok = _valid(structs) & _valid(role) & _valid(content)
         code = self._roles(role, m)
         msg_ok &= code >= 0
         c_off, data = _offsets(content), _data(content)
         msg_ok &= ~self._has_markup(data, c_off)
+        if msg_cat is not None and msg_cat.type == pa.string():  # an empty category: rejected per record
+            msg_ok &= ~(_valid(msg_cat) & (np.diff(_offsets(msg_cat)) == 0))
         # per record: every message fine, at least one message, and (below) the template's own conditions
         row_of_msg = np.repeat(np.arange(n), counts)
         ok = ~_any(~msg_ok, row_of_msg, n) & (counts > 0) & _valid(messages)
+        record_cat = table.column(self.category_field).combine_chunks()
+        ok &= ~(_valid(record_cat) & (np.diff(_offsets(record_cat)) == 0))
+        if msg_cat is not None:
+            ok &= ~_null_categories(items, n)
         answered = _any(code == ASSISTANT, row_of_msg, n)
         if self.name == "qwen3":
             code, ok = self._qwen3_heads(code, ok, starts, counts, row_of_msg, data, c_off)
         status = np.where(ok, np.where(answered | self.keep_unanswered, KEPT, NO_ANSWER), OTHER).astype(np.int8)
-        gathered = self._gather(status == KEPT, starts, counts, code, data, c_off)
-        return Rendered(status, *gathered) if gathered is not None else Rendered(status)
+        kept = status == KEPT
+        gathered = self._gather(kept, starts, counts, code, data, c_off)
+        if gathered is None:
+            return Rendered(status)
+        *rendered, answer_msgs = gathered
+        categories = record_cat.to_pylist() if record_cat.null_count < n else None
+        span_categories = None
+        if msg_cat is not None and msg_cat.null_count < m:  # strings only where some message has a category
+            cat_of = msg_cat.to_pylist()
+            span_categories = [cat_of[i] for i in answer_msgs.tolist()]
+        if categories is not None:
+            categories = [categories[r] for r in np.flatnonzero(kept).tolist()]
+        return Rendered(status, *rendered, categories, span_categories)
 
     def agrees_with(self, template: ChatTemplate) -> bool:
         """Whether every probe this path renders comes out as ``template.render_with_spans`` renders it, every one
@@ -225,10 +264,12 @@ class ColumnarChat:
                                                                unexpected_field_behavior="infer"))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
             return None
-        if table.num_rows != len(items) or table.schema.field("messages").type != self._schema.field(0).type:
+        messages = table.schema.field("messages").type
+        if table.num_rows != len(items) or (messages != self._schema.field(0).type
+                                            and messages not in self._with_category):
             return None
         for f in table.schema:
-            if f.name in ("category", "conversations") or (f.name != "messages" and pa.types.is_nested(f.type)):
+            if f.name == "conversations" or (f.name != "messages" and pa.types.is_nested(f.type)):
                 return None
         try:
             table.validate(full=True)  # invalid UTF-8 passes pyarrow's reader; Python's json refuses it
@@ -297,7 +338,8 @@ class ColumnarChat:
 
     def _gather(self, kept, starts, counts, code, data, c_off):
         """The kept conversations rendered: every message as head + content + tail, in one gather. Returns
-        ``Rendered``'s text, bounds, span starts and ends, answers per conversation (None for no conversation)."""
+        ``Rendered``'s text, bounds, span starts and ends, answers per conversation, and the message of each span
+        (None for no conversation)."""
         rows = np.flatnonzero(kept)
         if len(rows) == 0:
             return None
@@ -332,7 +374,7 @@ class ColumnarChat:
             char_of = np.append(char_of, len(text))
             row_at, span_start, span_end = char_of[row_at], char_of[span_start], char_of[span_end]
         answers = np.bincount(np.repeat(np.arange(len(rows)), k_counts)[answer], minlength=len(rows))
-        return text, row_at, span_start, span_end, answers
+        return text, row_at, span_start, span_end, answers, msgs[answer]
 
 def _canonical(raw: bytes) -> str | None:
     """``normalize_messages``' role mapping, for a role's UTF-8 bytes (None where it knows no such role)."""
@@ -341,6 +383,20 @@ def _canonical(raw: bytes) -> str | None:
     except UnicodeDecodeError:  # cut inside a character by the padding: not one of ROLES anyway
         return None
     return ROLES.get(role) or ROLES.get(role.lower())
+
+
+_NULL_CATEGORY = re.compile(rb'"category"[ \t\r\n]*:[ \t\r\n]*null')  # a key (a string value is not
+# followed by ":", and a quote inside a string is escaped)
+
+
+def _null_categories(items: list[bytes], n: int) -> np.ndarray:
+    """Per line: whether it sets some "category" to null. pyarrow reads a null as a missing field, but a message
+    whose category is null is rejected per record (a missing one is not): such a record goes the per-record way."""
+    found = np.zeros(n, bool)
+    for j, line in enumerate(items):
+        if b'"category"' in line and _NULL_CATEGORY.search(line):
+            found[j] = True
+    return found
 
 
 def _bounds(lengths: np.ndarray) -> np.ndarray:
@@ -405,7 +461,8 @@ REFUSED: list[bytes] = [
 ]
 
 
-def for_template(template: ChatTemplate | None, keep_unanswered: bool) -> ColumnarChat | None:
+def for_template(template: ChatTemplate | None, keep_unanswered: bool, category_field: str | None = None
+                 ) -> ColumnarChat | None:
     """The column-wise rendering for ``template``, where it has a fast renderer of a ChatML shape and renders
     every probe as ``render_with_spans`` does; else None (the per-record path)."""
     if template is None or not template.has_fast_path:
@@ -418,6 +475,6 @@ def for_template(template: ChatTemplate | None, keep_unanswered: bool) -> Column
     ends = {template.span_end(END + "\n" + after, 0) for after in ("", "<|im_start|>")}
     if len(ends) != 1:
         return None
-    columns = ColumnarChat(known[0], keep_unanswered, ends.pop())
+    columns = ColumnarChat(known[0], keep_unanswered, ends.pop(), category_field)
     return columns if columns.agrees_with(template) else None
 

@@ -178,9 +178,10 @@ class Processor:
         self.encoder = Encoder(info, backend)
         self.template = ChatTemplate(template) if template is not None else None
         self.options = options
-        plain = (options.format in (AUTO, CHAT) and not options.role_map and not options.category_field
+        plain = (options.format in (AUTO, CHAT) and not options.role_map
                  and os.environ.get(RENDER_ENV, "").lower() != "records")
-        self._columns_for = (self.template, options.train_on == "all") if plain and self.template else None
+        self._columns_for = ((self.template, options.train_on == "all", options.category_field)
+                             if plain and self.template else None)
         self._columns = None
 
     @property
@@ -250,12 +251,13 @@ class Processor:
     def _rendered_parser(self, rendered: chat_columns.Rendered):
         """``_parse`` for a batch ``chat_columns`` rendered: the index of each record it kept among them (see
         ``_encode_chats``), the per-record way for the others."""
-        status, kept = iter(rendered.status.tolist()), itertools.count()
+        status, kept, categories = iter(rendered.status.tolist()), itertools.count(), rendered.categories
 
         def parse(item, kind: str):
             done = next(status)
             if done == chat_columns.KEPT:
-                return CHAT, next(kept), self.options.category
+                k = next(kept)
+                return CHAT, k, categories[k] or self.options.category
             if done == chat_columns.NO_ANSWER:
                 raise Unusable(NO_ANSWER, "no assistant message")
             return self._parse(item, kind)
@@ -385,7 +387,11 @@ class Processor:
         convs = []  # (position in chats, spans or None for a column-wise one, category) in encoding order
         cuts = self.encoder.cuts
         for j, (payload, cat) in enumerate(chats):
-            if isinstance(payload, int):
+            if isinstance(payload, int):  # a column-wise one: its codes now, in the order the per-record way gives
+                code(cat)
+                if rendered is not None and rendered.has_span_categories:
+                    for span_cat in rendered.span_categories_of(payload):
+                        code(span_cat or cat)
                 continue
             text, spans = payload
             texts.append(text)
@@ -409,17 +415,23 @@ class Processor:
         seg_target, seg_cat = np.array(seg_target, bool), np.array(seg_cat, np.uint16)
         seg_count, clean = np.array(seg_count, np.int64), np.array(clean, bool)
         columnar = [j for j, (payload, _) in enumerate(chats) if isinstance(payload, int)]
-        if columnar:  # all of the batch's kept conversations, in order, and one category (no message has one)
+        if columnar:  # all of the batch's kept conversations, in order
             assert rendered is not None and len(columnar) == len(rendered.texts)
             texts += rendered.texts
-            convs += [(j, None, chats[columnar[0]][1]) for j in columnar]
+            convs += [(j, None, chats[j][1]) for j in columnar]
+            conv_code = np.array([code(chats[j][1]) for j in columnar], np.uint16)
+            span_code = np.array([code(c) if c is not None else 0 for c in rendered.span_categories], np.uint16)
+            span_code = np.where(span_code > 0, span_code, np.repeat(conv_code, rendered.answers))
+            seg_cat = np.concatenate([seg_cat, span_code])  # for _needs_segments; the gaps' are in convs
         if not self._needs_segments(seg_cat, convs, code):
             return self._encode_whole(texts, convs, len(chats), code(convs[0][2]))
         if columnar:
-            more, target, counts = rendered.segments()
+            more, target, counts, span = rendered.segments()
             seg_texts += more
             seg_target = np.concatenate([seg_target, target])
-            seg_cat = np.concatenate([seg_cat, np.full(len(target), code(convs[-1][2]), np.uint16)])
+            gap_code = np.repeat(conv_code, counts)  # each segment's conversation's code
+            seg_cat = np.concatenate([seg_cat[: len(seg_cat) - len(span_code)],
+                                      np.where(span >= 0, span_code[span], gap_code)])
             seg_count = np.concatenate([seg_count, counts])
             clean = np.concatenate([clean, rendered.clean(cuts)])
         whole = np.flatnonzero(~clean)  # the conversations encoded whole as well
@@ -441,7 +453,9 @@ class Processor:
             sa, sb = conv_seg[k], conv_seg[k + 1]
             if not (sb - sa == len(ids) and np.array_equal(seg_flat[sa:sb], ids)):
                 if spans is None:
-                    spans = [(s, e, None) for s, e in rendered.spans(k - (len(convs) - len(columnar)))]
+                    at = k - (len(convs) - len(columnar))
+                    spans = [(s, e, c) for (s, e), c in zip(rendered.spans(at), rendered.span_categories_of(at),
+                                                            strict=True)]
                 doc_target, doc_cats = self._mask_from_offsets(texts[k], ids, spans, cat, code)
                 doc_mask = np.ones(len(ids), np.uint8) if self.options.train_on == "all" else doc_target.astype(
                     np.uint8)

@@ -27,12 +27,12 @@ BATCH = chat_columns.OTHER - 1  # the whole batch went the per-record way
 
 
 def _processor(spec: TemplateSpec | None, train_on: str = "assistant", category: str | None = None,
-               fmt: str = CHAT) -> Processor:
+               fmt: str = CHAT, category_field: str | None = None) -> Processor:
     info = load_tokenizer_info(str(QWEN3))
     if spec is None:
         spec = TemplateSpec("tokenizer", info.chat_template, info.bos_token or "", info.eos_token)
     backend, _ = choose_backend(info, "auto")
-    return Processor(info, backend, spec, Options(fmt, "text", train_on, category, None, None, info.eod_id,
+    return Processor(info, backend, spec, Options(fmt, "text", train_on, category, category_field, None, info.eod_id,
                                                   info.vocab_size))
 
 
@@ -106,7 +106,22 @@ HOSTILE: list[tuple[str, bytes, int, int]] = [
     ("blank", b"", BATCH, BATCH),
     ("message field", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), name="bob")}).encode(),
      BATCH, BATCH),
-    ("record category", json.dumps({"category": "x", "messages": QA}).encode(), BATCH, BATCH),
+    ("record category", json.dumps({"category": "x", "messages": QA}).encode(), chat_columns.KEPT, chat_columns.KEPT),
+    ("message categories", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), category="m")}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
+    ("null record category", b'{"category": null, "messages": ' + json.dumps(QA).encode() + b"}", chat_columns.KEPT,
+     chat_columns.KEPT),  # the command's category, as when there is no such key
+    ("empty record category", json.dumps({"category": "", "messages": QA}).encode(), chat_columns.OTHER,
+     chat_columns.OTHER),
+    ("number record category", json.dumps({"category": 5, "messages": QA}).encode(), BATCH, BATCH),
+    ("null message category", b'{"messages": [{"role": "user", "content": "q", "category":null}, '
+                              b'{"role": "assistant", "content": "a"}]}', chat_columns.OTHER, chat_columns.OTHER),
+    ("empty message category", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), category="")}).encode(),
+     chat_columns.OTHER, chat_columns.OTHER),
+    ("number message category", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), category=3)}).encode(),
+     BATCH, BATCH),
+    ("a category in a content", json.dumps({"messages": _msgs(("user", '"category": null'), ("assistant", "a"))})
+     .encode(), chat_columns.KEPT, chat_columns.KEPT),
     ("nested field", json.dumps({"meta": {"a": [1]}, "messages": QA}).encode(), BATCH, BATCH),
     ("number content", b'{"messages": [{"role": "user", "content": 5}]}', BATCH, BATCH),
     ("string messages", b'{"messages": "hi"}', BATCH, BATCH),
@@ -199,6 +214,39 @@ def test_batches_whose_rows_might_not_be_their_lines(lines, monkeypatch):
     _assert_same(columns(batch), records(batch), "out of step")
 
 
+def _with_categories(lines: list[bytes]) -> list[bytes]:
+    """Real conversations given record and message categories, in a pattern that leaves some without either."""
+    out = []
+    for i, line in enumerate(lines):
+        record = json.loads(line)
+        if i % 3 == 0:
+            record["category"] = ["small talk", "chit-chat"][i % 2]
+        for k, m in enumerate(record["messages"]):
+            if (i + k) % 4 == 0 and m["role"] == "assistant":
+                m["category"] = f"answer-{k % 3}"
+            elif i % 5 == 0 and k == 0:
+                m["category"] = "opening"
+        out.append(json.dumps(record, ensure_ascii=False).encode())
+    return out
+
+
+@requires_shared_data
+@pytest.mark.parametrize("template", ["qwen3", "chatml"])
+@pytest.mark.parametrize("train_on,category,field", [("assistant", None, None), ("all", "chat", None),
+                                                     ("assistant", "chat", "topic"), ("all", None, "topic")])
+def test_categories_column_wise_equal_per_record(template, train_on, category, field, monkeypatch):
+    """Record categories (``category``, or chitchat's own ``topic`` through --category-field) and message ones:
+    column-wise as per record, and column-wise it goes."""
+    spec = None if template == "qwen3" else CHATML
+    columns, records = _pair(monkeypatch, spec, train_on=train_on, category=category, category_field=field)
+    for batch in _batches(_with_categories(_chitchat(3000))):
+        rendered = columns.columns.render(batch.items)
+        assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
+        assert any(c is not None for c in rendered.span_categories)
+        assert any(c is not None for c in rendered.categories)
+        _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
+
+
 def test_probes_are_checked_before_use():
     info_template = ChatTemplate(CHATML)
     assert chat_columns.for_template(info_template, False) is not None
@@ -224,11 +272,18 @@ def test_other_templates_and_options_go_the_per_record_way(monkeypatch):
 
 
 @requires_shared_data
-def test_tokenize_chat_is_byte_identical_column_wise_and_per_record(tmp_path, monkeypatch):
-    lines = _chitchat(1500) + [line for _, line, _, _ in HOSTILE if line]
+@pytest.mark.parametrize("categories", [False, True])
+def test_tokenize_chat_is_byte_identical_column_wise_and_per_record(categories, tmp_path, monkeypatch):
+    """Whole runs, 2 workers, hostile lines included; with categories (record, message, chitchat's ``topic``
+    through --category-field), the category table and stream too."""
+    lines = _with_categories(_chitchat(1500)) if categories else _chitchat(1500)
+    lines += [line for _, line, _, _ in HOSTILE if line]
     corpus = tmp_path / "chat.jsonl"
     corpus.write_bytes(b"\n".join(lines) + b"\n")
+    options = {"category_field": "topic"} if categories else {}
     for mode in ("auto", "records"):
         monkeypatch.setenv(RENDER_ENV, mode)
-        tokenize(corpus, tmp_path / mode, QWEN3, on_error="skip", workers=2)
+        tokenize(corpus, tmp_path / mode, QWEN3, on_error="skip", workers=2, **options)
     assert_same_files(tmp_path / "auto", tmp_path / "records")
+    if categories:
+        assert (tmp_path / "auto" / "category_ids.bin").stat().st_size > 0
