@@ -11,7 +11,7 @@ shared chat data and on hostile lines).
 
 Categories are read as columns too: the record's (``category``, or the ``--category-field``) and each
 message's ``category``; a span takes its message's, the rest of the conversation the record's (or the
-command's ``--category``).
+command's ``--category``). Roles are looked up as ``normalize_messages`` does, ``--role-map`` first.
 
 A record is left to the per-record path (``OTHER``) wherever this module is not sure to agree with it:
 a message with another field, role or type; content holding ``</think>``, ``<tool_response>`` or the span
@@ -156,10 +156,13 @@ class ColumnarChat:
     NAMES); ``keep_unanswered``: a conversation without an assistant turn is a document (``--train-on all``)
     rather than a reject."""
 
-    def __init__(self, name: str, keep_unanswered: bool, end_len: int = len(END), category_field: str | None = None):
+    def __init__(self, name: str, keep_unanswered: bool, end_len: int = len(END), category_field: str | None = None,
+                 role_map: dict[str, str] | None = None):
         import pyarrow as pa  # deferred with the module itself: only chat batches need it
 
         self.name, self.keep_unanswered = name, keep_unanswered
+        self.role_map = role_map  # --role-map: looked up before ROLES, as normalize_messages does
+        self.role_names = {**ROLES, **role_map} if role_map else ROLES
         self.end_len = end_len  # what the span search takes after an answer's content (END, as a rule)
         self.category_field = category_field or "category"  # the record's category (--category-field)
         fields = [("role", pa.string()), ("content", pa.string())]
@@ -232,7 +235,7 @@ class ColumnarChat:
             if rendered is None or rendered.status[0] == OTHER:
                 continue
             try:
-                messages = normalize_messages(json.loads(line))
+                messages = normalize_messages(json.loads(line), self.role_map)
                 text, spans = template.render_with_spans(messages)
             except TemplateError:
                 return False
@@ -277,8 +280,7 @@ class ColumnarChat:
             return None
         return table
 
-    @staticmethod
-    def _roles(role, m: int) -> np.ndarray:
+    def _roles(self, role, m: int) -> np.ndarray:
         """Each message's head code by its role, as ``normalize_messages`` maps it (-1: not for this path; a null
         role's code is whatever, the caller refuses it by its validity).
 
@@ -301,7 +303,7 @@ class ColumnarChat:
         rows = np.zeros(len(keys), np.int64)
         rows[inverse.ravel()] = np.arange(m)  # one message per distinct key
         names = [bytes(padded[r, : padded[r, -1]]) for r in rows.tolist()]
-        lut = np.array([_CANONICAL.get(_canonical(name), -1) for name in names], np.int64)
+        lut = np.array([_CANONICAL.get(_canonical(name, self.role_names), -1) for name in names], np.int64)
         return np.where(short, lut[inverse.ravel()], -1)
 
     def _has_markup(self, data: np.ndarray, c_off: np.ndarray) -> np.ndarray:
@@ -376,13 +378,13 @@ class ColumnarChat:
         answers = np.bincount(np.repeat(np.arange(len(rows)), k_counts)[answer], minlength=len(rows))
         return text, row_at, span_start, span_end, answers, msgs[answer]
 
-def _canonical(raw: bytes) -> str | None:
+def _canonical(raw: bytes, roles: dict[str, str]) -> str | None:
     """``normalize_messages``' role mapping, for a role's UTF-8 bytes (None where it knows no such role)."""
     try:
         role = raw.decode("utf-8")
     except UnicodeDecodeError:  # cut inside a character by the padding: not one of ROLES anyway
         return None
-    return ROLES.get(role) or ROLES.get(role.lower())
+    return roles.get(role) or roles.get(role.lower())
 
 
 _NULL_CATEGORY = re.compile(rb'"category"[ \t\r\n]*:[ \t\r\n]*null')  # a key (a string value is not
@@ -461,8 +463,8 @@ REFUSED: list[bytes] = [
 ]
 
 
-def for_template(template: ChatTemplate | None, keep_unanswered: bool, category_field: str | None = None
-                 ) -> ColumnarChat | None:
+def for_template(template: ChatTemplate | None, keep_unanswered: bool, category_field: str | None = None,
+                 role_map: dict[str, str] | None = None) -> ColumnarChat | None:
     """The column-wise rendering for ``template``, where it has a fast renderer of a ChatML shape and renders
     every probe as ``render_with_spans`` does; else None (the per-record path)."""
     if template is None or not template.has_fast_path:
@@ -475,6 +477,6 @@ def for_template(template: ChatTemplate | None, keep_unanswered: bool, category_
     ends = {template.span_end(END + "\n" + after, 0) for after in ("", "<|im_start|>")}
     if len(ends) != 1:
         return None
-    columns = ColumnarChat(known[0], keep_unanswered, ends.pop(), category_field)
+    columns = ColumnarChat(known[0], keep_unanswered, ends.pop(), category_field, role_map)
     return columns if columns.agrees_with(template) else None
 

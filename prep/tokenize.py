@@ -178,9 +178,8 @@ class Processor:
         self.encoder = Encoder(info, backend)
         self.template = ChatTemplate(template) if template is not None else None
         self.options = options
-        plain = (options.format in (AUTO, CHAT) and not options.role_map
-                 and os.environ.get(RENDER_ENV, "").lower() != "records")
-        self._columns_for = ((self.template, options.train_on == "all", options.category_field)
+        plain = options.format in (AUTO, CHAT) and os.environ.get(RENDER_ENV, "").lower() != "records"
+        self._columns_for = ((self.template, options.train_on == "all", options.category_field, options.role_map)
                              if plain and self.template else None)
         self._columns = None
 

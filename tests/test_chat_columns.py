@@ -18,7 +18,7 @@ from prep import chat_columns, templates
 from prep.encoder import choose_backend, load_tokenizer_info
 from prep.formats import AUTO, CHAT
 from prep.sources import LINES, RawBatch
-from prep.templates import RENDER_ENV, ChatTemplate, TemplateSpec
+from prep.templates import RENDER_ENV, ChatTemplate, TemplateSpec, parse_role_map
 from prep.tokenize import Options, Processor
 
 QWEN3 = SHARED / "tokenizers/qwen3"
@@ -27,13 +27,13 @@ BATCH = chat_columns.OTHER - 1  # the whole batch went the per-record way
 
 
 def _processor(spec: TemplateSpec | None, train_on: str = "assistant", category: str | None = None,
-               fmt: str = CHAT, category_field: str | None = None) -> Processor:
+               fmt: str = CHAT, category_field: str | None = None, role_map: dict | None = None) -> Processor:
     info = load_tokenizer_info(str(QWEN3))
     if spec is None:
         spec = TemplateSpec("tokenizer", info.chat_template, info.bos_token or "", info.eos_token)
     backend, _ = choose_backend(info, "auto")
     return Processor(info, backend, spec, Options(fmt, "text", train_on, category, category_field, None, info.eod_id,
-                                                  info.vocab_size))
+                                                  info.vocab_size, role_map or {}))
 
 
 def _pair(monkeypatch, spec, **kw) -> tuple[Processor, Processor]:
@@ -244,6 +244,32 @@ def test_categories_column_wise_equal_per_record(template, train_on, category, f
         assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
         assert any(c is not None for c in rendered.span_categories)
         assert any(c is not None for c in rendered.categories)
+        _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
+
+
+@requires_shared_data
+@pytest.mark.parametrize("template", ["qwen3", "chatml"])
+def test_role_map_column_wise_equals_per_record(template, monkeypatch):
+    """--role-map names (any case), one that overrides a built-in alias, and unmapped ones: as per record."""
+    role_map = parse_role_map("person=user,chatbot=assistant,narrator=system,gpt=user")
+    renamed = {"user": ["person", "Person", "PERSON", "human"], "assistant": ["chatbot", "ChatBot", "assistant"]}
+    lines = []
+    for i, line in enumerate(_chitchat(2048)):
+        record = json.loads(line)
+        for k, m in enumerate(record["messages"]):
+            names = renamed[m["role"]]
+            m["role"] = names[(i + k) % len(names)]
+        if i % 7 == 0:
+            record["messages"].insert(0, {"role": "narrator", "content": "Be kind."})
+        if i % 11 == 0:
+            record["messages"].append({"role": "GPT", "content": "mapped to user here"})
+        if i % 13 == 0:
+            record["messages"].append({"role": "robot", "content": "unknown: rejected"})
+        lines.append(json.dumps(record).encode())
+    columns, records = _pair(monkeypatch, None if template == "qwen3" else CHATML, role_map=role_map)
+    for batch in _batches(lines):
+        rendered = columns.columns.render(batch.items)
+        assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
         _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
 
 
