@@ -175,9 +175,10 @@ def transformers_loop(corpus: Path, limit: int) -> float:
 
 
 def chat_breakdown(corpus: Path, limit: int) -> dict:
-    """Per-conversation time of one worker (parse, render, encode, mask) on the first ``limit`` records, in-process,
-    and the share of it spent rendering (with spans; column-wise, parsing too): for the fast path (column-wise),
-    the same per record (``XPREP_CHAT_RENDER=records``) and the general Jinja path."""
+    """Per-conversation time of one worker (parse, render, encode, mask) on the first ``limit`` records, in the
+    calling process (run it in a worker process: see chat_bench), and the share of it spent rendering (with
+    spans; column-wise, parsing too): for the fast path (column-wise), the same per record
+    (``XPREP_CHAT_RENDER=records``) and the general Jinja path."""
     sys.path.insert(0, str(ROOT))
     from prep.encoder import choose_backend, load_tokenizer_info
     from prep.formats import CHAT

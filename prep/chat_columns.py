@@ -15,9 +15,9 @@ command's ``--category``). Roles are looked up as ``normalize_messages`` does, `
 
 A record is left to the per-record path (``OTHER``) wherever this module is not sure to agree with it:
 a message with another field, role or type; content holding ``</think>``, ``<tool_response>`` or the span
-search's placeholder character; an answer that Qwen3 would strip; an empty category, or a message category
-set to null (pyarrow reads it as a missing one, which is fine where null is refused). A batch is left to it
-whole where pyarrow might not read it as Python's ``json`` does, or might not survive it:
+search's placeholder character; an answer that Qwen3 would strip; an empty category (a null one is a missing
+one, as per record). A batch is left to it whole where pyarrow might not read it as Python's ``json`` does, or
+might not survive it:
 
 - a line that is not one object (after JSON whitespace, ``{`` first and ``}`` last): pyarrow's reader is
   not line-based (``{..}{..}`` on one line is two rows, a record over two lines one, a top-level ``null``
@@ -107,8 +107,9 @@ class Rendered:
         """Per conversation, whether every cut of its segments is clean under ``cuts`` (an ``encoder.Cuts``).
 
         A span starts after a head that ends with "\n" and ends with ``END`` (both checked here for the whole
-        batch at once): with both rules proven for the tokenizer, the cuts to check are the starts, and a start
-        is clean unless the answer begins with whitespace.
+        batch at once, so an ``end_len`` other than ``len(END)`` is checked cut by cut): with both rules proven
+        for the tokenizer, the cuts to check are the starts, and a start is clean unless the answer begins with
+        whitespace.
         """
         text, n = self.text, len(self.texts)
         starts, ends = self.starts.tolist(), self.ends.tolist()
@@ -203,8 +204,6 @@ class ColumnarChat:
         ok = ~_any(~msg_ok, row_of_msg, n) & (counts > 0) & _valid(messages)
         record_cat = table.column(self.category_field).combine_chunks()
         ok &= ~(_valid(record_cat) & (np.diff(_offsets(record_cat)) == 0))
-        if msg_cat is not None:
-            ok &= ~_null_categories(items, n)
         answered = _any(code == ASSISTANT, row_of_msg, n)
         if self.name == "qwen3":
             code, ok = self._qwen3_heads(code, ok, starts, counts, row_of_msg, data, c_off)
@@ -219,6 +218,8 @@ class ColumnarChat:
         if msg_cat is not None and msg_cat.null_count < m:  # strings only where some message has a category
             cat_of = msg_cat.to_pylist()
             span_categories = [cat_of[i] for i in answer_msgs.tolist()]
+            if all(c is None for c in span_categories):
+                span_categories = None  # categories on other messages only: nothing to a span
         if categories is not None:
             categories = [categories[r] for r in np.flatnonzero(kept).tolist()]
         return Rendered(status, *rendered, categories, span_categories)
@@ -387,20 +388,6 @@ def _canonical(raw: bytes, roles: dict[str, str]) -> str | None:
     return roles.get(role) or roles.get(role.lower())
 
 
-_NULL_CATEGORY = re.compile(rb'"category"[ \t\r\n]*:[ \t\r\n]*null')  # a key (a string value is not
-# followed by ":", and a quote inside a string is escaped)
-
-
-def _null_categories(items: list[bytes], n: int) -> np.ndarray:
-    """Per line: whether it sets some "category" to null. pyarrow reads a null as a missing field, but a message
-    whose category is null is rejected per record (a missing one is not): such a record goes the per-record way."""
-    found = np.zeros(n, bool)
-    for j, line in enumerate(items):
-        if b'"category"' in line and _NULL_CATEGORY.search(line):
-            found[j] = True
-    return found
-
-
 def _bounds(lengths: np.ndarray) -> np.ndarray:
     """Where each of ``lengths`` starts, laid end to end, and (last) where the last ends."""
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -467,7 +454,7 @@ def for_template(template: ChatTemplate | None, keep_unanswered: bool, category_
                  role_map: dict[str, str] | None = None) -> ColumnarChat | None:
     """The column-wise rendering for ``template``, where it has a fast renderer of a ChatML shape and renders
     every probe as ``render_with_spans`` does; else None (the per-record path)."""
-    if template is None or not template.has_fast_path:
+    if template is None or not template.has_fast_path or category_field in ("messages", "conversations"):
         return None
     known = chat_fast.recognise(template.spec.source)
     if known is None or known[0] not in NAMES:

@@ -47,7 +47,8 @@ END_OF_TURN_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "
                           "<|endoftext|>")
 MIN_SAMPLE_IDS = 8  # distinct ids the built-in sample must encode to: fewer means an (almost) empty vocabulary
 FACTS_VERSION = 3  # bump when _tokenizer_facts computes something new
-SELF_CHECK_VERSION = 1  # bump when _self_check checks something new (another sample, another comparison)
+SELF_CHECK_VERSION = 2  # bump when _self_check checks something new (another sample, another comparison); 2: HF
+# without the truncation or padding a tokenizer.json may set
 # Split patterns (Qwen2 and Qwen3; Llama 3) under which "\n" never joins a following character that is not
 # whitespace in one pre-token: it is matched only by the whitespace alternatives, which take "\s*[\r\n]+" before
 # "\s+(?!\S)", and as the [\r\n]* tail of a punctuation run; each stops before such a character. (GPT-2's
@@ -324,9 +325,12 @@ def _load_hf(path: Path):
     from tokenizers import Tokenizer  # deferred: with cached facts and gigatoken, HF tokenizers never loads
 
     try:
-        return Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise XprepError(f"{path}: not a loadable HF tokenizer.json ({e})") from None
+    tokenizer.no_truncation()  # a document is encoded whole: a model's max_length is no cut for a corpus
+    tokenizer.no_padding()
+    return tokenizer
 
 
 @dataclass(frozen=True)
@@ -375,7 +379,8 @@ def clean_cuts(info: TokenizerInfo) -> Cuts:
     before its last character. Both rules need BPE without dropout, no normalizer but NFC, a byte-level
     pre-tokenizer that adds no prefix space (a Metaspace one may treat a piece by where it starts), and added
     tokens that strip nothing (lstrip, rstrip, single_word) and are matched before normalization. Any other
-    tokenizer gets no clean cut: its chat segments are checked against the whole text.
+    tokenizer (one that truncates or pads, too) gets no clean cut: its chat segments are checked against the
+    whole text.
     """
     name = f"cuts-v{CUTS_VERSION}-{info.sha256[:40]}.json"
     after_newline, after_tokens = _cached(name, lambda: _prove_cuts(info.path), _are_cuts)
@@ -388,6 +393,7 @@ def _prove_cuts(path: str) -> list:
     added = spec.get("added_tokens") or []
     model, normalizer, pre = spec.get("model") or {}, spec.get("normalizer"), spec.get("pre_tokenizer") or {}
     if (model.get("type") != "BPE" or model.get("dropout") not in (None, 0)
+            or spec.get("truncation") or spec.get("padding")  # pieces cut or padded alone are not the whole's
             or any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") or t.get("normalized")
                    for t in added)):
         return [False, []]

@@ -302,8 +302,11 @@ class Processor:
 
         parts_tok, parts_len, parts_mask, parts_cat = [], [], [], []
         need_mask = any(kind != TEXT for kind, _, _ in docs)
-        need_cat = any(cat is not None for _, _, cat in docs) or any(
-            kind == TOKENS and p["category_ids"] is not None for kind, p, _ in docs)
+        need_cat = (any(cat is not None for _, _, cat in docs)
+                    or any(kind == TOKENS and p["category_ids"] is not None for kind, p, _ in docs)
+                    or any(kind == CHAT and not isinstance(p, int) and any(c is not None for *_, c in p[1])
+                           for kind, p, _ in docs)  # a message's own category
+                    or (rendered is not None and rendered.has_span_categories))
         # Text documents of the batch are encoded in one call; chat ones through their segments.
         order = []
         texts = [p for kind, p, _ in docs if kind == TEXT]
@@ -413,24 +416,27 @@ class Processor:
             clean.append(cuts.spans_clean(text, spans))
         seg_target, seg_cat = np.array(seg_target, bool), np.array(seg_cat, np.uint16)
         seg_count, clean = np.array(seg_count, np.int64), np.array(clean, bool)
+        span_codes = seg_cat[seg_target]  # a gap's code is its conversation's
         columnar = [j for j, (payload, _) in enumerate(chats) if isinstance(payload, int)]
         if columnar:  # all of the batch's kept conversations, in order
             assert rendered is not None and len(columnar) == len(rendered.texts)
             texts += rendered.texts
             convs += [(j, None, chats[j][1]) for j in columnar]
             conv_code = np.array([code(chats[j][1]) for j in columnar], np.uint16)
-            span_code = np.array([code(c) if c is not None else 0 for c in rendered.span_categories], np.uint16)
-            span_code = np.where(span_code > 0, span_code, np.repeat(conv_code, rendered.answers))
-            seg_cat = np.concatenate([seg_cat, span_code])  # for _needs_segments; the gaps' are in convs
-        if not self._needs_segments(seg_cat, convs, code):
+            span_code = np.repeat(conv_code, rendered.answers)  # a span without a category of its own: its record's
+            if rendered.has_span_categories:
+                own = [(i, c) for i, c in enumerate(rendered.span_categories) if c is not None]
+                span_code[[i for i, _ in own]] = [code(c) for _, c in own]
+            span_codes = np.concatenate([span_codes, span_code])
+        if not self._needs_segments(span_codes, convs, code):
             return self._encode_whole(texts, convs, len(chats), code(convs[0][2]))
         if columnar:
             more, target, counts, span = rendered.segments()
             seg_texts += more
             seg_target = np.concatenate([seg_target, target])
-            gap_code = np.repeat(conv_code, counts)  # each segment's conversation's code
-            seg_cat = np.concatenate([seg_cat[: len(seg_cat) - len(span_code)],
-                                      np.where(span >= 0, span_code[span], gap_code)])
+            column_cat = np.repeat(conv_code, counts)
+            column_cat[span >= 0] = span_code[span[span >= 0]]
+            seg_cat = np.concatenate([seg_cat, column_cat])
             seg_count = np.concatenate([seg_count, counts])
             clean = np.concatenate([clean, rendered.clean(cuts)])
         whole = np.flatnonzero(~clean)  # the conversations encoded whole as well
@@ -463,10 +469,11 @@ class Processor:
             doc_mask[:1] = 0
         return out
 
-    def _needs_segments(self, seg_cat: np.ndarray, convs: list, code) -> bool:
+    def _needs_segments(self, span_codes: np.ndarray, convs: list, code) -> bool:
         """Whether the spans matter: for the mask (not ``--train-on all``) or for a category of their own."""
         one = code(convs[0][2])
-        return self.options.train_on != "all" or not np.all(seg_cat == one) or any(code(c) != one for *_, c in convs)
+        return (self.options.train_on != "all" or not np.all(span_codes == one)
+                or any(code(c) != one for *_, c in convs))
 
     def _encode_whole(self, texts: list[str], convs: list, n: int, cat: int) -> list:
         """``_encode_chats`` where every token is a target of one category: the whole texts only."""

@@ -115,7 +115,9 @@ HOSTILE: list[tuple[str, bytes, int, int]] = [
      chat_columns.OTHER),
     ("number record category", json.dumps({"category": 5, "messages": QA}).encode(), BATCH, BATCH),
     ("null message category", b'{"messages": [{"role": "user", "content": "q", "category":null}, '
-                              b'{"role": "assistant", "content": "a"}]}', chat_columns.OTHER, chat_columns.OTHER),
+                              b'{"role": "assistant", "content": "a"}]}', chat_columns.KEPT, chat_columns.KEPT),
+    ("null message category among named ones", b'{"messages": [{"role": "user", "content": "q", "category":null}, '
+     b'{"role": "assistant", "content": "a", "category": "x"}]}', chat_columns.KEPT, chat_columns.KEPT),
     ("empty message category", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), category="")}).encode(),
      chat_columns.OTHER, chat_columns.OTHER),
     ("number message category", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), category=3)}).encode(),
@@ -271,6 +273,38 @@ def test_role_map_column_wise_equals_per_record(template, monkeypatch):
         rendered = columns.columns.render(batch.items)
         assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
         _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
+
+
+def _line(record: dict) -> bytes:
+    return json.dumps(record).encode()
+
+
+@requires_shared_data
+@pytest.mark.parametrize("lines,train_on,category", [
+    # no answer anywhere, categories that differ: every segment is a gap
+    ([_line({"category": "a", "messages": _msgs(("user", "q"))}),
+      _line({"category": "b", "messages": _msgs(("user", "r"))})], "all", None),
+    ([_line({"category": "a", "messages": _msgs(("user", "q"))}), _line({"messages": _msgs(("user", "r"))})],
+     "all", "chat"),
+    # categories on answers only, none on a record: the category stream is still written
+    ([_line({"messages": _msgs(("user", "q"), ("assistant", "a"), category="answers")}),
+      _line({"messages": QA})], "assistant", None),
+    ([_line({"messages": _msgs(("user", "q"), ("assistant", "a"), category="answers")}),
+      _line({"messages": _msgs(("user", "q"), ("tool", "t"), ("assistant", "a"), category="tools")})], "all", None),
+], ids=["unanswered, two categories", "unanswered, a category and --category", "answer categories only",
+        "answer categories, a row per record"])
+def test_small_batches_with_categories(lines, train_on, category, monkeypatch):
+    columns, records = _pair(monkeypatch, None, train_on=train_on, category=category)
+    batch = RawBatch(0, lines, list(range(1, len(lines) + 1)), LINES)
+    assert columns.columns.render(batch.items) is not None
+    got = columns(batch)
+    _assert_same(got, records(batch), "small batch")
+    assert got.cat_codes is not None and len(got.cat_keys) > 1
+
+
+def test_a_category_field_that_names_the_messages_goes_per_record():
+    assert chat_columns.for_template(ChatTemplate(CHATML), False, "messages") is None
+    assert chat_columns.for_template(ChatTemplate(CHATML), False, "topic") is not None
 
 
 def test_probes_are_checked_before_use():

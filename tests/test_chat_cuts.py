@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 from conftest import SHARED, requires_shared_data
 from test_chat_columns import CHATML, HOSTILE, _assert_same, _batches, _chitchat, _processor
 
-from prep.encoder import NEWLINE_SAFE_PATTERNS, Cuts, _prove_cuts
+from prep.encoder import NEWLINE_SAFE_PATTERNS, Cuts, Encoder, _prove_cuts, load_tokenizer_info
 from prep.formats import AUTO
 from prep.sources import LINES, RawBatch
 from prep.templates import RENDER_ENV
@@ -69,6 +70,9 @@ def test_what_is_proven_for_real_and_altered_tokenizers(tmp_path):
     spec = _spec()
     spec["model"]["dropout"] = 0.1
     assert _proved(tmp_path, spec) == [False, []]
+    for key, value in (("truncation", {"max_length": 8, "strategy": "LongestFirst", "stride": 0,
+                                       "direction": "Right"}), ("padding", {"strategy": {"Fixed": 64}})):
+        assert _proved(tmp_path, _spec(**{key: value})) == [False, []], key
     for flag in ("lstrip", "rstrip", "single_word", "normalized"):
         spec = _spec()
         spec["added_tokens"][2][flag] = True
@@ -169,6 +173,21 @@ def test_train_on_all_encodes_whole_texts_as_the_segments_give_them(template, mo
     for batch in _batches(_chitchat()):
         _assert_same(whole(batch), segments(batch), f"{template} line {batch.lines[0]}")
     assert len(calls) == len(_batches(_chitchat()))
+
+
+@requires_shared_data
+def test_a_tokenizer_json_that_truncates_or_pads_encodes_whole_documents(tmp_path):
+    """A tokenizer.json saved with a model's truncation (or padding) would cut every document, and every chat
+    piece on its own: HF tokenizers loads it without either."""
+    spec = _spec(truncation={"max_length": 8, "strategy": "LongestFirst", "stride": 0, "direction": "Right"},
+                 padding={"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                          "pad_type_id": 0, "pad_token": "<|endoftext|>"})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    info = load_tokenizer_info(str(tmp_path / "tokenizer.json"), eod_token="<|endoftext|>")
+    text = "A sentence long enough to pass eight tokens, and then some more words."
+    flat, lengths = Encoder(info, "hf").encode([text, "hi"], add_special_tokens=False)
+    reference = Encoder(load_tokenizer_info(str(QWEN3)), "hf")
+    assert np.array_equal(flat, reference.encode([text, "hi"], add_special_tokens=False)[0]) and lengths[0] > 8
 
 
 def test_a_cut_is_clean_only_where_a_rule_says_so():
