@@ -17,11 +17,11 @@ import pytest
 from conftest import SHARED, requires_shared_data
 from test_chat_columns import CHATML, HOSTILE, _assert_same, _batches, _chitchat, _processor
 
-from prep.encoder import NEWLINE_SAFE_PATTERNS, Cuts, Encoder, _prove_cuts, load_tokenizer_info
+from prep.encoder import NEWLINE_SAFE_PATTERNS, Cuts, Encoder, _prove_cuts, choose_backend, load_tokenizer_info
 from prep.formats import AUTO
 from prep.sources import LINES, RawBatch
-from prep.templates import RENDER_ENV
-from prep.tokenize import Processor
+from prep.templates import BUILTIN_TEMPLATES, RENDER_ENV, TemplateSpec
+from prep.tokenize import Options, Processor
 
 QWEN3 = SHARED / "tokenizers/qwen3"
 LLAMA3_PATTERN = next(p for p in NEWLINE_SAFE_PATTERNS if r"\p{N}{1,3}" in p)
@@ -139,6 +139,16 @@ def test_clean_cuts_split_the_ids_of_hf_tokenizers(pattern, tmp_path):
                .ids + tokenizer.encode(t[at:], add_special_tokens=False).ids for t, at in refused)
 
 
+def _count_encoded(once: Processor, twice: Processor) -> dict[str, int]:
+    """Characters each of the two processors hands its encoder, counted as they run."""
+    encoded = {"once": 0, "twice": 0}
+    for name, processor in (("once", once), ("twice", twice)):
+        encode = processor.encoder.encode
+        processor.encoder.encode = lambda t, name=name, encode=encode, **kw: encoded.__setitem__(
+            name, encoded[name] + sum(map(len, t))) or encode(t, **kw)
+    return encoded
+
+
 @requires_shared_data
 @pytest.mark.parametrize("template", ["qwen3", "chatml"])
 @pytest.mark.parametrize("render", ["auto", "records", "jinja"])
@@ -152,11 +162,41 @@ def test_encoding_once_equals_encoding_whole_and_segments(template, render, trai
     assert once.encoder.cuts.after_newline
     twice = _processor(spec, train_on=train_on, fmt=AUTO)
     twice.encoder.cuts = Cuts()
+    encoded = _count_encoded(once, twice)
     good = _chitchat(40)
     batches = _batches(_chitchat(3000 if render == "jinja" else None))
     batches += [RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES) for _, line, *_ in HOSTILE]
     for batch in batches:
         _assert_same(once(batch), twice(batch), f"{template} {render} line {batch.lines[0]}")
+    if train_on == "assistant":  # (under --train-on all both encode the whole texts only)
+        assert encoded["once"] < 0.6 * encoded["twice"]  # about half: the whole texts are not encoded
+
+
+@requires_shared_data
+@pytest.mark.parametrize("render", ["auto", "jinja"])
+def test_a_llama3_shaped_tokenizer_encodes_once_as_twice(render, tmp_path, monkeypatch):
+    """The Llama 3 template over a tokenizer with Llama 3's split pattern and its markers as added tokens (Qwen3's
+    vocabulary beneath): answers are stripped, so every cut is clean; once equals twice, encoding about half."""
+    monkeypatch.setenv(RENDER_ENV, render)
+    spec = _with_pattern(LLAMA3_PATTERN)
+    base = max(t["id"] for t in spec["added_tokens"]) + 1
+    markers = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    spec["added_tokens"] += [{**spec["added_tokens"][0], "id": base + i, "content": c} for i, c in enumerate(markers)]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    info = load_tokenizer_info(str(tmp_path / "tokenizer.json"), eod_token="<|eot_id|>", bos_token="<|begin_of_text|>")
+    template = TemplateSpec("llama3", BUILTIN_TEMPLATES["llama3"], "<|begin_of_text|>", "<|eot_id|>")
+    backend, _ = choose_backend(info, "auto")
+    options = Options(AUTO, "text", "assistant", None, None, None, info.eod_id, info.vocab_size)
+    once, twice = Processor(info, backend, template, options), Processor(info, backend, template, options)
+    assert once.encoder.cuts.after_newline and "<|eot_id|>" in once.encoder.cuts.after_tokens
+    twice.encoder.cuts = Cuts()
+    encoded = _count_encoded(once, twice)
+    good = _chitchat(40)
+    batches = _batches(_chitchat(2048))
+    batches += [RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES) for _, line, *_ in HOSTILE]
+    for batch in batches:
+        _assert_same(once(batch), twice(batch), f"llama3 {render} line {batch.lines[0]}")
+    assert encoded["once"] < 0.6 * encoded["twice"]
 
 
 @requires_shared_data
