@@ -1,11 +1,13 @@
-"""Chat batches parsed and rendered column-wise, for the ChatML-shaped templates (ChatML, Qwen3).
+"""Chat batches parsed and rendered column-wise, for templates that lay out each message as a head, its content
+and a tail (``SHAPES``: ChatML, Qwen3, Llama 3).
 
 Per record, the fast renderers of ``prep.chat_fast`` still run a few microseconds of CPython per message:
 ``json.loads``, ``normalize_messages``, the renderer, the span search. For a batch of JSON lines whose
-conversations are plain (roles system/user/assistant and, for ChatML, tool; string contents; no reasoning
+conversations are plain (roles system/user/assistant and, but for Qwen3, tool; string contents; no reasoning
 or tool markup) all of that is column work: pyarrow's JSON reader parses the batch, each message becomes
-``head + content + tail`` gathered by one numpy index, and each assistant span is arithmetic on the
-message offsets. The text and spans equal what ``ChatTemplate.render_with_spans`` gives for the same
+``head + content + tail`` gathered by one numpy index (Llama 3: the content stripped of ASCII whitespace at
+both ends, the BOS token before the first head), and each assistant span is arithmetic on the message
+offsets. The text and spans equal what ``ChatTemplate.render_with_spans`` gives for the same
 record, character for character (tests/test_chat_columns.py compares them on every conversation of the
 shared chat data and on hostile lines).
 
@@ -15,9 +17,10 @@ command's ``--category``). Roles are looked up as ``normalize_messages`` does, `
 
 A record is left to the per-record path (``OTHER``) wherever this module is not sure to agree with it:
 a message with another field, role or type; content holding ``</think>``, ``<tool_response>`` or the span
-search's placeholder character; an answer that Qwen3 would strip; an empty category (a null one is a missing
-one, as per record). A batch is left to it whole where pyarrow might not read it as Python's ``json`` does, or
-might not survive it:
+search's placeholder character; an answer that Qwen3 would strip; for Llama 3, a content that begins or ends
+with a space beyond ASCII (``WIDE_SPACES``) or more than ``MAX_STRIP`` whitespace bytes; an empty category (a
+null one is a missing one, as per record). A batch is left to it whole where pyarrow might not read it as
+Python's ``json`` does, or might not survive it:
 
 - a line that is not one object (after JSON whitespace, ``{`` first and ``}`` last): pyarrow's reader is
   not line-based (``{..}{..}`` on one line is two rows, a record over two lines one, a top-level ``null``
@@ -39,6 +42,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,23 +50,50 @@ from prep import chat_fast
 from prep.templates import ROLES, ChatTemplate, TemplateError, normalize_messages
 
 SYSTEM, USER, ASSISTANT, TOOL, THINKING = 0, 1, 2, 3, 4  # head codes; THINKING: Qwen3's answer after the last query
+CODES = 5  # a code plus CODES: the same head after the BOS token (a conversation's first message, where it has one)
 OTHER, KEPT, NO_ANSWER = 0, 1, 2  # what became of each record of a batch
-HEADER = "<|im_start|>assistant\n"  # the generation prompt: an assistant span begins after it
+HEADER = "<|im_start|>assistant\n"  # ChatML's generation prompt: an assistant span begins after it
 END = "<|im_end|>"
-_HEADS = {
-    SYSTEM: "<|im_start|>system\n",
-    USER: "<|im_start|>user\n",
-    ASSISTANT: HEADER,
-    TOOL: "<|im_start|>tool\n",
-    THINKING: HEADER + "<think>\n\n</think>\n\n",
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a template lays out each message: its role's head, the content (stripped or not), a tail; an
+    assistant span runs from after ``header`` (the generation prompt, which begins the answer's head) to
+    after ``end``."""
+
+    heads: dict[int, str]
+    tail: str
+    header: str
+    end: str
+    # content the per-record renderers treat specially (Qwen3's reasoning split at ``</think>``, tool responses),
+    # or that the span search refuses (its placeholder character): such a record goes the per-record way
+    markup: tuple[bytes, ...] = ("\ue000".encode(),)
+    strip: bool = False  # the content as Jinja's ``trim`` gives it
+    bos: bool = False  # the BOS token before the first message
+
+
+_CHATML_HEADS = {SYSTEM: "<|im_start|>system\n", USER: "<|im_start|>user\n", ASSISTANT: HEADER,
+                 TOOL: "<|im_start|>tool\n"}
+_LLAMA3_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+SHAPES = {
+    "qwen3": Shape({**_CHATML_HEADS, THINKING: HEADER + "<think>\n\n</think>\n\n"}, END + "\n", HEADER, END,
+                   (b"</think>", b"<tool_response>", "\ue000".encode())),
+    "chatml": Shape(_CHATML_HEADS, END + "\n", HEADER, END),
+    "llama3": Shape({SYSTEM: "<|start_header_id|>system<|end_header_id|>\n\n",
+                     USER: "<|start_header_id|>user<|end_header_id|>\n\n", ASSISTANT: _LLAMA3_HEADER,
+                     TOOL: "<|start_header_id|>tool<|end_header_id|>\n\n"},
+                    "<|eot_id|>", _LLAMA3_HEADER, "<|eot_id|>", strip=True, bos=True),
 }
-_TAIL = END + "\n"
+NAMES = tuple(SHAPES)
 _CANONICAL = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
-# content the per-record renderers treat specially (Qwen3's reasoning split at ``</think>``, tool responses), or
-# that the span search refuses (its placeholder character): such a record goes the per-record way
-_MARKUP = {"qwen3": (b"</think>", b"<tool_response>", "\ue000".encode()),
-           "chatml": ("\ue000".encode(),)}
-NAMES = tuple(_MARKUP)
+# what ``str.strip()`` strips: ASCII bytes, and (as UTF-8) the other characters ``str.isspace`` calls space, which
+# send a content that begins or ends with one the per-record way
+_ASCII_SPACE = np.zeros(256, bool)
+_ASCII_SPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True
+WIDE_SPACES = ("\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+               "\u2028\u2029\u202f\u205f\u3000")
+MAX_STRIP = 64  # whitespace bytes stripped from a content's end, at most: more, and it goes the per-record way
 # pyarrow's JSON parser recurses per nesting level: 20,000 levels overflow an 8 MB thread stack, ~2,000 a 1 MB
 # one (a segfault, not an error). A line's nesting depth is at most its count of "[" and "{": lines with more
 # than this many (~500 messages, or much code in a content) send their batch the per-record way.
@@ -80,8 +111,8 @@ class Rendered:
 
     def __init__(self, status: np.ndarray, text: str = "", bounds: np.ndarray | None = None,
                  starts: np.ndarray | None = None, ends: np.ndarray | None = None, answers: np.ndarray | None = None,
-                 categories: list | None = None, span_categories: list | None = None):
-        self.status, self.text = status, text
+                 categories: list | None = None, span_categories: list | None = None, end: str = END):
+        self.status, self.text, self.end = status, text, end  # end: the marker that ends each span
         none = np.zeros(0, np.int64)
         self.bounds = bounds if bounds is not None else np.zeros(1, np.int64)
         self.starts, self.ends = (starts, ends) if starts is not None else (none, none)
@@ -106,17 +137,18 @@ class Rendered:
     def clean(self, cuts) -> np.ndarray:
         """Per conversation, whether every cut of its segments is clean under ``cuts`` (an ``encoder.Cuts``).
 
-        A span starts after a head that ends with "\n" and ends with ``END`` (both checked here for the whole
-        batch at once, so an ``end_len`` other than ``len(END)`` is checked cut by cut): with both rules proven
+        A span starts after a head that ends with "\n" and ends with ``end`` (both checked here for the whole
+        batch at once, so an ``end_len`` other than ``len(end)`` is checked cut by cut): with both rules proven
         for the tokenizer, the cuts to check are the starts, and a start is clean unless the answer begins with
         whitespace.
         """
         text, n = self.text, len(self.texts)
         starts, ends = self.starts.tolist(), self.ends.tolist()
         row = np.repeat(np.arange(n), self.answers)
+        end = self.end
         built = ("".join([text[at - 1] for at in starts]) == "\n" * len(starts)
-                 and "".join([text[at - len(END) : at] for at in ends]) == END * len(ends))
-        if cuts.after_newline and END in cuts.after_tokens and built:
+                 and "".join([text[at - len(end) : at] for at in ends]) == end * len(ends))
+        if cuts.after_newline and end in cuts.after_tokens and built:
             bad = np.zeros(len(starts), bool)
             bad[[m.start() for m in _SPACE.finditer("".join([text[at] for at in starts]))]] = True
         else:  # not what this module renders, or a tokenizer without both rules: every cut, one by one
@@ -153,29 +185,36 @@ class Rendered:
 
 
 class ColumnarChat:
-    """Column-wise parsing and rendering of a batch of JSON lines for one ChatML-shaped template (``name`` in
-    NAMES); ``keep_unanswered``: a conversation without an assistant turn is a document (``--train-on all``)
-    rather than a reject."""
+    """Column-wise parsing and rendering of a batch of JSON lines for one template shape (``name`` in NAMES);
+    ``keep_unanswered``: a conversation without an assistant turn is a document (``--train-on all``) rather than
+    a reject; ``bos``: the template's BOS token (for a shape that puts it first)."""
 
-    def __init__(self, name: str, keep_unanswered: bool, end_len: int = len(END), category_field: str | None = None,
-                 role_map: dict[str, str] | None = None):
+    def __init__(self, name: str, keep_unanswered: bool, end_len: int | None = None, category_field: str | None = None,
+                 role_map: dict[str, str] | None = None, bos: str = ""):
         import pyarrow as pa  # deferred with the module itself: only chat batches need it
 
         self.name, self.keep_unanswered = name, keep_unanswered
         self.role_map = role_map  # --role-map: looked up before ROLES, as normalize_messages does
         self.role_names = {**ROLES, **role_map} if role_map else ROLES
-        self.end_len = end_len  # what the span search takes after an answer's content (END, as a rule)
+        self.shape = shape = SHAPES[name]
+        # what the span search takes after an answer's content (the end marker, as a rule)
+        self.end_len = len(shape.end) if end_len is None else end_len
         self.category_field = category_field or "category"  # the record's category (--category-field)
         fields = [("role", pa.string()), ("content", pa.string())]
         self._schema = pa.schema([("messages", pa.list_(pa.struct(fields))), (self.category_field, pa.string())])
         # a message's category is left out of the schema: then a batch without any has no such field at all
         self._with_category = {pa.list_(pa.struct([*fields, ("category", t)])) for t in (pa.string(), pa.null())}
-        self._markup = _MARKUP[name]
-        heads = [_HEADS[k].encode() for k in sorted(_HEADS)]
-        self._const = np.frombuffer(b"".join(heads) + _TAIL.encode(), np.uint8)
+        self._markup = shape.markup
+        self._bos = bos if shape.bos else ""
+        heads = [shape.heads.get(k, "").encode() for k in range(CODES)]
+        heads += [self._bos.encode() + h for h in heads]  # a conversation's first message: code + CODES
+        self._const = np.frombuffer(b"".join(heads) + shape.tail.encode(), np.uint8)
         self._head_len = np.array([len(h) for h in heads], np.int64)
         self._head_at = _bounds(self._head_len)[:-1]
         self._tail_at = int(self._head_len.sum())
+        self._tail_len = len(shape.tail.encode())
+        self._span_at = np.array([len(self._bos.encode()) * (k >= CODES) + len(shape.header.encode())
+                                  for k in range(2 * CODES)], np.int64)  # where an answer's span starts in its head
 
     def render(self, items: list[bytes]) -> Rendered | None:
         """The batch rendered, or None where it must go the per-record way whole (see the module's docstring)."""
@@ -197,6 +236,10 @@ class ColumnarChat:
         msg_ok &= code >= 0
         c_off, data = _offsets(content), _data(content)
         msg_ok &= ~self._has_markup(data, c_off)
+        c_lo, c_hi = c_off[:-1], c_off[1:]
+        if self.shape.strip:
+            c_lo, c_hi, stripped = _strip(data, c_lo, c_hi)
+            msg_ok &= stripped
         if msg_cat is not None and msg_cat.type == pa.string():  # an empty category: rejected per record
             msg_ok &= ~(_valid(msg_cat) & (np.diff(_offsets(msg_cat)) == 0))
         # per record: every message fine, at least one message, and (below) the template's own conditions
@@ -209,9 +252,9 @@ class ColumnarChat:
             code, ok = self._qwen3_heads(code, ok, starts, counts, row_of_msg, data, c_off)
         status = np.where(ok, np.where(answered | self.keep_unanswered, KEPT, NO_ANSWER), OTHER).astype(np.int8)
         kept = status == KEPT
-        gathered = self._gather(kept, starts, counts, code, data, c_off)
+        gathered = self._gather(kept, starts, counts, code, data, c_lo, c_hi)
         if gathered is None:
-            return Rendered(status)
+            return Rendered(status, end=self.shape.end)
         *rendered, answer_msgs = gathered
         categories = record_cat.to_pylist() if record_cat.null_count < n else None
         span_categories = None
@@ -222,7 +265,7 @@ class ColumnarChat:
                 span_categories = None  # categories on other messages only: nothing to a span
         if categories is not None:
             categories = [categories[r] for r in np.flatnonzero(kept).tolist()]
-        return Rendered(status, *rendered, categories, span_categories)
+        return Rendered(status, *rendered, categories, span_categories, self.shape.end)
 
     def agrees_with(self, template: ChatTemplate) -> bool:
         """Whether every probe this path renders comes out as ``template.render_with_spans`` renders it, every one
@@ -339,7 +382,7 @@ class ColumnarChat:
         ok[row_of_msg[newline]] = False  # ok is this function's own array
         return code, ok
 
-    def _gather(self, kept, starts, counts, code, data, c_off):
+    def _gather(self, kept, starts, counts, code, data, c_lo, c_hi):
         """The kept conversations rendered: every message as head + content + tail, in one gather. Returns
         ``Rendered``'s text, bounds, span starts and ends, answers per conversation, and the message of each span
         (None for no conversation)."""
@@ -350,9 +393,12 @@ class ColumnarChat:
         msgs = np.repeat(starts[rows] - _bounds(k_counts)[:-1], k_counts) + np.arange(
             int(k_counts.sum()))
         mc = code[msgs]
-        c_start, c_len = c_off[msgs], c_off[msgs + 1] - c_off[msgs]
+        answer = (mc == ASSISTANT) | (mc == THINKING)
+        if self._bos:
+            mc[_bounds(k_counts)[:-1]] += CODES  # (mc is a copy: an index's gather)
+        c_start, c_len = c_lo[msgs], c_hi[msgs] - c_lo[msgs]
         h_len = self._head_len[mc]
-        t_len = len(_TAIL.encode())
+        t_len = self._tail_len
         msg_len = h_len + c_len + t_len
         msg_at = _bounds(msg_len)  # each message's byte offset in the output
         total = int(msg_at[-1])
@@ -366,8 +412,7 @@ class ColumnarChat:
         index += np.arange(total, dtype=np.int32)
         out = src[index]
         # assistant spans: after the header, to the end of the content's end marker
-        answer = (mc == ASSISTANT) | (mc == THINKING)
-        span_start = msg_at[:-1][answer] + len(HEADER.encode())
+        span_start = msg_at[:-1][answer] + self._span_at[mc[answer]]
         span_end = msg_at[:-1][answer] + h_len[answer] + c_len[answer] + self.end_len
         row_at = msg_at[_bounds(k_counts)]  # each kept conversation's byte range
         blob = out.tobytes()
@@ -386,6 +431,36 @@ def _canonical(raw: bytes, roles: dict[str, str]) -> str | None:
     except UnicodeDecodeError:  # cut inside a character by the padding: not one of ROLES anyway
         return None
     return roles.get(role) or roles.get(role.lower())
+
+
+def _strip(data: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each content's bounds as ``str.strip()`` leaves them ([lo, hi) in ``data``, per message), and whether that
+    was all ASCII work: False where a content begins or ends (after its ASCII whitespace) with one of
+    ``WIDE_SPACES``, or has more than ``MAX_STRIP`` whitespace bytes at an end (such a record goes per record)."""
+    lo, hi = lo.copy(), hi.copy()
+    ok = np.ones(len(lo), bool)
+    if len(data) == 0:
+        return lo, hi, ok
+    last = len(data) - 1
+    for bounds, step in ((lo, 1), (hi, -1)):
+        for _ in range(MAX_STRIP + 1):
+            at = bounds if step == 1 else bounds - 1
+            space = (lo < hi) & _ASCII_SPACE[data[np.clip(at, 0, last)]]
+            if not space.any():
+                break
+            bounds += step * space
+        else:
+            ok &= ~space
+    for wide in WIDE_SPACES:
+        code = np.frombuffer(wide.encode(), np.uint8)
+        k = len(code)
+        for at in (lo, hi - k):  # the first and the last character, where one of k bytes would be
+            fits = (hi - lo >= k)
+            same = fits.copy()
+            for j in range(k):
+                same &= data[np.clip(at + j, 0, last)] == code[j]
+            ok &= ~same
+    return lo, hi, ok
 
 
 def _bounds(lengths: np.ndarray) -> np.ndarray:
@@ -452,18 +527,19 @@ REFUSED: list[bytes] = [
 
 def for_template(template: ChatTemplate | None, keep_unanswered: bool, category_field: str | None = None,
                  role_map: dict[str, str] | None = None) -> ColumnarChat | None:
-    """The column-wise rendering for ``template``, where it has a fast renderer of a ChatML shape and renders
+    """The column-wise rendering for ``template``, where it has a fast renderer of one of ``SHAPES`` and renders
     every probe as ``render_with_spans`` does; else None (the per-record path)."""
     if template is None or not template.has_fast_path or category_field in ("messages", "conversations"):
         return None
     known = chat_fast.recognise(template.spec.source)
     if known is None or known[0] not in NAMES:
         return None
-    if template.generation_prompt != HEADER:
+    shape = SHAPES[known[0]]
+    if template.generation_prompt != shape.header:
         return None
-    ends = {template.span_end(END + "\n" + after, 0) for after in ("", "<|im_start|>")}
+    ends = {template.span_end(shape.tail + after, 0) for after in ("", shape.heads[USER])}
     if len(ends) != 1:
         return None
-    columns = ColumnarChat(known[0], keep_unanswered, ends.pop(), category_field, role_map)
+    columns = ColumnarChat(known[0], keep_unanswered, ends.pop(), category_field, role_map, template.spec.bos_token)
     return columns if columns.agrees_with(template) else None
 

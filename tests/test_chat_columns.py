@@ -14,7 +14,7 @@ import pytest
 from conftest import SHARED, requires_shared_data
 from prepkit import assert_same_files, tokenize
 
-from prep import chat_columns, templates
+from prep import chat_columns, chat_fast, templates
 from prep.encoder import choose_backend, load_tokenizer_info
 from prep.formats import AUTO, CHAT
 from prep.sources import LINES, RawBatch
@@ -23,6 +23,9 @@ from prep.tokenize import Options, Processor
 
 QWEN3 = SHARED / "tokenizers/qwen3"
 CHATML = TemplateSpec("chatml", templates.BUILTIN_TEMPLATES["chatml"], "", "<|im_end|>")
+LLAMA3 = TemplateSpec("llama3", templates.BUILTIN_TEMPLATES["llama3"], "<|begin_of_text|>", "<|eot_id|>")
+LLAMA3_META = TemplateSpec("tokenizer", chat_fast.LLAMA3_META, "<|begin_of_text|>", "<|eot_id|>")
+SPECS = {"qwen3": None, "chatml": CHATML, "llama3": LLAMA3, "llama3-meta": LLAMA3_META}  # None: the tokenizer's
 BATCH = chat_columns.OTHER - 1  # the whole batch went the per-record way
 
 
@@ -67,11 +70,10 @@ def _assert_same(a, b, name: str) -> None:
 
 
 @requires_shared_data
-@pytest.mark.parametrize("template", ["qwen3", "chatml"])
+@pytest.mark.parametrize("template", list(SPECS))
 @pytest.mark.parametrize("train_on,category", [("assistant", None), ("all", "chat")])
 def test_every_conversation_column_wise_equals_per_record(template, train_on, category, monkeypatch):
-    columns, records = _pair(monkeypatch, None if template == "qwen3" else CHATML, train_on=train_on,
-                             category=category)
+    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on, category=category)
     kept = 0
     for batch in _batches(_chitchat()):
         rendered = columns.columns.render(batch.items)
@@ -183,21 +185,51 @@ HOSTILE: list[tuple[str, bytes, int, int]] = [
 ]
 
 
+# Contents Llama 3's template strips (Jinja's trim: str.strip()): all kept column-wise by ChatML and Qwen3, and by
+# Llama 3 too but where LLAMA3_OTHER says (a character beyond ASCII that str.isspace calls space at an end, or
+# more than MAX_STRIP whitespace bytes there)
+STRIPPED: list[tuple[str, bytes, int, int]] = [
+    (name, json.dumps({"messages": _msgs(("user", q), ("assistant", a))}, ensure_ascii=ascii).encode(),
+     chat_columns.KEPT, chat_columns.KEPT)
+    for name, q, a, ascii in [
+        ("spaces around", "  q  ", " a \n", True),
+        ("tabs, CR LF, form feed, vertical tab", "\t\r\nq\x0b", "\x0ca\r\n\t", True),
+        ("information separators", "\x1cq\x1d", "\x1ea\x1f", True),
+        ("only whitespace", " \n\t ", "\r\n", True),
+        ("empty", "", "", True),
+        ("inner whitespace kept", "a  \n  b", "x\u00a0y \u3000 z", False),
+        ("no-break space first", "\u00a0q", "a", False),
+        ("ideographic space last", "q", "a\u3000", False),
+        ("line separator after spaces", "q", "  \u2028a", True),
+        ("next line, escaped", "\x85q", "a", True),
+        ("a run of 64", " " * 64 + "q", "a", True),
+        ("a run of 65", "q", "a" + "\n" * 65, True),
+        ("unicode inside", "é 日本語", "😀 réponse", False),
+        ("zero-width space is not space", "\u200bq", "a\u200b", False),
+    ]
+]
+LLAMA3_OTHER = {"no-break space first", "ideographic space last", "line separator after spaces",
+                "next line, escaped", "a run of 65", "escaped unicode"}  # the last: HOSTILE's answer "\\u2028\\u00a0"
+
+
 @requires_shared_data
-@pytest.mark.parametrize("template", ["qwen3", "chatml"])
+@pytest.mark.parametrize("template", list(SPECS))
 @pytest.mark.parametrize("train_on", ["assistant", "all"])
 def test_hostile_lines_among_real_ones(template, train_on, monkeypatch):
     """Each line in a batch of real conversations: the batch or the line goes the per-record way exactly where
-    the table says, and the output is the per-record path's either way (rejects included)."""
-    columns, records = _pair(monkeypatch, None if template == "qwen3" else CHATML, train_on=train_on, fmt=AUTO)
+    the table says (for Llama 3, ChatML's column but where its content is stripped), and the output is the
+    per-record path's either way (rejects included)."""
+    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on, fmt=AUTO)
     good = _chitchat(40)
-    for name, line, qwen3, chatml in HOSTILE:
+    for name, line, qwen3, chatml in [*HOSTILE, *STRIPPED]:
         want = qwen3 if template == "qwen3" else chatml
         if want == chat_columns.NO_ANSWER and train_on == "all":
             want = chat_columns.KEPT
         batch = RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES)
         rendered = columns.columns.render(batch.items)
         got = BATCH if rendered is None else int(rendered.status[20])
+        if template.startswith("llama3") and name in LLAMA3_OTHER:
+            want = chat_columns.OTHER
         assert got == want, name
         _assert_same(columns(batch), records(batch), name)
 
@@ -233,14 +265,13 @@ def _with_categories(lines: list[bytes]) -> list[bytes]:
 
 
 @requires_shared_data
-@pytest.mark.parametrize("template", ["qwen3", "chatml"])
+@pytest.mark.parametrize("template", ["qwen3", "chatml", "llama3"])
 @pytest.mark.parametrize("train_on,category,field", [("assistant", None, None), ("all", "chat", None),
                                                      ("assistant", "chat", "topic"), ("all", None, "topic")])
 def test_categories_column_wise_equal_per_record(template, train_on, category, field, monkeypatch):
     """Record categories (``category``, or chitchat's own ``topic`` through --category-field) and message ones:
     column-wise as per record, and column-wise it goes."""
-    spec = None if template == "qwen3" else CHATML
-    columns, records = _pair(monkeypatch, spec, train_on=train_on, category=category, category_field=field)
+    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on, category=category, category_field=field)
     for batch in _batches(_with_categories(_chitchat(3000))):
         rendered = columns.columns.render(batch.items)
         assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
@@ -250,7 +281,7 @@ def test_categories_column_wise_equal_per_record(template, train_on, category, f
 
 
 @requires_shared_data
-@pytest.mark.parametrize("template", ["qwen3", "chatml"])
+@pytest.mark.parametrize("template", ["qwen3", "chatml", "llama3"])
 def test_role_map_column_wise_equals_per_record(template, monkeypatch):
     """--role-map names (any case), one that overrides a built-in alias, and unmapped ones: as per record."""
     role_map = parse_role_map("person=user,chatbot=assistant,narrator=system,gpt=user")
@@ -268,7 +299,7 @@ def test_role_map_column_wise_equals_per_record(template, monkeypatch):
         if i % 13 == 0:
             record["messages"].append({"role": "robot", "content": "unknown: rejected"})
         lines.append(json.dumps(record).encode())
-    columns, records = _pair(monkeypatch, None if template == "qwen3" else CHATML, role_map=role_map)
+    columns, records = _pair(monkeypatch, SPECS[template], role_map=role_map)
     for batch in _batches(lines):
         rendered = columns.columns.render(batch.items)
         assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
@@ -321,9 +352,10 @@ def test_a_parser_that_takes_a_line_json_refuses_is_not_used(monkeypatch):
 
 
 def test_other_templates_and_options_go_the_per_record_way(monkeypatch):
-    llama3 = ChatTemplate(TemplateSpec("llama3", templates.BUILTIN_TEMPLATES["llama3"], "<|begin_of_text|>",
-                                       "<|eot_id|>"))
-    assert llama3.has_fast_path and chat_columns.for_template(llama3, False) is None
+    mistral = ChatTemplate(TemplateSpec("tokenizer", chat_fast.MISTRAL, "<s>", "</s>"))
+    assert mistral.has_fast_path and chat_columns.for_template(mistral, False) is None
+    gemma = ChatTemplate(TemplateSpec("tokenizer", chat_fast.GEMMA, "<bos>", "<eos>"))
+    assert gemma.has_fast_path and chat_columns.for_template(gemma, False) is None
     variant = ChatTemplate(TemplateSpec("mine", CHATML.source.replace("{% endfor %}", "{%  endfor %}"), "",
                                         "<|im_end|>"))
     assert chat_columns.for_template(variant, False) is None  # Jinja's: no fast renderer
@@ -332,15 +364,17 @@ def test_other_templates_and_options_go_the_per_record_way(monkeypatch):
 
 
 @requires_shared_data
-@pytest.mark.parametrize("categories", [False, True])
-def test_tokenize_chat_is_byte_identical_column_wise_and_per_record(categories, tmp_path, monkeypatch):
+@pytest.mark.parametrize("categories,template", [(False, "auto"), (True, "auto"), (True, "llama3")])
+def test_tokenize_chat_is_byte_identical_column_wise_and_per_record(categories, template, tmp_path, monkeypatch):
     """Whole runs, 2 workers, hostile lines included; with categories (record, message, chitchat's ``topic``
-    through --category-field), the category table and stream too."""
+    through --category-field), the category table and stream too; with the tokenizer's template and Llama 3's."""
     lines = _with_categories(_chitchat(1500)) if categories else _chitchat(1500)
-    lines += [line for _, line, _, _ in HOSTILE if line]
+    lines += [line for _, line, _, _ in [*HOSTILE, *STRIPPED] if line]
     corpus = tmp_path / "chat.jsonl"
     corpus.write_bytes(b"\n".join(lines) + b"\n")
     options = {"category_field": "topic"} if categories else {}
+    if template != "auto":
+        options["chat_template"] = template
     for mode in ("auto", "records"):
         monkeypatch.setenv(RENDER_ENV, mode)
         tokenize(corpus, tmp_path / mode, QWEN3, on_error="skip", workers=2, **options)
