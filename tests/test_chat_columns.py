@@ -204,12 +204,19 @@ STRIPPED: list[tuple[str, bytes, int, int]] = [
         ("next line, escaped", "\x85q", "a", True),
         ("a run of 64", " " * 64 + "q", "a", True),
         ("a run of 65", "q", "a" + "\n" * 65, True),
+        ("a leading run of 65", "\t" * 65 + "q", "a", True),
+        ("only whitespace, 70 bytes", " " * 70, "a", True),
+        ("next line, raw", "q\x85", "a", False),
+        ("only a no-break space", "q", "\u00a0", False),
+        ("a single wide character", "日", "é", False),
         ("unicode inside", "é 日本語", "😀 réponse", False),
         ("zero-width space is not space", "\u200bq", "a\u200b", False),
     ]
 ]
 LLAMA3_OTHER = {"no-break space first", "ideographic space last", "line separator after spaces",
-                "next line, escaped", "a run of 65", "escaped unicode"}  # the last: HOSTILE's answer "\\u2028\\u00a0"
+                "next line, escaped", "a run of 65", "a leading run of 65", "only whitespace, 70 bytes",
+                "next line, raw", "only a no-break space",
+                "escaped unicode"}  # the last: HOSTILE's answer "\\u2028\\u00a0"
 
 
 @requires_shared_data
@@ -281,7 +288,7 @@ def test_categories_column_wise_equal_per_record(template, train_on, category, f
 
 
 @requires_shared_data
-@pytest.mark.parametrize("template", ["qwen3", "chatml", "llama3"])
+@pytest.mark.parametrize("template", list(SPECS))
 def test_role_map_column_wise_equals_per_record(template, monkeypatch):
     """--role-map names (any case), one that overrides a built-in alias, and unmapped ones: as per record."""
     role_map = parse_role_map("person=user,chatbot=assistant,narrator=system,gpt=user")

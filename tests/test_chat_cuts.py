@@ -194,9 +194,14 @@ def test_a_llama3_shaped_tokenizer_encodes_once_as_twice(render, tmp_path, monke
     good = _chitchat(40)
     batches = _batches(_chitchat(2048))
     batches += [RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES) for _, line, *_ in HOSTILE]
+    monkeypatch.setenv(RENDER_ENV, "records")  # and the per-record path, where the auto one went column-wise
+    records = Processor(info, backend, template, options)
     for batch in batches:
-        _assert_same(once(batch), twice(batch), f"llama3 {render} line {batch.lines[0]}")
+        got = once(batch)
+        _assert_same(got, twice(batch), f"llama3 {render} line {batch.lines[0]}")
+        _assert_same(got, records(batch), f"llama3 {render} line {batch.lines[0]}, per record")
     assert encoded["once"] < 0.6 * encoded["twice"]
+    assert (once.columns is not None) == (render == "auto")
 
 
 @requires_shared_data
