@@ -179,7 +179,6 @@ def chat_breakdown(corpus: Path, limit: int) -> dict:
     calling process (run it in a worker process: see chat_bench), and the share of it spent rendering (with
     spans; column-wise, parsing too): for the fast path (column-wise), the same per record
     (``XPREP_CHAT_RENDER=records``) and the general Jinja path."""
-    sys.path.insert(0, str(ROOT))
     from prep.encoder import choose_backend, load_tokenizer_info
     from prep.formats import CHAT
     from prep.sources import LINES, RawBatch

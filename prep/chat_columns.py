@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prep import chat_fast
+from prep.encoder import csr_offsets
 from prep.templates import ROLES, ChatTemplate, TemplateError, normalize_messages
 
 SYSTEM, USER, ASSISTANT, TOOL, THINKING = 0, 1, 2, 3, 4  # head codes; THINKING: Qwen3's answer after the last query
@@ -123,7 +124,7 @@ class Rendered:
         self.categories = categories if categories is not None else [None] * (len(self.bounds) - 1)
         self.has_span_categories = span_categories is not None
         self.span_categories = span_categories if span_categories is not None else [None] * len(self.starts)
-        self._first = _bounds(self.answers)  # each conversation's first span
+        self._first = csr_offsets(self.answers)  # each conversation's first span
         cuts = self.bounds.tolist()
         self.texts = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
@@ -167,7 +168,7 @@ class Rendered:
         conversation has, and of each segment which span it is (-1 for a gap)."""
         n = len(self.texts)
         per_row = 2 * self.answers + 2  # the conversation's start, each span's start and end, its end
-        first = _bounds(per_row)
+        first = csr_offsets(per_row)
         points = np.empty(int(first[-1]), np.int64)
         points[first[:-1]] = self.bounds[:-1]
         points[first[1:] - 1] = self.bounds[1:]
@@ -208,13 +209,12 @@ class ColumnarChat:
         self._schema = pa.schema([("messages", pa.list_(pa.struct(fields))), (self.category_field, pa.string())])
         # a message's category is left out of the schema: then a batch without any has no such field at all
         self._with_category = {pa.list_(pa.struct([*fields, ("category", t)])) for t in (pa.string(), pa.null())}
-        self._markup = shape.markup
         self._bos = bos if shape.bos else ""
         heads = [shape.heads.get(k, "").encode() for k in range(CODES)]
         heads += [self._bos.encode() + h for h in heads]  # a conversation's first message: code + CODES
         self._const = np.frombuffer(b"".join(heads) + shape.tail.encode(), np.uint8)
         self._head_len = np.array([len(h) for h in heads], np.int64)
-        self._head_at = _bounds(self._head_len)[:-1]
+        self._head_at = csr_offsets(self._head_len)[:-1]
         self._tail_at = int(self._head_len.sum())
         self._tail_len = len(shape.tail.encode())
         self._span_at = np.array([len(self._bos.encode()) * (k >= CODES) + len(shape.header.encode())
@@ -245,12 +245,12 @@ class ColumnarChat:
             c_lo, c_hi, stripped = _strip(data, c_lo, c_hi)
             msg_ok &= stripped
         if msg_cat is not None and msg_cat.type == pa.string():  # an empty category: rejected per record
-            msg_ok &= ~(_valid(msg_cat) & (np.diff(_offsets(msg_cat)) == 0))
+            msg_ok &= ~_empty(msg_cat)
         # per record: every message fine, at least one message, and (below) the template's own conditions
         row_of_msg = np.repeat(np.arange(n), counts)
         ok = ~_any(~msg_ok, row_of_msg, n) & (counts > 0) & _valid(messages)
         record_cat = table.column(self.category_field).combine_chunks()
-        ok &= ~(_valid(record_cat) & (np.diff(_offsets(record_cat)) == 0))
+        ok &= ~_empty(record_cat)
         answered = _any(code == ASSISTANT, row_of_msg, n)
         if self.name == "qwen3":
             code, ok = self._qwen3_heads(code, ok, starts, counts, row_of_msg, data, c_off)
@@ -358,7 +358,7 @@ class ColumnarChat:
         """Per message: whether its content holds any of this template's markup strings."""
         found = np.zeros(len(c_off) - 1, bool)
         raw = data.tobytes()
-        for needle in self._markup:
+        for needle in self.shape.markup:
             at = raw.find(needle)
             while at >= 0:
                 found[np.searchsorted(c_off, at, side="right") - 1] = True
@@ -394,31 +394,31 @@ class ColumnarChat:
         if len(rows) == 0:
             return None
         k_counts = counts[rows]
-        msgs = np.repeat(starts[rows] - _bounds(k_counts)[:-1], k_counts) + np.arange(
+        msgs = np.repeat(starts[rows] - csr_offsets(k_counts)[:-1], k_counts) + np.arange(
             int(k_counts.sum()))
         mc = code[msgs]
         answer = (mc == ASSISTANT) | (mc == THINKING)
         if self._bos:
-            mc[_bounds(k_counts)[:-1]] += CODES  # (mc is a copy: an index's gather)
+            mc[csr_offsets(k_counts)[:-1]] += CODES  # (mc is a copy: an index's gather)
         c_start, c_len = c_lo[msgs], c_hi[msgs] - c_lo[msgs]
         h_len = self._head_len[mc]
         t_len = self._tail_len
         msg_len = h_len + c_len + t_len
-        msg_at = _bounds(msg_len)  # each message's byte offset in the output
+        msg_at = csr_offsets(msg_len)  # each message's byte offset in the output
         total = int(msg_at[-1])
         # three pieces per message: head (constants), content (data), tail (constants)
         src = np.concatenate([data, self._const])
         base = len(data)
         piece_src = np.stack([base + self._head_at[mc], c_start, np.full(len(mc), base + self._tail_at)], 1).ravel()
         piece_len = np.stack([h_len, c_len, np.full(len(mc), t_len)], 1).ravel()
-        piece_out = _bounds(piece_len)[:-1]
+        piece_out = csr_offsets(piece_len)[:-1]
         index = np.repeat((piece_src - piece_out).astype(np.int32), piece_len)  # int32: MAX_BATCH_BYTES bounds it
         index += np.arange(total, dtype=np.int32)
         out = src[index]
         # assistant spans: after the header, to the end of the content's end marker
         span_start = msg_at[:-1][answer] + self._span_at[mc[answer]]
         span_end = msg_at[:-1][answer] + h_len[answer] + c_len[answer] + self.end_len
-        row_at = msg_at[_bounds(k_counts)]  # each kept conversation's byte range
+        row_at = msg_at[csr_offsets(k_counts)]  # each kept conversation's byte range
         blob = out.tobytes()
         text = blob.decode("utf-8")
         if len(text) != len(blob):  # not ASCII: byte offsets → character offsets
@@ -469,11 +469,6 @@ def _strip(data: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray
     return lo, hi, ok
 
 
-def _bounds(lengths: np.ndarray) -> np.ndarray:
-    """Where each of ``lengths`` starts, laid end to end, and (last) where the last ends."""
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-
-
 def _offsets(arr) -> np.ndarray:
     """A pyarrow string or list array's offsets (one more than its length), from their buffer: ``to_numpy``
     would import pyarrow.compute."""
@@ -489,6 +484,11 @@ def _data(arr) -> np.ndarray:
 def _any(flags: np.ndarray, row: np.ndarray, n: int) -> np.ndarray:
     """Per record (of ``n``): whether any of its messages (``row`` of each) is flagged."""
     return np.bincount(row, weights=flags, minlength=n) > 0
+
+
+def _empty(arr) -> np.ndarray:
+    """Per element of a pyarrow string array: an empty string (not a null)."""
+    return _valid(arr) & (np.diff(_offsets(arr)) == 0)
 
 
 def _valid(arr) -> np.ndarray:

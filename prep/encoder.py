@@ -399,8 +399,8 @@ def _prove_cuts(path: str) -> list:
         return [False, []]
     contents = [t["content"] for t in added]
 
-    suffixes = {c[k:] for c in contents for k in range(1, len(c))}  # proper ones: where a match that began earlier
-    # could still run
+    # every proper suffix of an added token: where a match that began before a token's start could still run
+    suffixes = {c[k:] for c in contents for k in range(1, len(c))}
 
     def matched_whole(token: str) -> bool:
         return not any(token[:i] in suffixes for i in range(1, len(token) + 1)) and not any(
@@ -536,6 +536,14 @@ def _giga_encode(giga, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.asarray(layout.offsets.data)
     flat = np.asarray(layout.content.data)[offsets[0] : offsets[-1]].astype(np.int64)
     return flat, np.diff(offsets).astype(np.int64)
+
+
+def csr_offsets(lengths) -> np.ndarray:
+    """CSR offsets of ``lengths``: [0, l0, l0+l1, ...] (int64), where each of them starts laid end to end, and
+    (last) where the last ends."""
+    out = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
 
 
 def add_around(flat: np.ndarray, lengths: np.ndarray, prefix: np.ndarray, suffix: np.ndarray

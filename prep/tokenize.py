@@ -21,7 +21,7 @@ import numpy as np
 
 from prep import chat_columns
 from prep.dataset import CategoryTable, DatasetWriter, token_dtype
-from prep.encoder import Encoder, TokenizerInfo, add_around, choose_backend, load_tokenizer_info
+from prep.encoder import Encoder, TokenizerInfo, add_around, choose_backend, csr_offsets, load_tokenizer_info
 from prep.errors import XprepError
 from prep.formats import AUTO, CHAT, RECORD_FORMATS, REJECTS, TEXT, TOKENS
 from prep.progress import Progress
@@ -314,7 +314,7 @@ class Processor:
             flat, lengths = self.encoder.encode(texts, add_special_tokens=True)
             if len(texts) == len(docs):  # the common case, fully vectorized
                 return self._text_batch(source, flat, lengths, [cat for _, _, cat in docs], need_cat, code, keys)
-            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            offsets = csr_offsets(lengths)
         chats = [(p, cat) for kind, p, cat in docs if kind == CHAT]
         chat_out = self._encode_chats(chats, code, rendered) if chats else []
         ti = ci = 0
@@ -441,10 +441,10 @@ class Processor:
             clean = np.concatenate([clean, rendered.clean(cuts)])
         whole = np.flatnonzero(~clean)  # the conversations encoded whole as well
         flat, lengths = self.encoder.encode([texts[k] for k in whole] + seg_texts, add_special_tokens=False)
-        whole_off = _offsets(lengths[: len(whole)])
+        whole_off = csr_offsets(lengths[: len(whole)])
         split = int(whole_off[-1])
         whole_flat, seg_flat, seg_len = flat[:split], flat[split:], lengths[len(whole):]
-        conv_seg = _offsets(seg_len)[_offsets(seg_count)]  # where each conversation's segment ids start in seg_flat
+        conv_seg = csr_offsets(seg_len)[csr_offsets(seg_count)]  # each conversation's first segment id in seg_flat
         target = np.repeat(seg_target, seg_len)
         cats = np.repeat(seg_cat, seg_len)
         mask = np.ones(len(target), np.uint8) if self.options.train_on == "all" else target.view(np.uint8).copy()
@@ -478,7 +478,7 @@ class Processor:
     def _encode_whole(self, texts: list[str], convs: list, n: int, cat: int) -> list:
         """``_encode_chats`` where every token is a target of one category: the whole texts only."""
         flat, lengths = self.encoder.encode(texts, add_special_tokens=False)
-        off = _offsets(lengths)
+        off = csr_offsets(lengths)
         mask = np.ones(len(flat), np.uint8)
         mask[off[:-1][lengths > 0]] = 0
         cats = np.full(len(flat), cat, np.uint16)
@@ -496,13 +496,6 @@ class Processor:
             target |= inside
             cats[inside] = code(span_cat or cat)
         return target, cats
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    """CSR offsets of ``lengths``: [0, l0, l0+l1, ...]."""
-    out = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
 
 
 def _detect(record: dict, text_field: str) -> str:
