@@ -17,8 +17,11 @@ subsample; the share of the remaining per-conversation time spent rendering; and
 corpus sizes (streaming ⇒ flat) for text and chat.
 Targets: (issue 2) ≥ 1.5× the fast baseline, ≥ 10× the classic one, peak RSS < 1 GB and flat;
 (issue 15) chat ≥ 4× the Jinja path's conversations/s and ≥ 60× the transformers loop.
+``--chat-template llama3.1`` measures chat with Meta's Llama 3.1 template instead (the issue's own example),
+over a Llama 3 shaped tokenizer: Qwen3's vocabulary under Llama 3's split pattern, Llama 3's markers added.
 
     python bench/tokenize.py [--quick] [--mb 107] [--skip-classic] [--chat-only] [--chat-mb 50]
+                             [--chat-template qwen3|llama3.1]
 """
 
 from __future__ import annotations
@@ -136,11 +139,35 @@ def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> tup
     return elapsed, max(sampled, usage.ru_maxrss / 1024)
 
 
-def xprep_tokenize(corpus: Path, out: Path, *extra: str, cache: Path | None = None, env: dict | None = None
-                   ) -> tuple[float, float]:
+def xprep_tokenize(corpus: Path, out: Path, *extra: str, cache: Path | None = None, env: dict | None = None,
+                   tokenizer: Path = QWEN3) -> tuple[float, float]:
     shutil.rmtree(out, ignore_errors=True)
     env = {**(env or {}), **({"XPREP_CACHE_DIR": str(cache)} if cache else {})}
-    return run([*XPREP, "tokenize", str(corpus), "-o", str(out), "--tokenizer", str(QWEN3), *extra], ROOT, env)
+    return run([*XPREP, "tokenize", str(corpus), "-o", str(out), "--tokenizer", str(tokenizer), *extra], ROOT, env)
+
+
+LLAMA3_MARKERS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+def llama31_tokenizer(work: Path) -> Path:
+    """A directory with a Llama 3 shaped tokenizer.json (Qwen3's vocabulary, Llama 3's split pattern and markers)
+    and Meta's Llama 3.1 template in its tokenizer_config.json: no Llama tokenizer is in the shared material."""
+    from prep.encoder import NEWLINE_SAFE_PATTERNS  # deferred, as chat_breakdown's imports of prep
+
+    spec = json.loads((QWEN3 / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = next(
+        p for p in NEWLINE_SAFE_PATTERNS if r"\p{N}{1,3}" in p)  # Llama 3's: digits in threes
+    base = max(t["id"] for t in spec["added_tokens"]) + 1
+    spec["added_tokens"] += [{**spec["added_tokens"][0], "id": base + i, "content": c}
+                             for i, c in enumerate(LLAMA3_MARKERS)]
+    out = work / "llama31-tokenizer"
+    out.mkdir(exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    template = (ROOT / "tests" / "templates" / "llama-3.1-instruct.jinja").read_text(encoding="utf-8")
+    config = {"chat_template": template, "bos_token": LLAMA3_MARKERS[0], "eos_token": LLAMA3_MARKERS[-1],
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
 
 
 TRANSFORMERS_LOOP = r'''
@@ -163,10 +190,10 @@ print(json.dumps({"conversations": len(convs), "seconds": time.perf_counter() - 
 '''
 
 
-def transformers_loop(corpus: Path, limit: int) -> float:
+def transformers_loop(corpus: Path, limit: int, tokenizer: Path = QWEN3) -> float:
     """Conversations/s of a transformers ``apply_chat_template(tokenize=True)`` loop (the loop only: loading the
     tokenizer is not counted), in its own process."""
-    out = subprocess.run([sys.executable, "-c", TRANSFORMERS_LOOP, str(corpus), str(QWEN3), str(limit)],
+    out = subprocess.run([sys.executable, "-c", TRANSFORMERS_LOOP, str(corpus), str(tokenizer), str(limit)],
                          capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     if out.returncode != 0:
         raise SystemExit(f"transformers loop failed:\n{out.stderr}")
@@ -174,7 +201,7 @@ def transformers_loop(corpus: Path, limit: int) -> float:
     return result["conversations"] / result["seconds"]
 
 
-def chat_breakdown(corpus: Path, limit: int) -> dict:
+def chat_breakdown(corpus: Path, limit: int, tokenizer: Path = QWEN3) -> dict:
     """Per-conversation time of one worker (parse, render, encode, mask) on the first ``limit`` records, in the
     calling process (run it in a worker process: see chat_bench), and the share of it spent rendering (with
     spans; column-wise, parsing too): for the fast path (column-wise), the same per record
@@ -185,7 +212,7 @@ def chat_breakdown(corpus: Path, limit: int) -> dict:
     from prep.templates import RENDER_ENV, resolve_template
     from prep.tokenize import Options, Processor
 
-    info = load_tokenizer_info(str(QWEN3))
+    info = load_tokenizer_info(str(tokenizer))
     spec = resolve_template("auto", info.chat_template, info.bos_token, info.eos_token)
     backend, _ = choose_backend(info, "auto")
     options = Options(CHAT, "text", "assistant", None, None, None, info.eod_id, info.vocab_size)
@@ -221,18 +248,21 @@ def chat_breakdown(corpus: Path, limit: int) -> dict:
     return out
 
 
-def chat_bench(work: Path, chat_mb: float, quick: bool) -> None:
+def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3") -> None:
     """Chat: the fast path against the general Jinja path and a transformers loop, all in this run."""
     chat = work / "chat.jsonl"
     chat_size = build_chat_corpus(chat, chat_mb)
-    new_t, new_rss = xprep_tokenize(chat, work / "chat", "--on-error", "skip")
+    tok = QWEN3 if template == "qwen3" else llama31_tokenizer(work)
+    new_t, new_rss = xprep_tokenize(chat, work / "chat", "--on-error", "skip", tokenizer=tok)
     n_conv = json.loads((work / "chat" / "manifest.json").read_text())["counts"]["documents"]
-    old_t, old_rss = xprep_tokenize(chat, work / "chat-jinja", "--on-error", "skip", env={"XPREP_CHAT_RENDER": "jinja"})
+    old_t, old_rss = xprep_tokenize(chat, work / "chat-jinja", "--on-error", "skip", env={"XPREP_CHAT_RENDER": "jinja"},
+                                    tokenizer=tok)
     same = all((work / "chat" / f).read_bytes() == (work / "chat-jinja" / f).read_bytes()
                for f in ("tokens.bin", "tokens.idx", "loss_mask.bin", "loss_mask.idx"))
-    hf_rate = transformers_loop(chat, 300 if quick else 2000)
+    hf_rate = transformers_loop(chat, 300 if quick else 2000, tok)
     new_rate, old_rate = n_conv / new_t, n_conv / old_t
-    print(f"chat: {chat_size / 1e6:.1f} MB chitchat (Qwen3 template), {n_conv:,} conversations kept, "
+    what = "Qwen3 template" if template == "qwen3" else "Meta's Llama 3.1 template, Llama 3 shaped tokenizer"
+    print(f"chat: {chat_size / 1e6:.1f} MB chitchat ({what}), {n_conv:,} conversations kept, "
           f"{os.cpu_count()} cores, whole process, auto workers")
     for name, t, rate, rss in (("fast path", new_t, new_rate, new_rss),
                                ("general Jinja path", old_t, old_rate, old_rss)):
@@ -242,13 +272,13 @@ def chat_bench(work: Path, chat_mb: float, quick: bool) -> None:
           f"transformers loop (target >= 60x); outputs byte-identical: {same}")
     big = work / "chat2.jsonl"
     build_chat_corpus(big, 2 * chat_mb)
-    big_t, big_rss = xprep_tokenize(big, work / "chat2", "--on-error", "skip")
+    big_t, big_rss = xprep_tokenize(big, work / "chat2", "--on-error", "skip", tokenizer=tok)
     print(f"  peak RSS: {chat_size / 1e6:.0f} MB {new_rss:.0f} MB, {2 * chat_size / 1e6:.0f} MB {big_rss:.0f} MB "
           f"(ratio {big_rss / new_rss:.2f}; target < 1024 MB and flat), {2 * chat_size / 1e6 / big_t:.1f} MB/s")
     # in a worker process, as tokenize runs it: gigatoken encodes on the calling thread there (in a main process it
     # would fan out over every core, and the encoder's share would look smaller than it is)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        parts = pool.apply(chat_breakdown, (chat, 2000 if quick else 8000))
+        parts = pool.apply(chat_breakdown, (chat, 2000 if quick else 8000, tok))
     for p in parts.values():
         per_conv = p["total_s"] / p["conversations"] * 1e6
         print(f"  one worker process, {p['conversations']:,} conversations, {p['path']}: {per_conv:.0f} us per "
@@ -303,6 +333,9 @@ def main() -> None:
     parser.add_argument("--skip-classic", action="store_true", help="skip the slow classic baseline")
     parser.add_argument("--chat-only", action="store_true", help="only the chat measurements")
     parser.add_argument("--chat-mb", type=float, default=50.0, help="chat corpus size in MB (≥ 50 for the targets)")
+    parser.add_argument("--chat-template", choices=("qwen3", "llama3.1"), default="qwen3",
+                        help="qwen3: the Qwen3 tokenizer's own template (the targets); llama3.1: Meta's Llama 3.1 "
+                        "template over a Llama 3 shaped tokenizer")
     args = parser.parse_args()
     if not QWEN3.is_dir():
         raise SystemExit(f"needs the real test material in {DATA}")
@@ -310,7 +343,7 @@ def main() -> None:
     try:
         if not args.chat_only:
             text_bench(work, 10.0 if args.quick else args.mb, args.skip_classic)
-        chat_bench(work, 5.0 if args.quick else args.chat_mb, args.quick)
+        chat_bench(work, 5.0 if args.quick else args.chat_mb, args.quick, args.chat_template)
         if not args.chat_only:
             chat_workers(work)
     finally:

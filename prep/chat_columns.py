@@ -1,5 +1,5 @@
 """Chat batches parsed and rendered column-wise, for templates that lay out each message as a head, its content
-and a tail (``SHAPES``: ChatML, Qwen3, Llama 3).
+and a tail (``SHAPES``: ChatML, Qwen3, Llama 3, Llama 3.1).
 
 Per record, the fast renderers of ``prep.chat_fast`` still run a few microseconds of CPython per message:
 ``json.loads``, ``normalize_messages``, the renderer, the span search. For a batch of JSON lines whose
@@ -72,19 +72,27 @@ class Shape:
     markup: tuple[bytes, ...] = ("\ue000".encode(),)
     strip: bool = False  # the content as Jinja's ``trim`` gives it
     bos: bool = False  # the BOS token before the first message
+    # the head of a conversation's first message where it is not its role's (after the BOS token): Llama 3.1's
+    # dated system turn, which takes in a first system message or comes before any other
+    first: dict[int, str] | None = None
 
 
 _CHATML_HEADS = {SYSTEM: "<|im_start|>system\n", USER: "<|im_start|>user\n", ASSISTANT: HEADER,
                  TOOL: "<|im_start|>tool\n"}
 _LLAMA3_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+_LLAMA3_HEADS = {SYSTEM: "<|start_header_id|>system<|end_header_id|>\n\n",
+                 USER: "<|start_header_id|>user<|end_header_id|>\n\n", ASSISTANT: _LLAMA3_HEADER}
+_DATED = chat_fast.LLAMA31_SYSTEM  # Llama 3.1's system turn, which a first system message's content completes
 SHAPES = {
     "qwen3": Shape({**_CHATML_HEADS, THINKING: HEADER + "<think>\n\n</think>\n\n"}, END + "\n", HEADER, END,
                    (b"</think>", b"<tool_response>", "\ue000".encode())),
     "chatml": Shape(_CHATML_HEADS, END + "\n", HEADER, END),
-    "llama3": Shape({SYSTEM: "<|start_header_id|>system<|end_header_id|>\n\n",
-                     USER: "<|start_header_id|>user<|end_header_id|>\n\n", ASSISTANT: _LLAMA3_HEADER,
-                     TOOL: "<|start_header_id|>tool<|end_header_id|>\n\n"},
+    "llama3": Shape({**_LLAMA3_HEADS, TOOL: "<|start_header_id|>tool<|end_header_id|>\n\n"},
                     "<|eot_id|>", _LLAMA3_HEADER, "<|eot_id|>", strip=True, bos=True),
+    # (no tool head: its turns hold their content as JSON, the per-record way)
+    "llama3.1": Shape(_LLAMA3_HEADS, "<|eot_id|>", _LLAMA3_HEADER, "<|eot_id|>", strip=True, bos=True,
+                      first={SYSTEM: _DATED, USER: _DATED + "<|eot_id|>" + _LLAMA3_HEADS[USER],
+                             ASSISTANT: _DATED + "<|eot_id|>" + _LLAMA3_HEADER}),
 }
 NAMES = tuple(SHAPES)
 _CANONICAL = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
@@ -210,15 +218,20 @@ class ColumnarChat:
         # a message's category is left out of the schema: then a batch without any has no such field at all
         self._with_category = {pa.list_(pa.struct([*fields, ("category", t)])) for t in (pa.string(), pa.null())}
         self._bos = bos if shape.bos else ""
-        heads = [shape.heads.get(k, "").encode() for k in range(CODES)]
-        heads += [self._bos.encode() + h for h in heads]  # a conversation's first message: code + CODES
+        self._has_head = np.array([k in shape.heads for k in range(CODES)])  # a role without one goes per record
+        heads = [shape.heads.get(k, "") for k in range(CODES)]
+        first = [self._bos + (shape.first or {}).get(k, heads[k]) for k in range(CODES)]
+        self._first_apart = first != heads  # a conversation's first message has its own head: code + CODES
+        heads = [h.encode() for h in heads + first]
         self._const = np.frombuffer(b"".join(heads) + shape.tail.encode(), np.uint8)
         self._head_len = np.array([len(h) for h in heads], np.int64)
         self._head_at = csr_offsets(self._head_len)[:-1]
         self._tail_at = int(self._head_len.sum())
         self._tail_len = len(shape.tail.encode())
-        self._span_at = np.array([len(self._bos.encode()) * (k >= CODES) + len(shape.header.encode())
-                                  for k in range(2 * CODES)], np.int64)  # where an answer's span starts in its head
+        # where an answer's span starts in its head: after the header, which ends its role's head (but Qwen3's
+        # THINKING one, where it begins it) and whatever comes before that in the first message's
+        before = [len(heads[k]) - len(heads[k % CODES]) for k in range(2 * CODES)]
+        self._span_at = np.array(before, np.int64) + len(shape.header.encode())
 
     def render(self, items: list[bytes]) -> Rendered | None:
         """The batch rendered, or None where it must go the per-record way whole (see the module's docstring)."""
@@ -237,7 +250,7 @@ class ColumnarChat:
         m = len(structs)
         msg_ok = _valid(structs) & _valid(role) & _valid(content)
         code = self._roles(role, m)
-        msg_ok &= code >= 0
+        msg_ok &= (code >= 0) & self._has_head[np.maximum(code, 0)]
         c_off, data = _offsets(content), _data(content)
         msg_ok &= ~self._has_markup(data, c_off)
         c_lo, c_hi = c_off[:-1], c_off[1:]
@@ -398,7 +411,7 @@ class ColumnarChat:
             int(k_counts.sum()))
         mc = code[msgs]
         answer = (mc == ASSISTANT) | (mc == THINKING)
-        if self._bos:
+        if self._first_apart:
             mc[csr_offsets(k_counts)[:-1]] += CODES  # (mc is a copy: an index's gather)
         c_start, c_len = c_lo[msgs], c_hi[msgs] - c_lo[msgs]
         h_len = self._head_len[mc]

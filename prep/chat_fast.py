@@ -23,6 +23,7 @@ content into a ``<think>`` block) the part index is -1 and the caller renders th
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 
 # (messages, add_generation_prompt, bos, eos, slots) → the rendered text as a list of parts, or None (see above)
@@ -59,6 +60,36 @@ def _llama3(bos_always: bool) -> Renderer:
             parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
         return parts
     return render
+
+
+# Llama 3.1 and 3.2 Instruct open every conversation with a system turn dated as their templates date it when no
+# ``date_string`` is passed (3.2 asks ``strftime_now``, frozen to the same day: prep.templates.TEMPLATE_DATE)
+LLAMA31_SYSTEM = ("<|start_header_id|>system<|end_header_id|>\n\n"
+                  "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n")
+
+
+def _llama31(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
+    """Meta's Llama 3.1 / 3.2 Instruct templates without tools (xprep passes none): the first message, when a
+    system one, goes into the dated system turn; a tool turn is an ``ipython`` one holding its content as JSON
+    (a string is iterable to Jinja); an answer with ``tool_calls`` is left to Jinja."""
+    if not messages:
+        return None  # the template indexes messages[0]: Jinja's own error
+    first = messages[0]["role"] == "system"
+    parts = [bos, LLAMA31_SYSTEM, messages[0]["content"].strip() if first else "", "<|eot_id|>"]
+    for i in range(int(first), len(messages)):
+        m = messages[i]
+        if "tool_calls" in m:
+            return None
+        if m["role"] == "tool":
+            parts += ("<|start_header_id|>ipython<|end_header_id|>\n\n", json.dumps(m["content"], ensure_ascii=False),
+                      "<|eot_id|>")
+            continue
+        parts += ("<|start_header_id|>", m["role"], "<|end_header_id|>\n\n", m["content"].strip(), "<|eot_id|>")
+        if slots is not None and m["role"] == "assistant":
+            slots.append((i, len(parts) - 2))
+    if gen:
+        parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    return parts
 
 
 def _mistral(inst: str, answer_prefix: str, answer_suffix: str) -> Renderer:
@@ -198,6 +229,9 @@ GEMMA = (  # google/gemma-7b-it, gemma-2b-it
     "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
+# Meta's own (their text is Meta's; tests/templates holds copies to test against), by the sha256 of their source
+LLAMA31_SHA256 = "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65"  # Llama-3.1-8B/70B-Instruct
+LLAMA32_SHA256 = "5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4"  # Llama-3.2-1B/3B-Instruct
 QWEN3_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"  # Qwen/Qwen3-* (hybrid thinking)
 
 
@@ -210,6 +244,8 @@ KNOWN: dict[str, tuple[str, Renderer]] = {  # sha256 of the template source → 
     _sha(CHATML_HF): ("chatml", _chatml),
     _sha(LLAMA3_XPREP): ("llama3", _llama3(bos_always=True)),
     _sha(LLAMA3_META): ("llama3", _llama3(bos_always=False)),
+    LLAMA31_SHA256: ("llama3.1", _llama31),
+    LLAMA32_SHA256: ("llama3.1", _llama31),
     _sha(MISTRAL): ("mistral", _mistral("[INST] ", "", "")),
     _sha(MISTRAL_V01): ("mistral", _mistral("[INST] ", "", " ")),
     _sha(MISTRAL_SPACED): ("mistral", _mistral(" [INST] ", " ", "")),
@@ -257,6 +293,9 @@ PROBES: list[list[dict]] = [
     _conv((U, "q"), (A, "a"), (U, "end with a user turn")),
     _conv((U, "only a user")),
     _conv((S, "only a system")),
+    _conv((S, " \n padded system\t"), (S, " second system "), (U, "q"), (A, "a")),
+    _conv((S, ""), (A, "answer after an empty system turn")),
+    _conv((U, "q"), (T, 'a "quoted" tool result\nover lines, é \\ 😀'), (A, "a")),
     _conv((U, "q"), (U, "q again"), (A, "a")),
     _conv((U, "{{ 7 * 7 }} {% raw %}"), (A, "{% endraw %} {# not a comment #}")),
     _conv((U, "q"), (A, "a"), extra_field="kept", category="cat"),

@@ -30,6 +30,10 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Meta's Llama 3.1 and 3.2 Instruct chat templates, byte for byte as their tokenizer_config.json holds them (the
+# sha256 of each is prep.chat_fast.LLAMA31_SHA256 / LLAMA32_SHA256): what the fast path must agree with
+META_TEMPLATES = {name: (REPO_ROOT / "tests" / "templates" / f"{name}-instruct.jinja").read_text(encoding="utf-8")
+                  for name in ("llama-3.1", "llama-3.2")}
 
 
 @pytest.fixture(scope="session")

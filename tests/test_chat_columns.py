@@ -2,7 +2,8 @@
 
 The per-record path (the fast renderers, itself proven equal to Jinja in test_chat_fast.py) is forced with
 ``XPREP_CHAT_RENDER=records``. Both run the same Processor on every conversation of ../shared/data/chat and
-on hostile lines, for the Qwen3 and ChatML templates, and must agree array for array, reject for reject.
+on hostile lines, for the Qwen3, ChatML, Llama 3 and Llama 3.1 templates, and must agree array for array,
+reject for reject.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import SHARED, requires_shared_data
+from conftest import META_TEMPLATES, SHARED, requires_shared_data
 from prepkit import assert_same_files, tokenize
 
 from prep import chat_columns, chat_fast, templates
@@ -25,7 +26,9 @@ QWEN3 = SHARED / "tokenizers/qwen3"
 CHATML = TemplateSpec("chatml", templates.BUILTIN_TEMPLATES["chatml"], "", "<|im_end|>")
 LLAMA3 = TemplateSpec("llama3", templates.BUILTIN_TEMPLATES["llama3"], "<|begin_of_text|>", "<|eot_id|>")
 LLAMA3_META = TemplateSpec("tokenizer", chat_fast.LLAMA3_META, "<|begin_of_text|>", "<|eot_id|>")
-SPECS = {"qwen3": None, "chatml": CHATML, "llama3": LLAMA3, "llama3-meta": LLAMA3_META}  # None: the tokenizer's
+LLAMA31 = TemplateSpec("tokenizer", META_TEMPLATES["llama-3.1"], "<|begin_of_text|>", "<|eot_id|>")
+SPECS = {"qwen3": None, "chatml": CHATML, "llama3": LLAMA3, "llama3-meta": LLAMA3_META,  # None: the tokenizer's
+         "llama3.1": LLAMA31}
 BATCH = chat_columns.OTHER - 1  # the whole batch went the per-record way
 
 
@@ -217,6 +220,7 @@ LLAMA3_OTHER = {"no-break space first", "ideographic space last", "line separato
                 "next line, escaped", "a run of 65", "a leading run of 65", "only whitespace, 70 bytes",
                 "next line, raw", "only a no-break space",
                 "escaped unicode"}  # the last: HOSTILE's answer "\\u2028\\u00a0"
+LLAMA31_OTHER = {"tool turn"}  # Llama 3.1's tool turns hold their content as JSON: per record
 
 
 @requires_shared_data
@@ -235,7 +239,7 @@ def test_hostile_lines_among_real_ones(template, train_on, monkeypatch):
         batch = RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES)
         rendered = columns.columns.render(batch.items)
         got = BATCH if rendered is None else int(rendered.status[20])
-        if template.startswith("llama3") and name in LLAMA3_OTHER:
+        if template.startswith("llama3") and name in LLAMA3_OTHER or template == "llama3.1" and name in LLAMA31_OTHER:
             want = chat_columns.OTHER
         assert got == want, name
         _assert_same(columns(batch), records(batch), name)

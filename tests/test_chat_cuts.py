@@ -14,7 +14,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import SHARED, requires_shared_data
+from conftest import META_TEMPLATES, SHARED, requires_shared_data
 from test_chat_columns import CHATML, HOSTILE, _assert_same, _batches, _chitchat, _processor
 
 from prep.encoder import NEWLINE_SAFE_PATTERNS, Cuts, Encoder, _prove_cuts, choose_backend, load_tokenizer_info
@@ -173,10 +173,12 @@ def test_encoding_once_equals_encoding_whole_and_segments(template, render, trai
 
 
 @requires_shared_data
+@pytest.mark.parametrize("name", ["llama3", "llama3.1"])
 @pytest.mark.parametrize("render", ["auto", "jinja"])
-def test_a_llama3_shaped_tokenizer_encodes_once_as_twice(render, tmp_path, monkeypatch):
-    """The Llama 3 template over a tokenizer with Llama 3's split pattern and its markers as added tokens (Qwen3's
-    vocabulary beneath): answers are stripped, so every cut is clean; once equals twice, encoding about half."""
+def test_a_llama3_shaped_tokenizer_encodes_once_as_twice(name, render, tmp_path, monkeypatch):
+    """The Llama 3 and Meta's Llama 3.1 templates over a tokenizer with Llama 3's split pattern and its markers as
+    added tokens (Qwen3's vocabulary beneath): answers are stripped, so every cut is clean; once equals twice,
+    encoding about half."""
     monkeypatch.setenv(RENDER_ENV, render)
     spec = _with_pattern(LLAMA3_PATTERN)
     base = max(t["id"] for t in spec["added_tokens"]) + 1
@@ -184,7 +186,8 @@ def test_a_llama3_shaped_tokenizer_encodes_once_as_twice(render, tmp_path, monke
     spec["added_tokens"] += [{**spec["added_tokens"][0], "id": base + i, "content": c} for i, c in enumerate(markers)]
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     info = load_tokenizer_info(str(tmp_path / "tokenizer.json"), eod_token="<|eot_id|>", bos_token="<|begin_of_text|>")
-    template = TemplateSpec("llama3", BUILTIN_TEMPLATES["llama3"], "<|begin_of_text|>", "<|eot_id|>")
+    source = BUILTIN_TEMPLATES["llama3"] if name == "llama3" else META_TEMPLATES["llama-3.1"]
+    template = TemplateSpec(name, source, "<|begin_of_text|>", "<|eot_id|>")
     backend, _ = choose_backend(info, "auto")
     options = Options(AUTO, "text", "assistant", None, None, None, info.eod_id, info.vocab_size)
     once, twice = Processor(info, backend, template, options), Processor(info, backend, template, options)
@@ -198,8 +201,8 @@ def test_a_llama3_shaped_tokenizer_encodes_once_as_twice(render, tmp_path, monke
     records = Processor(info, backend, template, options)
     for batch in batches:
         got = once(batch)
-        _assert_same(got, twice(batch), f"llama3 {render} line {batch.lines[0]}")
-        _assert_same(got, records(batch), f"llama3 {render} line {batch.lines[0]}, per record")
+        _assert_same(got, twice(batch), f"{name} {render} line {batch.lines[0]}")
+        _assert_same(got, records(batch), f"{name} {render} line {batch.lines[0]}, per record")
     assert encoded["once"] < 0.6 * encoded["twice"]
     assert (once.columns is not None) == (render == "auto")
 

@@ -1,8 +1,8 @@
 """prep/chat_fast.py: the fast chat path gives exactly the general (Jinja) path's tokens, targets and categories.
 
 The general path is forced with ``XPREP_CHAT_RENDER=jinja``; both run the same Processor on every
-conversation of ../shared/data/chat plus hand-made edge cases, for the Qwen3, ChatML, Llama-3 and Mistral
-templates, and must agree array for array, reject for reject.
+conversation of ../shared/data/chat plus hand-made edge cases, for the Qwen3, ChatML, Llama 3, Llama 3.1 / 3.2
+and Mistral templates, and must agree array for array, reject for reject.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import SHARED, requires_shared_data
+from conftest import META_TEMPLATES, SHARED, requires_shared_data
 from prepkit import write_jsonl
 
 from prep import chat_fast, templates
@@ -74,6 +74,8 @@ CASES = {
     "chatml": TemplateSpec("chatml", templates.BUILTIN_TEMPLATES["chatml"], "", "<|im_end|>"),
     "llama3": _llama3_spec(templates.BUILTIN_TEMPLATES["llama3"]),
     "llama3-meta": _llama3_spec(chat_fast.LLAMA3_META),
+    "llama3.1": _llama3_spec(META_TEMPLATES["llama-3.1"]),
+    "llama3.2": _llama3_spec(META_TEMPLATES["llama-3.2"]),
     "mistral": TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"),
 }
 # Special tokens of the Llama-3 and Mistral templates: added to a copy of the Qwen3 tokenizer so that their
@@ -227,7 +229,8 @@ def test_every_known_template_passes_its_self_check():
                              (chat_fast.LLAMA3_XPREP, "<|begin_of_text|>", "<|eot_id|>"),
                              (chat_fast.LLAMA3_META, "<|begin_of_text|>", "<|eot_id|>"),
                              (chat_fast.MISTRAL, "<s>", "</s>"), (chat_fast.MISTRAL_V01, "<s>", "</s>"),
-                             (chat_fast.MISTRAL_SPACED, "<s>", "</s>"), (chat_fast.GEMMA, "<bos>", "<eos>")):
+                             (chat_fast.MISTRAL_SPACED, "<s>", "</s>"), (chat_fast.GEMMA, "<bos>", "<eos>"),
+                             *((source, "<|begin_of_text|>", "<|eot_id|>") for source in META_TEMPLATES.values())):
         t = ChatTemplate(TemplateSpec("known", source, bos, eos))
         assert t.path == f"fast path {chat_fast.recognise(source)[0]} (checked against Jinja)"
 
