@@ -159,10 +159,20 @@ class ChatTemplate:
 
     def __init__(self, spec: TemplateSpec):
         self.spec = spec
-        self._template = _compile(spec.source)
+        self._compiled = None
         self._markers = tuple(dict.fromkeys(m for m in (spec.eos_token, *END_OF_TURN) if m))
         self._fast, self.path = None, ""
         self._fast, self.path = _choose_renderer(self)
+        if self._fast is None:
+            self._jinja  # noqa: B018 - compiled now: a broken template fails here, not at its first conversation
+
+    @property
+    def _jinja(self):
+        """The compiled template: where a fast renderer renders it, compiled only when a conversation needs
+        Jinja (a worker given the self-check's verdict, ``adopt_verdicts``, may never compile it)."""
+        if self._compiled is None:
+            self._compiled = _compile(self.spec.source)
+        return self._compiled
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         text = self._render_fast(messages, add_generation_prompt)
@@ -194,7 +204,7 @@ class ChatTemplate:
     def render_jinja(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The template's own rendering, in the sandbox (what ``render`` equals, faster where it can)."""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._jinja.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.spec.bos_token, eos_token=self.spec.eos_token or "")
         except TemplateError:
             raise
@@ -384,6 +394,17 @@ def _rendered_form(text: str, content: str, at: int, after: str) -> str | None:
 
 
 _VERDICTS: dict[tuple[str, str, str | None], str | None] = {}  # (source sha256, bos, eos) → self-check problem
+
+
+def verdicts() -> dict:
+    """The self-check verdicts of this process so far (picklable): for ``adopt_verdicts`` in a worker."""
+    return dict(_VERDICTS)
+
+
+def adopt_verdicts(found: dict) -> None:
+    """Take another process's self-check verdicts (the same code's, on the same templates) as this one's: a
+    worker then neither checks nor compiles a template whose fast renderer passed."""
+    _VERDICTS.update(found)
 
 
 def _choose_renderer(template: ChatTemplate) -> tuple[chat_fast.Renderer | None, str]:

@@ -31,10 +31,12 @@ from prep.templates import (
     ChatTemplate,
     TemplateError,
     TemplateSpec,
+    adopt_verdicts,
     json_type,
     normalize_messages,
     parse_role_map,
     resolve_template,
+    verdicts,
 )
 
 CHAT_POOL_MIN_BYTES = 16 << 20  # below this much chat input, starting more workers costs more than they save
@@ -582,8 +584,9 @@ _PROCESSOR: Processor | None = None
 _START_ERROR: XprepError | None = None
 
 
-def _init_worker(args) -> None:
-    """Build this worker's Processor; a failure is kept and raised by the first task instead.
+def _init_worker(args, checked: dict) -> None:
+    """Build this worker's Processor (with the main process's template verdicts: no self-check, and no Jinja
+    compiled until a conversation needs it); a failure is kept and raised by the first task instead.
 
     An initializer that raises would leave a pool respawning dying workers (multiprocessing.Pool
     does so forever); kept here, the error reaches the main process as the result of a task.
@@ -593,6 +596,7 @@ def _init_worker(args) -> None:
     # (freeing the tokenizer and every module took ~0.3 s of each run's end on 2 cores).
     atexit.register(os._exit, 0)
     try:
+        adopt_verdicts(checked)
         _PROCESSOR = Processor(*args)
     except XprepError as e:
         _START_ERROR = e
@@ -626,7 +630,7 @@ class Pipeline:
             self.pool = None
         else:
             self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_init_worker, initargs=(processor_args,))
+                                            initializer=_init_worker, initargs=(processor_args, verdicts()))
 
     def map(self, batches):
         if self.pool is not None:

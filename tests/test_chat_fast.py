@@ -294,3 +294,26 @@ def test_cli_says_which_chat_path_ran(tmp_path, tiny_tokenizer, run_cli):
                            "--chat-template", custom)
     assert code == 0 and "chat template: Jinja (not a template the fast path knows)" in err, err
     assert "1 worker]" in err
+
+
+def test_a_worker_given_the_verdicts_neither_checks_nor_compiles_until_needed(monkeypatch):
+    """The main process's self-check verdicts, adopted by a worker: the fast path without a second self-check and
+    without Jinja compiled, which compiles on the first conversation the fast renderer leaves to it."""
+    spec = _llama3_spec(META_TEMPLATES["llama-3.1"])
+    monkeypatch.setattr(templates, "_VERDICTS", {})
+    checked = ChatTemplate(spec)
+    assert checked.has_fast_path
+    found = templates.verdicts()
+    monkeypatch.setattr(templates, "_VERDICTS", {})
+    templates.adopt_verdicts(found)
+    monkeypatch.setattr(templates, "_self_check", lambda *a: pytest.fail("checked twice"))
+    worker = ChatTemplate(spec)
+    assert worker.has_fast_path and worker.path == checked.path and worker._compiled is None
+    plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert worker.render_with_spans(plain) == checked.render_with_spans(plain) and worker._compiled is None
+    calls = [*plain[:1], {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",
+                                                                                          "arguments": {}}}]}]
+    assert worker.render(calls) == checked.render_jinja(calls) and worker._compiled is not None
+    monkeypatch.setattr(templates, "_VERDICTS", {(spec.sha256, spec.bos_token, spec.eos_token): "probe 0 differs"})
+    refused = ChatTemplate(spec)  # a verdict against the fast renderer: Jinja, compiled at once
+    assert not refused.has_fast_path and refused._compiled is not None
