@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,39 +110,51 @@ MAX_STRIP = 64  # whitespace bytes stripped from a content's end, at most: more,
 MAX_OPENINGS = 1024
 # the gather indexes every output byte (int32): a batch bigger than this (one huge line) goes the per-record way
 MAX_BATCH_BYTES = 16 << 20
-_SPACE = re.compile(r"\s")  # str.isspace's characters
 ROLE_BYTES = 16  # a role of 16 bytes or more (none of ROLES) goes the per-record way
 
 
 class Rendered:
-    """One batch, column-wise: ``status[j]`` of record j; for the KEPT ones, in order, their texts (slices of
-    ``text``, the batch's at ``bounds``) and assistant spans, ``starts``/``ends`` in ``text`` (characters), as
-    many per conversation as ``answers`` says."""
+    """One batch, column-wise: ``status[j]`` of record j; for the KEPT ones, in order, their texts as UTF-8 (``data``,
+    conversation k at ``bounds[k]:bounds[k + 1]``) and assistant spans (``starts``/``ends`` in ``data``), as many
+    per conversation as ``answers`` says. Offsets are in bytes: the encoder reads the segments' bytes where they lie
+    (``segments``), and a conversation's text is decoded only where it is needed (``text_of``, ``spans``)."""
 
-    def __init__(self, status: np.ndarray, text: str = "", bounds: np.ndarray | None = None,
+    def __init__(self, status: np.ndarray, data: np.ndarray | None = None, bounds: np.ndarray | None = None,
                  starts: np.ndarray | None = None, ends: np.ndarray | None = None, answers: np.ndarray | None = None,
                  categories: list | None = None, span_categories: list | None = None, end: str = END):
-        self.status, self.text, self.end = status, text, end  # end: the marker that ends each span
+        self.status, self.end = status, end  # end: the marker that ends each span
         none = np.zeros(0, np.int64)
+        self.data = data if data is not None else np.zeros(0, np.uint8)
         self.bounds = bounds if bounds is not None else np.zeros(1, np.int64)
         self.starts, self.ends = (starts, ends) if starts is not None else (none, none)
         self.answers = answers if answers is not None else none
         # the record's category of each kept conversation (None: the command's), each span's own (None: none)
-        self.categories = categories if categories is not None else [None] * (len(self.bounds) - 1)
+        self.categories = categories if categories is not None else [None] * len(self)
         self.has_span_categories = span_categories is not None
         self.span_categories = span_categories if span_categories is not None else [None] * len(self.starts)
         self._first = csr_offsets(self.answers)  # each conversation's first span
-        cuts = self.bounds.tolist()
-        self.texts = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+    def __len__(self) -> int:
+        """Kept conversations."""
+        return len(self.bounds) - 1
+
+    def text_of(self, k: int) -> str:
+        """Conversation k's text, as ``render_with_spans`` gives it."""
+        return self.data[self.bounds[k] : self.bounds[k + 1]].tobytes().decode("utf-8")
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.text_of(k) for k in range(len(self))]
 
     def span_categories_of(self, k: int) -> list:
         """Conversation k's spans' own categories (None: none)."""
         return self.span_categories[self._first[k] : self._first[k + 1]]
 
     def spans(self, k: int) -> list[tuple[int, int]]:
-        """Conversation k's spans, as ``render_with_spans`` gives them (in its text)."""
+        """Conversation k's spans, as ``render_with_spans`` gives them (characters, in its text)."""
         a, b, at = self._first[k], self._first[k + 1], self.bounds[k]
-        return list(zip((self.starts[a:b] - at).tolist(), (self.ends[a:b] - at).tolist(), strict=True))
+        chars = _chars_before(self.data[at : self.bounds[k + 1]])
+        return list(zip(chars[self.starts[a:b] - at].tolist(), chars[self.ends[a:b] - at].tolist(), strict=True))
 
     def clean(self, cuts) -> np.ndarray:
         """Per conversation, whether every cut of its segments is clean under ``cuts`` (an ``encoder.Cuts``).
@@ -151,30 +162,33 @@ class Rendered:
         A span starts after a head that ends with "\n" and ends with ``end`` (both checked here for the whole
         batch at once, so an ``end_len`` other than ``len(end)`` is checked cut by cut): with both rules proven
         for the tokenizer, the cuts to check are the starts, and a start is clean unless the answer begins with
-        whitespace.
+        whitespace (``str.isspace``: an ASCII byte, or one of ``WIDE_SPACES`` after its lead byte).
         """
-        text, n = self.text, len(self.texts)
-        starts, ends = self.starts.tolist(), self.ends.tolist()
+        data, starts, ends, n = self.data, self.starts, self.ends, len(self)
         row = np.repeat(np.arange(n), self.answers)
-        end = self.end
-        built = ("".join([text[at - 1] for at in starts]) == "\n" * len(starts)
-                 and "".join([text[at - len(end) : at] for at in ends]) == end * len(ends))
+        end = np.frombuffer(self.end.encode(), np.uint8)
+        built = bool(np.all(data[starts - 1] == ord("\n"))) and all(
+            np.all(data[ends - len(end) + i] == byte) for i, byte in enumerate(end.tolist()))
         # (an answer Llama 3's template strips never begins with whitespace here: a wide space at its start sends
         # its record the per-record way, see _strip)
-        if cuts.after_newline and end in cuts.after_tokens and built:
-            bad = np.zeros(len(starts), bool)
-            bad[[m.start() for m in _SPACE.finditer("".join([text[at] for at in starts]))]] = True
-        else:  # not what this module renders, or a tokenizer without both rules: every cut, one by one
-            last = self.bounds[1:][row].tolist()
+        if cuts.after_newline and self.end in cuts.after_tokens and built:
+            first = data[starts]  # (a span is never empty: it ends with the end marker)
+            bad = _ASCII_SPACE[first]
+            for i in np.flatnonzero(_WIDE_LEAD[first]).tolist():
+                bad[i] = data[starts[i] : starts[i] + 3].tobytes().decode("utf-8", "replace")[:1].isspace()
+        else:  # not what this module renders, or a tokenizer without both rules: every cut, one by one, in characters
+            text, chars = data.tobytes().decode("utf-8"), _chars_before(data)
+            last = chars[self.bounds[1:][row]].tolist()
             bad = np.array([not (cuts.clean(text, a) and (b == z or cuts.clean(text, b)))
-                            for a, b, z in zip(starts, ends, last, strict=True)], bool)
+                            for a, b, z in zip(chars[starts].tolist(), chars[ends].tolist(), last, strict=True)], bool)
         return np.bincount(row, weights=bad, minlength=n) == 0
 
-    def segments(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-        """What ``Processor._encode_chats`` cuts each conversation into, for all of them at once: the texts
-        between and of the spans (a gap only where not empty), whether each is a span, how many each
-        conversation has, and of each segment which span it is (-1 for a gap)."""
-        n = len(self.texts)
+    def segments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What ``Processor._encode_chats`` cuts each conversation into, for all of them at once: where the texts
+        between and of the spans (a gap only where not empty) lie in ``data`` (CSR offsets: they follow each other),
+        whether each is a span, how many each conversation has, and of each segment which span it is (-1 for a
+        gap)."""
+        n = len(self)
         per_row = 2 * self.answers + 2  # the conversation's start, each span's start and end, its end
         first = csr_offsets(per_row)
         points = np.empty(int(first[-1]), np.int64)
@@ -193,8 +207,14 @@ class Rendered:
         counts = np.bincount(row[keep], minlength=n)
         span = np.full(len(target), -1, np.int64)
         span[target] = np.arange(int(target.sum()))  # spans come in order, one per odd pair
-        text = self.text
-        return [text[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)], target, counts, span
+        return np.append(lo, hi[-1:]) if len(lo) else np.zeros(1, np.int64), target, counts, span
+
+
+def _chars_before(data: np.ndarray) -> np.ndarray:
+    """For each byte offset into UTF-8 ``data`` (its length included), how many characters come before it."""
+    out = np.zeros(len(data) + 1, np.int64)
+    np.cumsum((data & 0xC0) != 0x80, out=out[1:])
+    return out
 
 
 class ColumnarChat:
@@ -401,8 +421,8 @@ class ColumnarChat:
 
     def _gather(self, kept, starts, counts, code, data, c_lo, c_hi):
         """The kept conversations rendered: every message as head + content + tail, in one gather. Returns
-        ``Rendered``'s text, bounds, span starts and ends, answers per conversation, and the message of each span
-        (None for no conversation)."""
+        ``Rendered``'s data, bounds, span starts and ends (bytes), answers per conversation, and the message of
+        each span (None for no conversation)."""
         rows = np.flatnonzero(kept)
         if len(rows) == 0:
             return None
@@ -432,14 +452,8 @@ class ColumnarChat:
         span_start = msg_at[:-1][answer] + self._span_at[mc[answer]]
         span_end = msg_at[:-1][answer] + h_len[answer] + c_len[answer] + self.end_len
         row_at = msg_at[csr_offsets(k_counts)]  # each kept conversation's byte range
-        blob = out.tobytes()
-        text = blob.decode("utf-8")
-        if len(text) != len(blob):  # not ASCII: byte offsets → character offsets
-            char_of = np.cumsum((out & 0xC0) != 0x80, dtype=np.int32) - 1
-            char_of = np.append(char_of, len(text))
-            row_at, span_start, span_end = char_of[row_at], char_of[span_start], char_of[span_end]
         answers = np.bincount(np.repeat(np.arange(len(rows)), k_counts)[answer], minlength=len(rows))
-        return text, row_at, span_start, span_end, answers, msgs[answer]
+        return out, row_at, span_start, span_end, answers, msgs[answer]
 
 def _canonical(raw: bytes, roles: dict[str, str]) -> str | None:
     """``normalize_messages``' role mapping, for a role's UTF-8 bytes (None where it knows no such role)."""

@@ -59,6 +59,13 @@ NEWLINE_SAFE_PATTERNS = frozenset({
     r"|\s+(?!\S)|\s+",
 })
 CUTS_VERSION = 1  # bump when clean_cuts proves something new
+# Texts on which gigatoken must encode UTF-8 bytes as it encodes str (Encoder._bytes_as_text): chat markup, text
+# that normalization changes (NFC, NFKC), every width of character, whitespace runs
+BYTES_PROBES = (
+    "<|im_start|>assistant\nHi<|im_end|>\n", "<|start_header_id|>user<|end_header_id|>\n\nq<|eot_id|>",
+    "<s>[INST] q [/INST] a</s>", "e\u0301 \u212b \ufb01 \u00bd \u2460", "naïve café — 日本語 😀 👨‍👩‍👧",
+    "  \t\r\n\n  x \u00a0\u3000\u2028 ", "", "x" * 300, "\ue000\U0010fffd",
+)
 
 
 @dataclass(frozen=True)
@@ -457,6 +464,30 @@ class Encoder:
         flat = np.concatenate([np.asarray(e.ids, np.int64) for e in encodings]) if encodings else np.zeros(0, np.int64)
         return flat, lengths
 
+    def encode_utf8(self, texts: list[str], data: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Encode ``texts``, then each UTF-8 piece ``data[offsets[i]:offsets[i + 1]]``, in one call and without special
+        tokens: gigatoken reads the pieces' bytes where they lie (no str for each), where it encodes bytes as it
+        encodes their text (``_bytes_as_text``); else they are decoded first."""
+        if self._giga is None or not self._bytes_as_text:
+            cuts = offsets.tolist()
+            pieces = [data[a:b].tobytes().decode("utf-8") for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+            return self.encode(texts + pieces, add_special_tokens=False)
+        head = [t.encode("utf-8") for t in texts]
+        lead = np.frombuffer(b"".join(head), np.uint8)
+        all_data = np.concatenate([lead, data[offsets[0] : offsets[-1]]])
+        all_offsets = np.concatenate([csr_offsets([len(h) for h in head]), offsets[1:] - offsets[0] + len(lead)])
+        return _giga_encode(self._giga, _bytestrings(all_data, all_offsets))
+
+    @cached_property
+    def _bytes_as_text(self) -> bool:
+        """Whether gigatoken encodes a text's UTF-8 bytes as it encodes the text (checked on ``BYTES_PROBES`` and the
+        tokenizer's added tokens, once per Encoder)."""
+        texts = [*BYTES_PROBES, "\n".join(t for t in self.info.known_ids if t)]
+        data = np.frombuffer("".join(texts).encode("utf-8"), np.uint8)
+        offsets = csr_offsets([len(t.encode("utf-8")) for t in texts])
+        as_bytes, as_text = _giga_encode(self._giga, _bytestrings(data, offsets)), _giga_encode(self._giga, texts)
+        return all(np.array_equal(a, b) for a, b in zip(as_bytes, as_text, strict=True))
+
     def offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Reference ids and character start offsets of ``text`` (no special tokens added)."""
         enc = self.hf.encode(text, add_special_tokens=False)
@@ -529,13 +560,24 @@ def _load_gigatoken(path: str):
     return gigatoken.Tokenizer(path)
 
 
-def _giga_encode(giga, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _giga_encode(giga, texts) -> tuple[np.ndarray, np.ndarray]:
+    """gigatoken's ids of ``texts`` (a list of str, or ``_bytestrings``) as (flat int64 ids, int64 lengths)."""
     import awkward as ak  # deferred: ~0.35 s to import, and only the gigatoken path needs it
 
     layout = ak.to_layout(giga.encode_batch(texts))
     offsets = np.asarray(layout.offsets.data)
     flat = np.asarray(layout.content.data)[offsets[0] : offsets[-1]].astype(np.int64)
     return flat, np.diff(offsets).astype(np.int64)
+
+
+def _bytestrings(data: np.ndarray, offsets: np.ndarray):
+    """An awkward array of byte strings over ``data`` (piece i at ``offsets[i]:offsets[i + 1]``), copying nothing:
+    what gigatoken's batch encoder reads as flat buffers."""
+    import awkward as ak  # deferred: as in _giga_encode
+
+    content = ak.contents.NumpyArray(data, parameters={"__array__": "byte"})
+    return ak.Array(ak.contents.ListOffsetArray(ak.index.Index64(offsets), content,
+                                                parameters={"__array__": "bytestring"}))
 
 
 def csr_offsets(lengths) -> np.ndarray:

@@ -420,9 +420,9 @@ class Processor:
         seg_count, clean = np.array(seg_count, np.int64), np.array(clean, bool)
         span_codes = seg_cat[seg_target]  # a gap's code is its conversation's
         columnar = [j for j, (payload, _) in enumerate(chats) if isinstance(payload, int)]
+        per_record = len(texts)  # conversations after these are the column-wise ones (their text is in rendered)
         if columnar:  # all of the batch's kept conversations, in order
-            assert rendered is not None and len(columnar) == len(rendered.texts)
-            texts += rendered.texts
+            assert rendered is not None and len(columnar) == len(rendered)
             convs += [(j, None, chats[j][1]) for j in columnar]
             conv_code = np.array([code(chats[j][1]) for j in columnar], np.uint16)
             span_code = np.repeat(conv_code, rendered.answers)  # a span without a category of its own: its record's
@@ -431,10 +431,13 @@ class Processor:
                 span_code[[i for i, _ in own]] = [code(c) for _, c in own]
             span_codes = np.concatenate([span_codes, span_code])
         if not self._needs_segments(span_codes, convs, code):
-            return self._encode_whole(texts, convs, len(chats), code(convs[0][2]))
+            return self._encode_whole(texts, rendered if columnar else None, convs, len(chats), code(convs[0][2]))
+
+        def text_of(k: int) -> str:
+            return texts[k] if k < per_record else rendered.text_of(k - per_record)
+
         if columnar:
-            more, target, counts, span = rendered.segments()
-            seg_texts += more
+            seg_offsets, target, counts, span = rendered.segments()
             seg_target = np.concatenate([seg_target, target])
             column_cat = np.repeat(conv_code, counts)
             column_cat[span >= 0] = span_code[span[span >= 0]]
@@ -442,7 +445,11 @@ class Processor:
             seg_count = np.concatenate([seg_count, counts])
             clean = np.concatenate([clean, rendered.clean(cuts)])
         whole = np.flatnonzero(~clean)  # the conversations encoded whole as well
-        flat, lengths = self.encoder.encode([texts[k] for k in whole] + seg_texts, add_special_tokens=False)
+        ahead = [text_of(k) for k in whole] + seg_texts
+        if columnar:  # the column-wise segments' bytes as they lie in the rendered batch
+            flat, lengths = self.encoder.encode_utf8(ahead, rendered.data, seg_offsets)
+        else:
+            flat, lengths = self.encoder.encode(ahead, add_special_tokens=False)
         whole_off = csr_offsets(lengths[: len(whole)])
         split = int(whole_off[-1])
         whole_flat, seg_flat, seg_len = flat[:split], flat[split:], lengths[len(whole):]
@@ -460,10 +467,10 @@ class Processor:
             sa, sb = conv_seg[k], conv_seg[k + 1]
             if not (sb - sa == len(ids) and np.array_equal(seg_flat[sa:sb], ids)):
                 if spans is None:
-                    at = k - (len(convs) - len(columnar))
+                    at = k - per_record
                     spans = [(s, e, c) for (s, e), c in zip(rendered.spans(at), rendered.span_categories_of(at),
                                                             strict=True)]
-                doc_target, doc_cats = self._mask_from_offsets(texts[k], ids, spans, cat, code)
+                doc_target, doc_cats = self._mask_from_offsets(text_of(k), ids, spans, cat, code)
                 doc_mask = np.ones(len(ids), np.uint8) if self.options.train_on == "all" else doc_target.astype(
                     np.uint8)
                 out[j] = (ids, doc_mask, doc_cats)
@@ -477,9 +484,14 @@ class Processor:
         return (self.options.train_on != "all" or not np.all(span_codes == one)
                 or any(code(c) != one for *_, c in convs))
 
-    def _encode_whole(self, texts: list[str], convs: list, n: int, cat: int) -> list:
-        """``_encode_chats`` where every token is a target of one category: the whole texts only."""
-        flat, lengths = self.encoder.encode(texts, add_special_tokens=False)
+    def _encode_whole(self, texts: list[str], rendered: chat_columns.Rendered | None, convs: list, n: int,
+                      cat: int) -> list:
+        """``_encode_chats`` where every token is a target of one category: the whole texts only (``texts``, then
+        those of ``rendered``)."""
+        if rendered is not None:
+            flat, lengths = self.encoder.encode_utf8(texts, rendered.data, rendered.bounds)
+        else:
+            flat, lengths = self.encoder.encode(texts, add_special_tokens=False)
         off = csr_offsets(lengths)
         mask = np.ones(len(flat), np.uint8)
         mask[off[:-1][lengths > 0]] = 0

@@ -392,3 +392,24 @@ def test_tokenize_chat_is_byte_identical_column_wise_and_per_record(categories, 
     assert_same_files(tmp_path / "auto", tmp_path / "records")
     if categories:
         assert (tmp_path / "auto" / "category_ids.bin").stat().st_size > 0
+
+
+@requires_shared_data
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_segments_read_as_bytes_equal_segments_decoded(train_on, monkeypatch):
+    """The column-wise segments go to gigatoken as the bytes they are in the rendered batch; an encoder whose bytes
+    would not encode as their text gets them decoded: the same arrays, on every chitchat conversation and the
+    hostile lines among real ones."""
+    columns, _ = _pair(monkeypatch, None, train_on=train_on, fmt=AUTO)
+    decoded = _processor(None, train_on=train_on, fmt=AUTO)
+    assert columns.encoder._bytes_as_text  # gigatoken encodes Qwen3's bytes as their text
+    decoded.encoder.__dict__["_bytes_as_text"] = False
+    calls = []
+    encode = decoded.encoder.encode
+    monkeypatch.setattr(decoded.encoder, "encode", lambda texts, **kw: calls.append(len(texts)) or encode(texts, **kw))
+    good = _chitchat(40)
+    batches = _batches(_chitchat())
+    batches += [RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES) for _, line, *_ in HOSTILE]
+    for batch in batches:
+        _assert_same(columns(batch), decoded(batch), f"line {batch.lines[0]}")
+    assert calls  # the decoded pieces went through encode
