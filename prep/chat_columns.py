@@ -1,12 +1,13 @@
 """Chat batches parsed and rendered column-wise, for templates that lay out each message as a head, its content
-and a tail (``SHAPES``: ChatML, Qwen3, Llama 3, Llama 3.1).
+and a tail (``SHAPES``: ChatML, Qwen3, Llama 3, Llama 3.1, Gemma, Mistral).
 
 Per record, the fast renderers of ``prep.chat_fast`` still run a few microseconds of CPython per message:
 ``json.loads``, ``normalize_messages``, the renderer, the span search. For a batch of JSON lines whose
 conversations are plain (roles system/user/assistant and, but for Qwen3, tool; string contents; no reasoning
 or tool markup) all of that is column work: pyarrow's JSON reader parses the batch, each message becomes
-``head + content + tail`` gathered by one numpy index (Llama 3: the content stripped of ASCII whitespace at
-both ends, the BOS token before the first head), and each assistant span is arithmetic on the message
+``head + content + tail`` gathered by one numpy index (Llama 3 and Gemma: the content stripped of ASCII
+whitespace at both ends; the BOS token before the first head; Llama 3.1: its dated system turn as the first
+head; Mistral: a tail of its own after an answer), and each assistant span is arithmetic on the message
 offsets. The text and spans equal what ``ChatTemplate.render_with_spans`` gives for the same
 record, character for character (tests/test_chat_columns.py compares them on every conversation of the
 shared chat data and on hostile lines).
@@ -16,11 +17,13 @@ message's ``category``; a span takes its message's, the rest of the conversation
 command's ``--category``). Roles are looked up as ``normalize_messages`` does, ``--role-map`` first.
 
 A record is left to the per-record path (``OTHER``) wherever this module is not sure to agree with it:
-a message with another field, role or type; content holding ``</think>``, ``<tool_response>`` or the span
-search's placeholder character; an answer that Qwen3 would strip; for Llama 3, a content that begins or ends
-with a space beyond ASCII (``WIDE_SPACES``) or more than ``MAX_STRIP`` whitespace bytes; an empty category (a
-null one is a missing one, as per record). A batch is left to it whole where pyarrow might not read it as
-Python's ``json`` does, or might not survive it:
+a message with another field, role or type (a role without a head in the template's shape: Qwen3's and Llama
+3.1's tool turns, Gemma's and Mistral's system ones); roles that do not alternate user/assistant where the
+template requires it (it raises); content holding ``</think>``, ``<tool_response>`` or the span search's
+placeholder character; an answer that Qwen3 would strip; where the template trims contents (Llama 3, 3.1,
+Gemma), a content that begins or ends with a space beyond ASCII (``WIDE_SPACES``) or more than ``MAX_STRIP``
+whitespace bytes; an empty category (a null one is a missing one, as per record). A batch is left to it whole
+where pyarrow might not read it as Python's ``json`` does, or might not survive it:
 
 - a line that is not one object (after JSON whitespace, ``{`` first and ``}`` last): pyarrow's reader is
   not line-based (``{..}{..}`` on one line is two rows, a record over two lines one, a top-level ``null``
@@ -62,7 +65,7 @@ class Shape:
     assistant span runs from after ``header`` (the generation prompt, which begins the answer's head) to
     after ``end``."""
 
-    heads: dict[int, str]
+    heads: dict[int, str]  # a role without a head goes the per-record way
     tail: str
     header: str
     end: str
@@ -74,6 +77,8 @@ class Shape:
     # the head of a conversation's first message where it is not its role's (after the BOS token): Llama 3.1's
     # dated system turn, which takes in a first system message or comes before any other
     first: dict[int, str] | None = None
+    tails: dict[int, str] | None = None  # a role's own tail, where it is not ``tail`` (Mistral's answers)
+    alternate: bool = False  # user first, then assistant, and so on: the template raises otherwise (per record)
 
 
 _CHATML_HEADS = {SYSTEM: "<|im_start|>system\n", USER: "<|im_start|>user\n", ASSISTANT: HEADER,
@@ -82,6 +87,7 @@ _LLAMA3_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
 _LLAMA3_HEADS = {SYSTEM: "<|start_header_id|>system<|end_header_id|>\n\n",
                  USER: "<|start_header_id|>user<|end_header_id|>\n\n", ASSISTANT: _LLAMA3_HEADER}
 _DATED = chat_fast.LLAMA31_SYSTEM  # Llama 3.1's system turn, which a first system message's content completes
+_MISTRAL_HEADS = {USER: "[INST] ", ASSISTANT: ""}
 SHAPES = {
     "qwen3": Shape({**_CHATML_HEADS, THINKING: HEADER + "<think>\n\n</think>\n\n"}, END + "\n", HEADER, END,
                    (b"</think>", b"<tool_response>", "\ue000".encode())),
@@ -92,6 +98,14 @@ SHAPES = {
     "llama3.1": Shape(_LLAMA3_HEADS, "<|eot_id|>", _LLAMA3_HEADER, "<|eot_id|>", strip=True, bos=True,
                       first={SYSTEM: _DATED, USER: _DATED + "<|eot_id|>" + _LLAMA3_HEADS[USER],
                              ASSISTANT: _DATED + "<|eot_id|>" + _LLAMA3_HEADER}),
+    # Mistral/Mixtral-Instruct (chat_fast's three variants): "[INST] q [/INST]", then the answer and the EOS token
+    "mistral": Shape(_MISTRAL_HEADS, " [/INST]", "", "</s>", bos=True, alternate=True, tails={ASSISTANT: "</s>"}),
+    "mistral-v0.1": Shape(_MISTRAL_HEADS, " [/INST]", "", "</s>", bos=True, alternate=True,
+                          tails={ASSISTANT: "</s> "}),
+    "mistral-spaced": Shape({USER: " [INST] ", ASSISTANT: " "}, " [/INST]", "", "</s>", bos=True, alternate=True,
+                            tails={ASSISTANT: "</s>"}),  # (its span takes the space before the answer)
+    "gemma": Shape({USER: "<start_of_turn>user\n", ASSISTANT: "<start_of_turn>model\n"}, "<end_of_turn>\n",
+                   "<start_of_turn>model\n", "<end_of_turn>", strip=True, bos=True, alternate=True),
 }
 NAMES = tuple(SHAPES)
 _CANONICAL = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
@@ -129,13 +143,14 @@ class Rendered:
         self.starts, self.ends = (starts, ends) if starts is not None else (none, none)
         self.answers = answers if answers is not None else none
         # the record's category of each kept conversation (None: the command's), each span's own (None: none)
-        self.categories = categories if categories is not None else [None] * len(self)
+        self.categories = categories if categories is not None else [None] * self.kept
         self.has_span_categories = span_categories is not None
         self.span_categories = span_categories if span_categories is not None else [None] * len(self.starts)
         self._first = csr_offsets(self.answers)  # each conversation's first span
 
-    def __len__(self) -> int:
-        """Kept conversations."""
+    @property
+    def kept(self) -> int:
+        """How many conversations it holds: the batch's kept ones."""
         return len(self.bounds) - 1
 
     def text_of(self, k: int) -> str:
@@ -144,7 +159,7 @@ class Rendered:
 
     @property
     def texts(self) -> list[str]:
-        return [self.text_of(k) for k in range(len(self))]
+        return [self.text_of(k) for k in range(self.kept)]
 
     def span_categories_of(self, k: int) -> list:
         """Conversation k's spans' own categories (None: none)."""
@@ -164,7 +179,7 @@ class Rendered:
         for the tokenizer, the cuts to check are the starts, and a start is clean unless the answer begins with
         whitespace (``str.isspace``: an ASCII byte, or one of ``WIDE_SPACES`` after its lead byte).
         """
-        data, starts, ends, n = self.data, self.starts, self.ends, len(self)
+        data, starts, ends, n = self.data, self.starts, self.ends, self.kept
         row = np.repeat(np.arange(n), self.answers)
         end = np.frombuffer(self.end.encode(), np.uint8)
         built = bool(np.all(data[starts - 1] == ord("\n"))) and all(
@@ -188,7 +203,7 @@ class Rendered:
         between and of the spans (a gap only where not empty) lie in ``data`` (CSR offsets: they follow each other),
         whether each is a span, how many each conversation has, and of each segment which span it is (-1 for a
         gap)."""
-        n = len(self)
+        n = self.kept
         per_row = 2 * self.answers + 2  # the conversation's start, each span's start and end, its end
         first = csr_offsets(per_row)
         points = np.empty(int(first[-1]), np.int64)
@@ -243,11 +258,13 @@ class ColumnarChat:
         first = [self._bos + (shape.first or {}).get(k, heads[k]) for k in range(CODES)]
         self._first_apart = first != heads  # a conversation's first message has its own head: code + CODES
         heads = [h.encode() for h in heads + first]
-        self._const = np.frombuffer(b"".join(heads) + shape.tail.encode(), np.uint8)
+        tails = [(shape.tails or {}).get(k % CODES, shape.tail).encode() for k in range(2 * CODES)]
+        pieces = heads + tails
+        self._const = np.frombuffer(b"".join(pieces), np.uint8)
+        at = csr_offsets([len(c) for c in pieces])[:-1]
         self._head_len = np.array([len(h) for h in heads], np.int64)
-        self._head_at = csr_offsets(self._head_len)[:-1]
-        self._tail_at = int(self._head_len.sum())
-        self._tail_len = len(shape.tail.encode())
+        self._head_at, self._tail_at = at[: 2 * CODES], at[2 * CODES :]
+        self._tail_len = np.array([len(t) for t in tails], np.int64)
         # where an answer's span starts in its head: after the header, which ends its role's head (but Qwen3's
         # THINKING one, where it begins it) and whatever comes before that in the first message's
         before = [len(heads[k]) - len(heads[k % CODES]) for k in range(2 * CODES)]
@@ -271,6 +288,9 @@ class ColumnarChat:
         msg_ok = _valid(structs) & _valid(role) & _valid(content)
         code = self._roles(role, m)
         msg_ok &= (code >= 0) & self._has_head[np.maximum(code, 0)]
+        if self.shape.alternate:  # the template's own check (an error, per record) where roles do not alternate
+            position = np.arange(m) - np.repeat(starts[:-1], counts)
+            msg_ok &= code == np.where(position % 2 == 0, USER, ASSISTANT)
         c_off, data = _offsets(content), _data(content)
         msg_ok &= ~self._has_markup(data, c_off)
         c_lo, c_hi = c_off[:-1], c_off[1:]
@@ -434,16 +454,15 @@ class ColumnarChat:
         if self._first_apart:
             mc[csr_offsets(k_counts)[:-1]] += CODES  # (mc is a copy: an index's gather)
         c_start, c_len = c_lo[msgs], c_hi[msgs] - c_lo[msgs]
-        h_len = self._head_len[mc]
-        t_len = self._tail_len
+        h_len, t_len = self._head_len[mc], self._tail_len[mc]
         msg_len = h_len + c_len + t_len
         msg_at = csr_offsets(msg_len)  # each message's byte offset in the output
         total = int(msg_at[-1])
         # three pieces per message: head (constants), content (data), tail (constants)
         src = np.concatenate([data, self._const])
         base = len(data)
-        piece_src = np.stack([base + self._head_at[mc], c_start, np.full(len(mc), base + self._tail_at)], 1).ravel()
-        piece_len = np.stack([h_len, c_len, np.full(len(mc), t_len)], 1).ravel()
+        piece_src = np.stack([base + self._head_at[mc], c_start, base + self._tail_at[mc]], 1).ravel()
+        piece_len = np.stack([h_len, c_len, t_len], 1).ravel()
         piece_out = csr_offsets(piece_len)[:-1]
         index = np.repeat((piece_src - piece_out).astype(np.int32), piece_len)  # int32: MAX_BATCH_BYTES bounds it
         index += np.arange(total, dtype=np.int32)
@@ -570,7 +589,8 @@ def for_template(template: ChatTemplate | None, keep_unanswered: bool, category_
     shape = SHAPES[known[0]]
     if template.generation_prompt != shape.header:
         return None
-    ends = {template.span_end(shape.tail + after, 0) for after in ("", shape.heads[USER])}
+    answer_tail = (shape.tails or {}).get(ASSISTANT, shape.tail)
+    ends = {template.span_end(answer_tail + after, 0) for after in ("", shape.heads[USER])}
     if len(ends) != 1:
         return None
     columns = ColumnarChat(known[0], keep_unanswered, ends.pop(), category_field, role_map, template.spec.bos_token)

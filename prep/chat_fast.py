@@ -247,8 +247,8 @@ KNOWN: dict[str, tuple[str, Renderer]] = {  # sha256 of the template source → 
     LLAMA31_SHA256: ("llama3.1", _llama31),
     LLAMA32_SHA256: ("llama3.1", _llama31),
     _sha(MISTRAL): ("mistral", _mistral("[INST] ", "", "")),
-    _sha(MISTRAL_V01): ("mistral", _mistral("[INST] ", "", " ")),
-    _sha(MISTRAL_SPACED): ("mistral", _mistral(" [INST] ", " ", "")),
+    _sha(MISTRAL_V01): ("mistral-v0.1", _mistral("[INST] ", "", " ")),
+    _sha(MISTRAL_SPACED): ("mistral-spaced", _mistral(" [INST] ", " ", "")),
     _sha(GEMMA): ("gemma", _gemma),
     QWEN3_SHA256: ("qwen3", _qwen3),
 }

@@ -481,12 +481,13 @@ class Encoder:
     @cached_property
     def _bytes_as_text(self) -> bool:
         """Whether gigatoken encodes a text's UTF-8 bytes as it encodes the text (checked on ``BYTES_PROBES`` and the
-        tokenizer's added tokens, once per Encoder)."""
+        special tokens looked up for this tokenizer, once per Encoder)."""
         texts = [*BYTES_PROBES, "\n".join(t for t in self.info.known_ids if t)]
         data = np.frombuffer("".join(texts).encode("utf-8"), np.uint8)
         offsets = csr_offsets([len(t.encode("utf-8")) for t in texts])
-        as_bytes, as_text = _giga_encode(self._giga, _bytestrings(data, offsets)), _giga_encode(self._giga, texts)
-        return all(np.array_equal(a, b) for a, b in zip(as_bytes, as_text, strict=True))
+        (ids, lengths), (text_ids, text_lengths) = (_giga_encode(self._giga, _bytestrings(data, offsets)),
+                                                    _giga_encode(self._giga, texts))
+        return np.array_equal(ids, text_ids) and np.array_equal(lengths, text_lengths)
 
     def offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Reference ids and character start offsets of ``text`` (no special tokens added)."""

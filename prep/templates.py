@@ -169,7 +169,8 @@ class ChatTemplate:
     @property
     def _jinja(self):
         """The compiled template: where a fast renderer renders it, compiled only when a conversation needs
-        Jinja (a worker given the self-check's verdict, ``adopt_verdicts``, may never compile it)."""
+        Jinja (a worker given the self-check's verdict, ``adopt_verdicts``, may never compile it). A template
+        the fast path knows is one of fixed sources that compile; any other is compiled by ``__init__``."""
         if self._compiled is None:
             self._compiled = _compile(self.spec.source)
         return self._compiled
@@ -203,8 +204,9 @@ class ChatTemplate:
 
     def render_jinja(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The template's own rendering, in the sandbox (what ``render`` equals, faster where it can)."""
+        compiled = self._jinja  # (outside the try: a template that does not compile is no record's fault)
         try:
-            return self._jinja.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.spec.bos_token, eos_token=self.spec.eos_token or "")
         except TemplateError:
             raise

@@ -246,6 +246,7 @@ class Processor:
             if self.options.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
                 raise Unusable(NO_ANSWER, "no assistant message")
             text, spans = self.template.render_with_spans(messages)  # a template error rejects this record
+            _check_text(text)  # what a template renders besides the contents (tool calls, reasoning, names) too
             return CHAT, (text, [(a, b, messages[i].get("category")) for a, b, i in spans]), category
         return TOKENS, self._tokens(record), category
 
@@ -422,7 +423,7 @@ class Processor:
         columnar = [j for j, (payload, _) in enumerate(chats) if isinstance(payload, int)]
         per_record = len(texts)  # conversations after these are the column-wise ones (their text is in rendered)
         if columnar:  # all of the batch's kept conversations, in order
-            assert rendered is not None and len(columnar) == len(rendered)
+            assert rendered is not None and len(columnar) == rendered.kept
             convs += [(j, None, chats[j][1]) for j in columnar]
             conv_code = np.array([code(chats[j][1]) for j in columnar], np.uint16)
             span_code = np.repeat(conv_code, rendered.answers)  # a span without a category of its own: its record's
@@ -718,7 +719,7 @@ def prepare(config: TokenizeConfig) -> Job:
     chat = chat_declared or (config.format == AUTO and _starts_with_chat(sources, plan))
     template = _template(config, info)
     if template is not None:
-        compiled = ChatTemplate(template)  # compiled here: a broken template fails before any worker starts
+        compiled = ChatTemplate(template)  # a broken template fails here, before any worker starts (see _jinja)
         info = _chat_eod(info, compiled) if chat_declared else info
     append_eod = config.append_eod
     if info.eod_id is None and (append_eod or (append_eod is None and config.format in (AUTO, TEXT))):

@@ -28,7 +28,10 @@ LLAMA3 = TemplateSpec("llama3", templates.BUILTIN_TEMPLATES["llama3"], "<|begin_
 LLAMA3_META = TemplateSpec("tokenizer", chat_fast.LLAMA3_META, "<|begin_of_text|>", "<|eot_id|>")
 LLAMA31 = TemplateSpec("tokenizer", META_TEMPLATES["llama-3.1"], "<|begin_of_text|>", "<|eot_id|>")
 SPECS = {"qwen3": None, "chatml": CHATML, "llama3": LLAMA3, "llama3-meta": LLAMA3_META,  # None: the tokenizer's
-         "llama3.1": LLAMA31}
+         "llama3.1": LLAMA31, "gemma": TemplateSpec("tokenizer", chat_fast.GEMMA, "<bos>", "<eos>"),
+         "mistral": TemplateSpec("tokenizer", chat_fast.MISTRAL, "<s>", "</s>")}
+VARIANTS = {"mistral-v0.1": TemplateSpec("tokenizer", chat_fast.MISTRAL_V01, "<s>", "</s>"),
+            "mistral-spaced": TemplateSpec("tokenizer", chat_fast.MISTRAL_SPACED, "<s>", "</s>")}
 BATCH = chat_columns.OTHER - 1  # the whole batch went the per-record way
 
 
@@ -73,10 +76,10 @@ def _assert_same(a, b, name: str) -> None:
 
 
 @requires_shared_data
-@pytest.mark.parametrize("template", list(SPECS))
+@pytest.mark.parametrize("template", [*SPECS, *VARIANTS])
 @pytest.mark.parametrize("train_on,category", [("assistant", None), ("all", "chat")])
 def test_every_conversation_column_wise_equals_per_record(template, train_on, category, monkeypatch):
-    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on, category=category)
+    columns, records = _pair(monkeypatch, {**SPECS, **VARIANTS}[template], train_on=train_on, category=category)
     kept = 0
     for batch in _batches(_chitchat()):
         rendered = columns.columns.render(batch.items)
@@ -221,6 +224,10 @@ LLAMA3_OTHER = {"no-break space first", "ideographic space last", "line separato
                 "next line, raw", "only a no-break space",
                 "escaped unicode"}  # the last: HOSTILE's answer "\\u2028\\u00a0"
 LLAMA31_OTHER = {"tool turn"}  # Llama 3.1's tool turns hold their content as JSON: per record
+ALTERNATING_OTHER = {"tool turn", "system later, answer first", "no user"}  # Gemma and Mistral raise on these
+# what goes the per-record way with a template but for ChatML's column of the tables
+OTHERS = {"llama3": LLAMA3_OTHER, "llama3-meta": LLAMA3_OTHER, "llama3.1": LLAMA3_OTHER | LLAMA31_OTHER,
+          "gemma": LLAMA3_OTHER | ALTERNATING_OTHER, "mistral": ALTERNATING_OTHER}
 
 
 @requires_shared_data
@@ -239,7 +246,7 @@ def test_hostile_lines_among_real_ones(template, train_on, monkeypatch):
         batch = RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES)
         rendered = columns.columns.render(batch.items)
         got = BATCH if rendered is None else int(rendered.status[20])
-        if template.startswith("llama3") and name in LLAMA3_OTHER or template == "llama3.1" and name in LLAMA31_OTHER:
+        if name in OTHERS.get(template, ()):
             want = chat_columns.OTHER
         assert got == want, name
         _assert_same(columns(batch), records(batch), name)
@@ -363,10 +370,11 @@ def test_a_parser_that_takes_a_line_json_refuses_is_not_used(monkeypatch):
 
 
 def test_other_templates_and_options_go_the_per_record_way(monkeypatch):
-    mistral = ChatTemplate(TemplateSpec("tokenizer", chat_fast.MISTRAL, "<s>", "</s>"))
-    assert mistral.has_fast_path and chat_columns.for_template(mistral, False) is None
-    gemma = ChatTemplate(TemplateSpec("tokenizer", chat_fast.GEMMA, "<bos>", "<eos>"))
-    assert gemma.has_fast_path and chat_columns.for_template(gemma, False) is None
+    for source, eos in ((chat_fast.MISTRAL, "</s>"), (chat_fast.GEMMA, "<eos>")):
+        assert chat_columns.for_template(ChatTemplate(TemplateSpec("tokenizer", source, "<s>", eos)), False)
+    # a Mistral template whose EOS is another token than the shape's: its probes differ, per record
+    other_eos = ChatTemplate(TemplateSpec("tokenizer", chat_fast.MISTRAL, "<s>", "<|im_end|>"))
+    assert other_eos.has_fast_path and chat_columns.for_template(other_eos, False) is None
     variant = ChatTemplate(TemplateSpec("mine", CHATML.source.replace("{% endfor %}", "{%  endfor %}"), "",
                                         "<|im_end|>"))
     assert chat_columns.for_template(variant, False) is None  # Jinja's: no fast renderer

@@ -317,3 +317,22 @@ def test_a_worker_given_the_verdicts_neither_checks_nor_compiles_until_needed(mo
     monkeypatch.setattr(templates, "_VERDICTS", {(spec.sha256, spec.bos_token, spec.eos_token): "probe 0 differs"})
     refused = ChatTemplate(spec)  # a verdict against the fast renderer: Jinja, compiled at once
     assert not refused.has_fast_path and refused._compiled is not None
+
+
+@requires_shared_data
+@pytest.mark.parametrize("render", ["auto", "jinja"])
+def test_a_lone_surrogate_outside_contents_is_a_reject(render, tokenizer_dir, monkeypatch):
+    """A lone surrogate (a JSON escape) in what a template renders besides the contents (reasoning, a tool call's
+    name) is rejected as one in a content is, on both paths: no tokenizer can encode it."""
+    monkeypatch.setenv(RENDER_ENV, render)
+    processor = _processor(tokenizer_dir, None)
+    lines = [b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", '
+             b'"reasoning_content": "why \\ud800"}]}',
+             b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": '
+             b'[{"function": {"name": "f\\udfff", "arguments": {}}}]}, {"role": "tool", "content": "1"}]}',
+             b'{"messages": [{"role": "user", "content": "q \\ud800"}, {"role": "assistant", "content": "a"}]}',
+             b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "fine"}]}']
+    out = processor(RawBatch(0, lines, [1, 2, 3, 4], LINES))
+    assert [(r.line, r.kind) for r in out.rejects] == [(1, "lone surrogate"), (2, "lone surrogate"),
+                                                       (3, "lone surrogate")]
+    assert len(out.lengths) == 1
