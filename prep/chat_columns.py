@@ -83,7 +83,7 @@ class Shape:
 
 _CHATML_HEADS = {SYSTEM: "<|im_start|>system\n", USER: "<|im_start|>user\n", ASSISTANT: HEADER,
                  TOOL: "<|im_start|>tool\n"}
-_LLAMA3_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+_LLAMA3_HEADER = chat_fast.LLAMA3_PROMPT
 _LLAMA3_HEADS = {SYSTEM: "<|start_header_id|>system<|end_header_id|>\n\n",
                  USER: "<|start_header_id|>user<|end_header_id|>\n\n", ASSISTANT: _LLAMA3_HEADER}
 _DATED = chat_fast.LLAMA31_SYSTEM  # Llama 3.1's system turn, which a first system message's content completes

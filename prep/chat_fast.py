@@ -48,16 +48,24 @@ def _chatml(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -
     return parts
 
 
+LLAMA3_PROMPT = "<|start_header_id|>assistant<|end_header_id|>\n\n"  # Llama 3's generation prompt
+
+
+def _llama3_turn(parts: list, i: int, m: dict, slots: list | None) -> None:
+    """Append message i as Llama 3 lays it out: its role's header, the content trimmed, ``<|eot_id|>``."""
+    parts += ("<|start_header_id|>", m["role"], "<|end_header_id|>\n\n", m["content"].strip(), "<|eot_id|>")
+    if slots is not None and m["role"] == "assistant":
+        slots.append((i, len(parts) - 2))
+
+
 def _llama3(bos_always: bool) -> Renderer:
     """xprep's built-in ``llama3`` (``bos_always``) and Meta-Llama-3-Instruct's (BOS with the first message)."""
     def render(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
         parts = [bos] if bos_always or messages else []
         for i, m in enumerate(messages):
-            parts += ("<|start_header_id|>", m["role"], "<|end_header_id|>\n\n", m["content"].strip(), "<|eot_id|>")
-            if slots is not None and m["role"] == "assistant":
-                slots.append((i, len(parts) - 2))
+            _llama3_turn(parts, i, m, slots)
         if gen:
-            parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+            parts.append(LLAMA3_PROMPT)
         return parts
     return render
 
@@ -84,11 +92,9 @@ def _llama31(messages: list, gen: bool, bos: str, eos: str, slots: list | None) 
             parts += ("<|start_header_id|>ipython<|end_header_id|>\n\n", json.dumps(m["content"], ensure_ascii=False),
                       "<|eot_id|>")
             continue
-        parts += ("<|start_header_id|>", m["role"], "<|end_header_id|>\n\n", m["content"].strip(), "<|eot_id|>")
-        if slots is not None and m["role"] == "assistant":
-            slots.append((i, len(parts) - 2))
+        _llama3_turn(parts, i, m, slots)
     if gen:
-        parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        parts.append(LLAMA3_PROMPT)
     return parts
 
 
