@@ -3,22 +3,22 @@ and a tail (``SHAPES``: ChatML, Qwen3, Llama 3, Llama 3.1, Gemma, Mistral).
 
 Per record, the fast renderers of ``prep.chat_fast`` still run a few microseconds of CPython per message:
 ``json.loads``, ``normalize_messages``, the renderer, the span search. For a batch of JSON lines whose
-conversations are plain (roles system/user/assistant and, but for Qwen3, tool; string contents; no reasoning
+conversations are plain (roles system/user/assistant/tool as the template allows; string contents; no reasoning
 or tool markup) all of that is column work: pyarrow's JSON reader parses the batch, each message becomes
 ``head + content + tail`` gathered by one numpy index (Llama 3 and Gemma: the content stripped of ASCII
 whitespace at both ends; the BOS token before the first head; Llama 3.1: its dated system turn as the first
-head; Mistral: a tail of its own after an answer), and each assistant span is arithmetic on the message
-offsets. The text and spans equal what ``ChatTemplate.render_with_spans`` gives for the same
-record, character for character (tests/test_chat_columns.py compares them on every conversation of the
-shared chat data and on hostile lines).
+head; Mistral: a tail of its own after an answer; Qwen3: a run of tool turns as one user turn of
+``<tool_response>`` blocks), and each assistant span is arithmetic on the message offsets. The text and spans
+equal what ``ChatTemplate.render_with_spans`` gives for the same record, character for character
+(tests/test_chat_columns.py compares them on every conversation of the shared chat data and on hostile lines).
 
 Categories are read as columns too: the record's (``category``, or the ``--category-field``) and each
 message's ``category``; a span takes its message's, the rest of the conversation the record's (or the
 command's ``--category``). Roles are looked up as ``normalize_messages`` does, ``--role-map`` first.
 
 A record is left to the per-record path (``OTHER``) wherever this module is not sure to agree with it:
-a message with another field, role or type (a role without a head in the template's shape: Qwen3's and Llama
-3.1's tool turns, Gemma's and Mistral's system ones); roles that do not alternate user/assistant where the
+a message with another field, role or type (a role without a head in the template's shape: Llama 3.1's tool
+turns, Gemma's and Mistral's system ones); roles that do not alternate user/assistant where the
 template requires it (it raises); content holding ``</think>``, ``<tool_response>`` or the span search's
 placeholder character; an answer that Qwen3 would strip; where the template trims contents (Llama 3, 3.1,
 Gemma), a content that begins or ends with a space beyond ASCII (``WIDE_SPACES``) or more than ``MAX_STRIP``
@@ -53,7 +53,8 @@ from prep.encoder import csr_offsets
 from prep.templates import ROLES, ChatTemplate, TemplateError, normalize_messages
 
 SYSTEM, USER, ASSISTANT, TOOL, THINKING = 0, 1, 2, 3, 4  # head codes; THINKING: Qwen3's answer after the last query
-CODES = 5  # a code plus CODES: the same head after the BOS token (a conversation's first message, where it has one)
+TOOL_OPEN, TOOL_MID, TOOL_CLOSE = 5, 6, 7  # Qwen3's tool turns in a run of several (TOOL: a run of one)
+CODES = 8  # a code plus CODES: the same head after the BOS token (a conversation's first message, where it has one)
 OTHER, KEPT, NO_ANSWER = 0, 1, 2  # what became of each record of a batch
 HEADER = "<|im_start|>assistant\n"  # ChatML's generation prompt: an assistant span begins after it
 END = "<|im_end|>"
@@ -88,9 +89,15 @@ _LLAMA3_HEADS = {SYSTEM: "<|start_header_id|>system<|end_header_id|>\n\n",
                  USER: "<|start_header_id|>user<|end_header_id|>\n\n", ASSISTANT: _LLAMA3_HEADER}
 _DATED = chat_fast.LLAMA31_SYSTEM  # Llama 3.1's system turn, which a first system message's content completes
 _MISTRAL_HEADS = {USER: "[INST] ", ASSISTANT: ""}
+_QWEN3_TOOL = "<|im_start|>user\n<tool_response>\n"
 SHAPES = {
-    "qwen3": Shape({**_CHATML_HEADS, THINKING: HEADER + "<think>\n\n</think>\n\n"}, END + "\n", HEADER, END,
-                   (b"</think>", b"<tool_response>", "\ue000".encode())),
+    # (a run of tool turns is one user turn, each response wrapped in <tool_response>)
+    "qwen3": Shape({**_CHATML_HEADS, THINKING: HEADER + "<think>\n\n</think>\n\n",
+                    TOOL: _QWEN3_TOOL, TOOL_OPEN: _QWEN3_TOOL, TOOL_MID: "\n<tool_response>\n",
+                    TOOL_CLOSE: "\n<tool_response>\n"}, END + "\n", HEADER, END,
+                   (b"</think>", b"<tool_response>", "\ue000".encode()),
+                   tails={TOOL: "\n</tool_response>" + END + "\n", TOOL_OPEN: "\n</tool_response>",
+                          TOOL_MID: "\n</tool_response>", TOOL_CLOSE: "\n</tool_response>" + END + "\n"}),
     "chatml": Shape(_CHATML_HEADS, END + "\n", HEADER, END),
     "llama3": Shape({**_LLAMA3_HEADS, TOOL: "<|start_header_id|>tool<|end_header_id|>\n\n"},
                     "<|eot_id|>", _LLAMA3_HEADER, "<|eot_id|>", strip=True, bos=True),
@@ -419,12 +426,19 @@ class ColumnarChat:
         return found
 
     def _qwen3_heads(self, code, ok, starts, counts, row_of_msg, data, c_off):
-        """Qwen3: tool turns are grouped (left to the per-record path); the last message, when an answer after the
-        last query (user turn), opens with an empty ``<think>`` block and loses its content's leading newlines
-        (such content is left to the per-record path too)."""
+        """Qwen3: a run of tool turns is one user turn (each tool message's code says where it is in its run); the
+        last message, when an answer after the last query (user turn), opens with an empty ``<think>`` block and
+        loses its content's leading newlines (such content is left to the per-record path)."""
         n = len(counts)
-        ok = ok & ~_any(code == TOOL, row_of_msg, n)
+        ok = ok.copy()
         position = np.arange(len(code)) - starts[row_of_msg]  # each message's index in its conversation
+        code = code.copy()
+        tools = np.flatnonzero(code == TOOL)
+        if len(tools):
+            after = (position[tools] > 0) & (code[tools - 1] == TOOL)
+            before = (position[tools] < counts[row_of_msg[tools]] - 1) & (code[np.minimum(tools + 1, len(code) - 1)]
+                                                                          == TOOL)
+            code[tools] = np.select([~after & before, after & before, after], [TOOL_OPEN, TOOL_MID, TOOL_CLOSE], TOOL)
         last_user = np.full(n, -1, np.int64)
         users = np.flatnonzero(code == USER)
         np.maximum.at(last_user, row_of_msg[users], position[users])
@@ -432,11 +446,10 @@ class ColumnarChat:
         rows = np.flatnonzero(counts > 0)
         last = starts[rows + 1] - 1  # the last message of each non-empty conversation
         opens = last[(code[last] == ASSISTANT) & (position[last] > last_query[rows])]
-        code = code.copy()
         code[opens] = THINKING
         filled = opens[c_off[opens + 1] > c_off[opens]]
         newline = filled[data[c_off[filled]] == ord("\n")]
-        ok[row_of_msg[newline]] = False  # ok is this function's own array
+        ok[row_of_msg[newline]] = False
         return code, ok
 
     def _gather(self, kept, starts, counts, code, data, c_lo, c_hi):

@@ -155,7 +155,7 @@ HOSTILE: list[tuple[str, bytes, int, int]] = [
     ("role with a NUL", json.dumps({"messages": _msgs(("user\u0000", "q"), ("assistant", "a"))}).encode(),
      chat_columns.OTHER, chat_columns.OTHER),
     ("tool turn", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), ("tool", "42"),
-                                                ("assistant", "b"))}).encode(), chat_columns.OTHER, chat_columns.KEPT),
+                                                ("assistant", "b"))}).encode(), chat_columns.KEPT, chat_columns.KEPT),
     ("reasoning", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "<think>\nhm\n</think>\n\na"))}).encode(),
      chat_columns.OTHER, chat_columns.KEPT),
     ("think alone", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "<think> a"))}).encode(),
@@ -421,3 +421,27 @@ def test_segments_read_as_bytes_equal_segments_decoded(train_on, monkeypatch):
     for batch in batches:
         _assert_same(columns(batch), decoded(batch), f"line {batch.lines[0]}")
     assert calls  # the decoded pieces went through encode
+
+
+
+@requires_shared_data
+@pytest.mark.parametrize("template", ["qwen3", "chatml", "llama3"])
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_tool_turns_column_wise_equal_per_record(template, train_on, monkeypatch):
+    """Runs of one to three tool turns put into real conversations (first, after an answer, last, between two
+    answers): Qwen3 makes each run one user turn of <tool_response> blocks, ChatML and Llama 3 a turn each; all
+    column-wise, and as per record."""
+    lines = []
+    for i, line in enumerate(_chitchat(2048)):
+        record = json.loads(line)
+        messages, run = record["messages"], [{"role": "tool", "content": f"result {k}"} for k in range(1 + i % 3)]
+        at = (0, len(messages), 1, min(2, len(messages)))[i % 4]
+        record["messages"] = messages[:at] + run + messages[at:]
+        if i % 5 == 0:
+            record["messages"].append({"role": "assistant", "content": "after the tools"})
+        lines.append(json.dumps(record).encode())
+    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on)
+    for batch in _batches(lines):
+        rendered = columns.columns.render(batch.items)
+        assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
+        _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
