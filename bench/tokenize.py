@@ -18,10 +18,12 @@ corpus sizes (streaming ⇒ flat) for text and chat.
 Targets: (issue 2) ≥ 1.5× the fast baseline, ≥ 10× the classic one, peak RSS < 1 GB and flat;
 (issue 15) chat ≥ 4× the Jinja path's conversations/s and ≥ 60× the transformers loop.
 ``--chat-template llama3.1`` measures chat with Meta's Llama 3.1 template instead (the issue's own example),
-over a Llama 3 shaped tokenizer: Qwen3's vocabulary under Llama 3's split pattern, Llama 3's markers added.
+over a Llama 3 shaped tokenizer: Qwen3's vocabulary under Llama 3's split pattern, Llama 3's markers added;
+``--chat-template mistral`` Mistral-7B-Instruct's template over Mistral's own tokenizer (SentencePiece-style:
+no clean cut, every conversation's mask from its token starts).
 
     python bench/tokenize.py [--quick] [--mb 107] [--skip-classic] [--chat-only] [--chat-mb 50]
-                             [--chat-template qwen3|llama3.1]
+                             [--chat-template qwen3|llama3.1|mistral]
 """
 
 from __future__ import annotations
@@ -150,6 +152,20 @@ def xprep_tokenize(corpus: Path, out: Path, *extra: str, cache: Path | None = No
 
 
 LLAMA3_MARKERS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+MISTRAL = DATA / "tokenizers" / "mistral"
+
+
+def mistral_tokenizer(work: Path) -> Path:
+    """Mistral's tokenizer.json beside a tokenizer_config.json holding Mistral-7B-Instruct-v0.2's template (the
+    shared material's has none)."""
+    from prep.chat_fast import MISTRAL as TEMPLATE  # deferred, as chat_breakdown's imports of prep
+
+    out = work / "mistral-tokenizer"
+    out.mkdir(exist_ok=True)
+    shutil.copyfile(MISTRAL / "tokenizer.json", out / "tokenizer.json")
+    config = {**json.loads((MISTRAL / "tokenizer_config.json").read_text()), "chat_template": TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
 
 
 def llama31_tokenizer(work: Path) -> Path:
@@ -255,7 +271,8 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3")
     """Chat: the fast path against the general Jinja path and a transformers loop, all in this run."""
     chat = work / "chat.jsonl"
     chat_size = build_chat_corpus(chat, chat_mb)
-    tok = QWEN3 if template == "qwen3" else llama31_tokenizer(work)
+    tok = {"qwen3": lambda: QWEN3, "llama3.1": lambda: llama31_tokenizer(work),
+           "mistral": lambda: mistral_tokenizer(work)}[template]()
     new_t, new_rss = xprep_tokenize(chat, work / "chat", "--on-error", "skip", tokenizer=tok)
     n_conv = json.loads((work / "chat" / "manifest.json").read_text())["counts"]["documents"]
     old_t, old_rss = xprep_tokenize(chat, work / "chat-jinja", "--on-error", "skip", env={"XPREP_CHAT_RENDER": "jinja"},
@@ -264,7 +281,8 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3")
                for f in ("tokens.bin", "tokens.idx", "loss_mask.bin", "loss_mask.idx"))
     hf_rate = transformers_loop(chat, 300 if quick else 2000, tok)
     new_rate, old_rate = n_conv / new_t, n_conv / old_t
-    what = "Qwen3 template" if template == "qwen3" else "Meta's Llama 3.1 template, Llama 3 shaped tokenizer"
+    what = {"qwen3": "Qwen3 template", "llama3.1": "Meta's Llama 3.1 template, Llama 3 shaped tokenizer",
+            "mistral": "Mistral-Instruct's template and tokenizer"}[template]
     print(f"chat: {chat_size / 1e6:.1f} MB chitchat ({what}), {n_conv:,} conversations kept, "
           f"{os.cpu_count()} cores, whole process, auto workers")
     for name, t, rate, rss in (("fast path", new_t, new_rate, new_rss),
@@ -336,9 +354,9 @@ def main() -> None:
     parser.add_argument("--skip-classic", action="store_true", help="skip the slow classic baseline")
     parser.add_argument("--chat-only", action="store_true", help="only the chat measurements")
     parser.add_argument("--chat-mb", type=float, default=50.0, help="chat corpus size in MB (≥ 50 for the targets)")
-    parser.add_argument("--chat-template", choices=("qwen3", "llama3.1"), default="qwen3",
+    parser.add_argument("--chat-template", choices=("qwen3", "llama3.1", "mistral"), default="qwen3",
                         help="qwen3: the Qwen3 tokenizer's own template (the targets); llama3.1: Meta's Llama 3.1 "
-                        "template over a Llama 3 shaped tokenizer")
+                        "template over a Llama 3 shaped tokenizer; mistral: Mistral-Instruct's over Mistral's")
     args = parser.parse_args()
     if not QWEN3.is_dir():
         raise SystemExit(f"needs the real test material in {DATA}")

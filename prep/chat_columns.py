@@ -193,7 +193,9 @@ class Rendered:
             np.all(data[ends - len(end) + i] == byte) for i, byte in enumerate(end.tolist()))
         # (an answer Llama 3's template strips never begins with whitespace here: a wide space at its start sends
         # its record the per-record way, see _strip)
-        if cuts.after_newline and self.end in cuts.after_tokens and built:
+        if not cuts.after_newline and not cuts.after_tokens:  # no clean cut (a Metaspace tokenizer): but at the ends
+            bad = (starts > self.bounds[:-1][row]) | (ends < self.bounds[1:][row])
+        elif cuts.after_newline and self.end in cuts.after_tokens and built:
             first = data[starts]  # (a span is never empty: it ends with the end marker)
             bad = _ASCII_SPACE[first]
             for i in np.flatnonzero(_WIDE_LEAD[first]).tolist():

@@ -372,6 +372,29 @@ class Cuts:
         return by
 
 
+METASPACE = "\u2581".encode()  # "▁": how SentencePiece tokenizers write a space
+SPELLING_VERSION = 1  # bump when spelling_rule reads something new
+
+
+def spelling_rule(info: TokenizerInfo) -> list:
+    """[prepends, added ids] of this tokenizer, from its ``tokenizer.json`` (memoized per content): whether its
+    normalizer writes each space as "▁" and puts one before each section of text between added tokens (Llama 2's
+    and Mistral's: ``Prepend("▁")`` then ``Replace(" ", "▁")``, no pre-tokenizer), and its added tokens' ids."""
+    return _cached(f"spelling-v{SPELLING_VERSION}-{info.sha256[:40]}.json", lambda: _spelling_rule(info.path),
+                   lambda v: isinstance(v, list) and len(v) == 2 and isinstance(v[0], bool)
+                   and isinstance(v[1], list) and all(isinstance(i, int) for i in v[1]))
+
+
+def _spelling_rule(path: str) -> list:
+    spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    normalizer = spec.get("normalizer") or {}
+    steps = normalizer.get("normalizers") or [] if normalizer.get("type") == "Sequence" else [normalizer]
+    prepends = (spec.get("pre_tokenizer") is None and len(steps) == 2
+                and steps[0] == {"type": "Prepend", "prepend": "\u2581"}
+                and steps[1] == {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"})
+    return [prepends, sorted(t["id"] for t in spec.get("added_tokens") or [])]
+
+
 def clean_cuts(info: TokenizerInfo) -> Cuts:
     r"""The cuts proven clean for this tokenizer from its ``tokenizer.json`` (memoized per content).
 
@@ -512,24 +535,41 @@ class Encoder:
         return starts
 
     def _starts_from_bytes(self, text: str, ids: np.ndarray) -> np.ndarray | None:
-        """``byte_char_starts`` of ``ids``, or None where gigatoken does not encode or its tokens do not spell
-        ``text`` byte for byte (a normalizer changed it)."""
+        """``byte_char_starts`` of ``ids`` from their spelling (``_spelling``), or None where gigatoken does not
+        encode or the tokens do not spell ``text`` byte for byte (a normalizer changed it)."""
         if self._giga is None:
             return None
-        data = text.encode()
-        if self._giga.backend.decode(ids) != data:
+        data = np.frombuffer(text.encode(), np.uint8)
+        flat, offsets, opens, added = self._spelling
+        at, lengths = offsets[ids], offsets[ids + 1] - offsets[ids]
+        if opens is not None and len(ids):  # the ▁ the normalizer put before each section is no byte of the text
+            first = np.ones(len(ids), bool)
+            first[1:] = added[ids[:-1]]
+            drop = first & opens[ids] & ~added[ids]
+            at, lengths = at + drop, lengths - drop
+        if lengths.sum() != len(data) or (len(ids) and lengths[-1] == 0):
             return None
-        return byte_char_starts(data, self._token_bytes()[ids])
+        index = np.repeat(at - csr_offsets(lengths)[:-1], lengths) + np.arange(len(data))
+        if not np.array_equal(flat[index], data):
+            return None
+        return byte_char_starts(data.tobytes(), lengths)
 
-    def _token_bytes(self) -> np.ndarray:
-        """Bytes in each token id's spelling (gigatoken's vocabulary), built once."""
-        if not hasattr(self, "_lengths_of_ids"):
-            vocab = self._giga.backend.vocab
-            lengths = np.zeros(max(vocab, default=-1) + 1, np.int64)
-            lengths[np.fromiter(vocab.keys(), np.int64, len(vocab))] = np.fromiter(map(len, vocab.values()),
-                                                                                   np.int64, len(vocab))
-            self._lengths_of_ids = lengths
-        return self._lengths_of_ids
+    @cached_property
+    def _spelling(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+        """How each id spells the text: its bytes (flat, CSR ``offsets``) as gigatoken's vocabulary holds them, with
+        "▁" read as the space it stands for where the normalizer writes spaces so (``spelling_rule``); then
+        ``opens``: the ids whose "▁" first may be the one it prepends to a section (None where it prepends none),
+        and ``added``: the added tokens' ids, between which the sections lie. Built once per encoder."""
+        prepends, added_ids = spelling_rule(self.info)
+        vocab = self._giga.backend.vocab
+        pieces = [vocab.get(i, b"") for i in range(max(vocab, default=-1) + 1)]
+        if prepends:
+            pieces = [p.replace(METASPACE, b" ") for p in pieces]
+        offsets = csr_offsets([len(p) for p in pieces])
+        added = np.zeros(len(pieces) + 1, bool)
+        added[[i for i in added_ids if i < len(pieces)]] = True
+        opens = np.array([p[:1] == b" " for p in pieces] + [False]) if prepends else None
+        return np.frombuffer(b"".join(pieces), np.uint8), offsets, opens, added
 
     def _offsets_are_bytes(self) -> bool:
         if not hasattr(self, "_bytes_verdict"):
@@ -634,7 +674,7 @@ def choose_backend(info: TokenizerInfo, requested: str) -> tuple[str, str]:
 
 # Where a chat span boundary splits a pre-token: text whose tokens straddle a boundary, and the sample's.
 OFFSETS_SAMPLE = [*SELF_CHECK_SAMPLE, "<|im_start|>assistant\n\n\nanswer<|im_end|>", "x😀y日本語  z", "é\u0301 ½ "]
-OFFSETS_CHECK_VERSION = 1  # bump when _offsets_check checks something new
+OFFSETS_CHECK_VERSION = 2  # bump when _offsets_check checks something new
 
 
 def _offsets_verdict(encoder: Encoder) -> list:
@@ -646,9 +686,11 @@ def _offsets_verdict(encoder: Encoder) -> list:
 
 
 def _offsets_check(encoder: Encoder) -> tuple[bool, str]:
-    flat, lengths = encoder.encode(OFFSETS_SAMPLE, add_special_tokens=False)
+    specials = [t for t, i in encoder.info.known_ids.items() if t and i is not None]
+    sample = OFFSETS_SAMPLE + [f"{t}x {t} y{t}\n z{t}{t}  w" for t in specials]  # sections between added tokens
+    flat, lengths = encoder.encode(sample, add_special_tokens=False)
     compared = 0
-    for text, ids in zip(OFFSETS_SAMPLE, np.split(flat, np.cumsum(lengths)[:-1]), strict=True):
+    for text, ids in zip(sample, np.split(flat, np.cumsum(lengths)[:-1]), strict=True):
         from_bytes = encoder._starts_from_bytes(text, ids)
         if from_bytes is None:
             continue  # a normalizer changed it: such text always takes HF's offsets

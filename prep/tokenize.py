@@ -503,13 +503,18 @@ class Processor:
         return out
 
     def _mask_from_offsets(self, text, ids, spans, cat, code):
+        """Each token of ``ids`` (``text``'s) a target where it begins inside a span, with the span's category;
+        the others of ``cat``. Spans come in order, none overlapping: each token's is found by bisection."""
         starts = self.encoder.char_starts(text, ids)
-        target = np.zeros(len(ids), bool)
         cats = np.full(len(ids), code(cat), np.uint16)
-        for start, end, span_cat in spans:
-            inside = (starts >= start) & (starts < end)
-            target |= inside
-            cats[inside] = code(span_cat or cat)
+        if not spans:
+            return np.zeros(len(ids), bool), cats
+        lo, hi = np.array([a for a, _, _ in spans], np.int64), np.array([b for _, b, _ in spans], np.int64)
+        span_codes = np.array([code(c or cat) for *_, c in spans], np.uint16)
+        assert np.all(lo[1:] >= hi[:-1]), "assistant spans out of order"
+        k = np.searchsorted(lo, starts, side="right") - 1  # the last span that begins at or before each token
+        target = (k >= 0) & (starts < hi[np.maximum(k, 0)])
+        cats[target] = span_codes[k[target]]
         return target, cats
 
 

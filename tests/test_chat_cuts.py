@@ -258,3 +258,14 @@ def test_a_batch_not_rendered_as_built_is_checked_cut_by_cut():
     assert fast.all()
     rendered.starts = rendered.starts - 1  # each span now starts on the "\n": not the shape, and not clean
     assert not rendered.clean(cuts).any()
+
+
+@requires_shared_data
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_without_a_clean_cut_a_conversation_is_clean_only_without_spans(train_on):
+    """A tokenizer with neither rule (Metaspace ones): Rendered.clean says what the per-conversation check says."""
+    columns = _processor(None, train_on=train_on).columns
+    rendered = columns.render(_chitchat(300))
+    per_conversation = [Cuts().spans_clean(rendered.text_of(k), rendered.spans(k)) for k in range(rendered.kept)]
+    assert np.array_equal(rendered.clean(Cuts()), per_conversation)
+    assert any(per_conversation) == (train_on == "all")  # (unanswered conversations are kept under "all" only)

@@ -336,3 +336,87 @@ def test_a_lone_surrogate_outside_contents_is_a_reject(render, tokenizer_dir, mo
     assert [(r.line, r.kind) for r in out.rejects] == [(1, "lone surrogate"), (2, "lone surrogate"),
                                                        (3, "lone surrogate")]
     assert len(out.lengths) == 1
+
+
+MISTRAL_TOKENIZER = SHARED / "tokenizers/mistral"
+
+
+@requires_shared_data
+def test_character_offsets_from_a_sentencepiece_spelling_equal_hf_offsets():
+    """Mistral's tokenizer writes spaces as "▁" and puts one before each stretch of text between added tokens: token
+    starts read from that spelling are HF tokenizers' offsets, on every chitchat conversation in Mistral's template
+    and on hand-made texts (spaces first, added tokens side by side, byte-fallback emoji); a literal "▁" in the
+    text, which the spelling cannot tell from a space, takes HF's offsets."""
+    info = load_tokenizer_info(str(MISTRAL_TOKENIZER))
+    backend, _ = choose_backend(info, "auto")
+    processor = Processor(info, backend, TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"),
+                          Options(CHAT, "text", "all", None, None, None, info.eod_id, info.vocab_size))
+    encoder = processor.encoder
+    assert encoder._giga is not None and encoder._offsets_are_bytes()
+    texts = [" lead", "  two\n\n\tthree ", "<s></s><s> x</s>y", "<s>[INST] 😀🦀 日本語 [/INST] é</s>", "a" * 500, "\n"]
+    for line in _batch().items:
+        try:
+            texts.append(processor.template.render(templates.normalize_messages(json.loads(line))))
+        except TemplateError:
+            continue
+    flat, lengths = encoder.encode(texts, add_special_tokens=False)
+    references = encoder.hf.encode_batch(texts, add_special_tokens=False)
+    for text, ids, ref in zip(texts, np.split(flat, np.cumsum(lengths)[:-1]), references, strict=True):
+        assert np.array_equal(ref.ids, ids)
+        spelled = encoder._starts_from_bytes(text, ids)
+        assert spelled is not None and np.array_equal(spelled, [s for s, _ in ref.offsets]), text[:200]
+    assert len(texts) > 4000
+    literal = "a ▁ b"
+    ids = encoder.encode([literal], add_special_tokens=False)[0]
+    assert encoder._starts_from_bytes(literal, ids) is None
+    assert np.array_equal(encoder.char_starts(literal, ids), encoder.offsets(literal)[1])
+
+
+@requires_shared_data
+def test_a_sentencepiece_tokenizer_masks_chat_without_hf(monkeypatch):
+    """Chat over Mistral's tokenizer (no clean cut: every conversation encoded whole, its mask from token starts),
+    column-wise and per record: HF tokenizers never loads once its offsets verdict is known, and the output is
+    what HF's offsets give."""
+    from prep import encoder as encoder_module
+
+    info = load_tokenizer_info(str(MISTRAL_TOKENIZER))
+    backend, _ = choose_backend(info, "auto")
+    spec = TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>")
+    options = Options(CHAT, "text", "assistant", None, None, None, info.eod_id, info.vocab_size)
+    batch = _batch(limit=1500)
+    processors = [Processor(info, backend, spec, options)]
+    monkeypatch.setenv(RENDER_ENV, "records")
+    processors.append(Processor(info, backend, spec, options))
+    monkeypatch.delenv(RENDER_ENV)
+    assert processors[0].columns is not None and processors[1].columns is None
+    for p in processors:
+        assert p.encoder._offsets_are_bytes() and not p.encoder.cuts.after_newline
+    with monkeypatch.context() as m:
+        m.setattr(encoder_module, "_load_hf", lambda path: pytest.fail("HF tokenizers was loaded"))
+        outputs = [p(batch) for p in processors]
+    reference = Processor(info, backend, spec, options)
+    reference.encoder._bytes_verdict = False  # HF's offsets
+    want = reference(batch)
+    for got in outputs:
+        _assert_same(got, want, "mistral")
+    assert len(want.lengths) > 500
+
+
+def test_mask_from_offsets_marks_tokens_that_begin_inside_a_span(tiny_tokenizer, monkeypatch):
+    """Each token is a target exactly where its first character lies in a span [start, end), with that span's
+    category (or the record's); on random token starts and spans, against the rule written out token by token."""
+    info = load_tokenizer_info(tiny_tokenizer)
+    processor = Processor(info, "hf", None, Options(CHAT, "text", "assistant", None, None, None, info.eod_id,
+                                                      info.vocab_size))
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        starts = np.sort(rng.integers(0, 60, rng.integers(1, 30)))
+        cuts = np.sort(rng.choice(61, 2 * rng.integers(0, 6), replace=False))
+        spans = [(int(a), int(b), rng.choice([None, "x", "y"])) for a, b in zip(cuts[::2], cuts[1::2], strict=True)]
+        monkeypatch.setattr(processor.encoder, "char_starts", lambda text, ids, starts=starts: starts)
+        codes: dict = {}
+        target, cats = processor._mask_from_offsets("", starts, spans, "r",
+                                                    lambda k, codes=codes: codes.setdefault(k, len(codes)))
+        for t, s in enumerate(starts.tolist()):
+            inside = [c for a, b, c in spans if a <= s < b]
+            assert target[t] == bool(inside) and cats[t] == codes[(inside[0] or "r") if inside else "r"]
