@@ -554,6 +554,39 @@ class Encoder:
             return None
         return byte_char_starts(data.tobytes(), lengths)
 
+    def token_starts(self, data: np.ndarray, bounds: np.ndarray, flat: np.ndarray, lengths: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where each token of several texts begins, in bytes of ``data`` (text k is ``data[bounds[k]:bounds[k + 1]]``,
+        its ids the k-th ``lengths`` of ``flat``), by ``_starts_from_bytes``' rule for all texts at once; and per
+        text whether its tokens spell it byte for byte (where not, its starts are not to be used). None where this
+        tokenizer's offsets are not its spelling's (``_offsets_are_bytes``)."""
+        if self._giga is None or not self._offsets_are_bytes():
+            return None
+        spelled, offsets, opens, added = self._spelling
+        at, size = offsets[flat], offsets[flat + 1] - offsets[flat]
+        first_token = csr_offsets(lengths)
+        if opens is not None and len(flat):  # as in _starts_from_bytes; each text starts a section
+            first = np.zeros(len(flat), bool)
+            first[1:] = added[flat[:-1]]
+            first[first_token[:-1][lengths > 0]] = True
+            drop = first & opens[flat] & ~added[flat]
+            at, size = at + drop, size - drop
+        row = np.repeat(np.arange(len(lengths)), lengths)
+        spent = csr_offsets(size)  # bytes spelled before each token, over all texts
+        starts = bounds[:-1][row] + spent[:-1] - spent[first_token[:-1]][row]
+        ok = spent[first_token[1:]] - spent[first_token[:-1]] == np.diff(bounds)
+        ends_empty = lengths > 0
+        ends_empty[ends_empty] = size[first_token[1:][ends_empty] - 1] == 0
+        ok &= ~ends_empty  # (a last token of no byte would start past its text)
+        # the tokens of the texts spelled to their length tile those texts byte after byte: compare every byte
+        take = ok[row]
+        in_text = np.flatnonzero(np.repeat(ok, np.diff(bounds)))
+        source = in_text.astype(np.int32) + np.repeat((at[take] - starts[take]).astype(np.int32), size[take])
+        wrong = spelled[source] != data[in_text]  # (int32: a batch is far below 2 GB)
+        if wrong.any():
+            ok[np.searchsorted(bounds, in_text[wrong], side="right") - 1] = False
+        return starts, ok
+
     @cached_property
     def _spelling(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
         """How each id spells the text: its bytes (flat, CSR ``offsets``) as gigatoken's vocabulary holds them, with

@@ -433,6 +433,14 @@ class Processor:
             span_codes = np.concatenate([span_codes, span_code])
         if not self._needs_segments(span_codes, convs, code):
             return self._encode_whole(texts, rendered if columnar else None, convs, len(chats), code(convs[0][2]))
+        done: dict = {}  # column-wise conversations encoded whole, masked by where their tokens start
+        if columnar and not (cuts.after_newline or cuts.after_tokens):
+            by_starts = self._columns_by_starts(rendered, conv_code, span_code, [chats[j][1] for j in columnar], code)
+            if by_starts is not None:  # the per-record conversations go on below
+                done = dict(zip(columnar, by_starts, strict=True))
+                columnar, convs, rendered = [], convs[:per_record], None
+                if not convs:
+                    return self._first_not_a_target([done[j] for j in range(len(chats))])
 
         def text_of(k: int) -> str:
             return texts[k] if k < per_record else rendered.text_of(k - per_record)
@@ -475,8 +483,48 @@ class Processor:
                 doc_mask = np.ones(len(ids), np.uint8) if self.options.train_on == "all" else doc_target.astype(
                     np.uint8)
                 out[j] = (ids, doc_mask, doc_cats)
+        for j, item in done.items():
+            out[j] = item
+        return self._first_not_a_target(out)
+
+    @staticmethod
+    def _first_not_a_target(out: list) -> list:
+        """A document's first token is never a target (nothing comes before it to predict it from)."""
         for _, doc_mask, _ in out:
             doc_mask[:1] = 0
+        return out
+
+    def _columns_by_starts(self, rendered: chat_columns.Rendered, conv_code: np.ndarray, span_code: np.ndarray,
+                           cats: list, code) -> list | None:
+        """A column-wise batch's conversations where no cut is clean for this tokenizer (one that writes spaces as
+        "▁", say): each encoded whole, its mask and categories from where its tokens start against the spans, for
+        the whole batch at once (byte offsets: a token that starts inside a span's first character is in, as by
+        characters). A conversation its tokens do not spell goes through ``_mask_from_offsets``; None where the
+        encoder cannot tell where tokens start (then each is cut into segments)."""
+        flat, lengths = self.encoder.encode_utf8([], rendered.data, rendered.bounds)
+        found = self.encoder.token_starts(rendered.data, rendered.bounds, flat, lengths)
+        if found is None:
+            return None
+        starts, spelled = found
+        row = np.repeat(np.arange(rendered.kept), lengths)
+        if len(rendered.starts):
+            k = np.searchsorted(rendered.starts, starts, side="right") - 1  # the last span begun by each token
+            target = (k >= 0) & (starts < rendered.ends[np.maximum(k, 0)])
+            token_cats = np.where(target, span_code[np.maximum(k, 0)], conv_code[row])
+        else:
+            target, token_cats = np.zeros(len(flat), bool), conv_code[row]
+        every = self.options.train_on == "all"
+        mask = np.ones(len(flat), np.uint8) if every else target.view(np.uint8).copy()
+        off = csr_offsets(lengths)
+        out = []
+        for c, ok in enumerate(spelled.tolist()):
+            ids = flat[off[c] : off[c + 1]]
+            if ok:
+                out.append((ids, mask[off[c] : off[c + 1]], token_cats[off[c] : off[c + 1]]))
+                continue
+            spans = [(a, b, sc) for (a, b), sc in zip(rendered.spans(c), rendered.span_categories_of(c), strict=True)]
+            doc_target, doc_cats = self._mask_from_offsets(rendered.text_of(c), ids, spans, cats[c], code)
+            out.append((ids, np.ones(len(ids), np.uint8) if every else doc_target.astype(np.uint8), doc_cats))
         return out
 
     def _needs_segments(self, span_codes: np.ndarray, convs: list, code) -> bool:

@@ -420,3 +420,48 @@ def test_mask_from_offsets_marks_tokens_that_begin_inside_a_span(tiny_tokenizer,
         for t, s in enumerate(starts.tolist()):
             inside = [c for a, b, c in spans if a <= s < b]
             assert target[t] == bool(inside) and cats[t] == codes[(inside[0] or "r") if inside else "r"]
+
+
+@requires_shared_data
+@pytest.mark.parametrize("template", ["mistral", "chatml"])
+@pytest.mark.parametrize("train_on,category", [("assistant", None), ("all", "chat")])
+def test_masks_from_token_starts_equal_masks_from_segments(template, train_on, category, monkeypatch):
+    """Over a tokenizer without a clean cut (Mistral's), a column-wise batch's conversations are encoded whole and
+    masked by where their tokens start, all at once: the same arrays as cutting each into segments and comparing,
+    on every chitchat conversation (with message categories on some) and the hostile lines among real ones."""
+    from test_chat_columns import HOSTILE, STRIPPED  # the hostile lines of the column-wise tests
+
+    info = load_tokenizer_info(str(MISTRAL_TOKENIZER))
+    backend, _ = choose_backend(info, "auto")
+    source = chat_fast.MISTRAL if template == "mistral" else templates.BUILTIN_TEMPLATES["chatml"]
+    spec = TemplateSpec(template, source, "<s>", "</s>")
+    options = Options(CHAT, "text", train_on, category, None, None, info.eod_id, info.vocab_size)
+    by_starts, by_segments = Processor(info, backend, spec, options), Processor(info, backend, spec, options)
+    assert by_starts.columns is not None and not by_starts.encoder.cuts.after_tokens
+    monkeypatch.setattr(by_segments.encoder, "token_starts", lambda *a: None)
+    calls = []
+    original = Processor._columns_by_starts
+    monkeypatch.setattr(Processor, "_columns_by_starts", lambda self, *a: calls.append(1) or original(self, *a))
+    lines = (SHARED / "chat/chitchat.jsonl").read_bytes().splitlines()
+    for i in range(0, len(lines), 5):  # a category on some answers
+        record = json.loads(lines[i])
+        for m in record["messages"][1::4]:
+            m["category"] = "picked"
+        lines[i] = json.dumps(record).encode()
+    good = lines[:40]
+    batches = [RawBatch(0, lines[i : i + 1024], list(range(i + 1, i + 1 + len(lines[i : i + 1024]))), LINES)
+               for i in range(0, len(lines), 1024)]
+    # a literal "▁", which the spelling reads as a space: that conversation's tokens do not spell it
+    literal = json.dumps({"messages": [{"role": "user", "content": "say ▁"}, {"role": "assistant", "content": "▁ x"}]})
+    batches += [RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES)
+                for line in [literal.encode()] + [line for _, line, *_ in [*HOSTILE, *STRIPPED]]]
+    spelled = []
+    token_starts = by_starts.encoder.token_starts
+    monkeypatch.setattr(by_starts.encoder, "token_starts", lambda *a: spelled.append(token_starts(*a)[1]) or
+                        token_starts(*a))
+    for batch in batches:
+        spelled.clear()
+        _assert_same(by_starts(batch), by_segments(batch), f"{template} line {batch.lines[0]}")
+        if batch.items[20] == literal.encode():
+            assert spelled and spelled[0].sum() == len(spelled[0]) - 1  # that one only
+    assert len(calls) > len(batches) / 2
