@@ -89,6 +89,14 @@ def test_every_conversation_column_wise_equals_per_record(template, train_on, ca
     assert kept > 4000
 
 
+def _assert_batches_same(columns: Processor, records: Processor, lines: list[bytes], name: str) -> None:
+    """Batches of ``lines``, each mostly column-wise (> 300 kept): the same output both ways."""
+    for batch in _batches(lines):
+        rendered = columns.columns.render(batch.items)
+        assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
+        _assert_same(columns(batch), records(batch), f"{name} lines {batch.lines[0]}..")
+
+
 def _msgs(*turns, **extra) -> list[dict]:
     return [{"role": r, "content": c, **extra} for r, c in turns]
 
@@ -318,10 +326,7 @@ def test_role_map_column_wise_equals_per_record(template, monkeypatch):
             record["messages"].append({"role": "robot", "content": "unknown: rejected"})
         lines.append(json.dumps(record).encode())
     columns, records = _pair(monkeypatch, SPECS[template], role_map=role_map)
-    for batch in _batches(lines):
-        rendered = columns.columns.render(batch.items)
-        assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
-        _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
+    _assert_batches_same(columns, records, lines, template)
 
 
 def _line(record: dict) -> bytes:
@@ -441,7 +446,4 @@ def test_tool_turns_column_wise_equal_per_record(template, train_on, monkeypatch
             record["messages"].append({"role": "assistant", "content": "after the tools"})
         lines.append(json.dumps(record).encode())
     columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on)
-    for batch in _batches(lines):
-        rendered = columns.columns.render(batch.items)
-        assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
-        _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
+    _assert_batches_same(columns, records, lines, template)

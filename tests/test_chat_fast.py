@@ -115,6 +115,17 @@ def _batch(limit: int | None = None) -> RawBatch:
     return RawBatch(0, lines, list(range(1, len(lines) + 1)), LINES)
 
 
+def _rendered(processor: Processor, lines: list[bytes]) -> list[str]:
+    """The texts ``processor``'s template renders for ``lines`` (those it refuses left out)."""
+    texts = []
+    for line in lines:
+        try:
+            texts.append(processor.template.render(templates.normalize_messages(json.loads(line))))
+        except TemplateError:
+            continue
+    return texts
+
+
 def _assert_same(a, b, name: str) -> None:
     assert [(r.line, r.kind, r.reason, r.fatal) for r in a.rejects] == [
         (r.line, r.kind, r.reason, r.fatal) for r in b.rejects]
@@ -160,12 +171,8 @@ def test_character_offsets_from_token_bytes_equal_hf_offsets(name, tokenizer_dir
     processor = _processor(tokenizer_dir, CASES[name], train_on="all")
     encoder = processor.encoder
     assert encoder._giga is not None and encoder._offsets_are_bytes()
-    texts = []  # real conversations once (the templates differ only in their glue), the edge cases for each
-    for line in _batch(limit=2000 if name == "qwen3" else 0).items:
-        try:
-            texts.append(processor.template.render(templates.normalize_messages(json.loads(line))))
-        except TemplateError:
-            continue
+    # real conversations once (the templates differ only in their glue), the edge cases for each
+    texts = _rendered(processor, _batch(limit=2000 if name == "qwen3" else 0).items)
     flat, lengths = encoder.encode(texts, add_special_tokens=False)
     references = encoder.hf.encode_batch(texts, add_special_tokens=False)
     from_bytes = 0
@@ -354,11 +361,7 @@ def test_character_offsets_from_a_sentencepiece_spelling_equal_hf_offsets():
     encoder = processor.encoder
     assert encoder._giga is not None and encoder._offsets_are_bytes()
     texts = [" lead", "  two\n\n\tthree ", "<s></s><s> x</s>y", "<s>[INST] 😀🦀 日本語 [/INST] é</s>", "a" * 500, "\n"]
-    for line in _batch().items:
-        try:
-            texts.append(processor.template.render(templates.normalize_messages(json.loads(line))))
-        except TemplateError:
-            continue
+    texts += _rendered(processor, _batch().items)
     flat, lengths = encoder.encode(texts, add_special_tokens=False)
     references = encoder.hf.encode_batch(texts, add_special_tokens=False)
     for text, ids, ref in zip(texts, np.split(flat, np.cumsum(lengths)[:-1]), references, strict=True):
