@@ -2,7 +2,9 @@
 and a tail (``SHAPES``: ChatML, Qwen3, Llama 3, Llama 3.1, Gemma, Mistral).
 
 Per record, the fast renderers of ``prep.chat_fast`` still run a few microseconds of CPython per message:
-``json.loads``, ``normalize_messages``, the renderer, the span search. For a batch of JSON lines whose
+``json.loads``, ``normalize_messages``, the renderer, the span search. A batch's conversations are ``messages``
+of ``role``/``content``, or ShareGPT's ``conversations`` of ``from``/``value`` (as its first line says). For a
+batch of JSON lines whose
 conversations are plain (roles system/user/assistant/tool as the template allows; string contents; no reasoning
 or tool markup) all of that is column work: pyarrow's JSON reader parses the batch, each message becomes
 ``head + content + tail`` gathered by one numpy index (Llama 3 and Gemma: the content stripped of ASCII
@@ -31,7 +33,8 @@ where pyarrow might not read it as Python's ``json`` does, or might not survive 
   object a line and as many rows as lines, rows and lines pair up;
 - a line with more than ``MAX_OPENINGS`` brackets (its parser recurses per nesting level);
 - any line pyarrow refuses (malformed, duplicate keys, lone surrogates, raw control characters), invalid
-  UTF-8 (which it accepts), a ``conversations`` field, a category that is not a string, another top-level
+  UTF-8 (which it accepts), both fields of conversations (``messages`` and ShareGPT's ``conversations``, which
+  a record picks per record), a category that is not a string, another top-level
   field that is not a scalar;
 - a batch whose first line names no ``messages`` (text under ``--format auto``) or of more than
   ``MAX_BATCH_BYTES``.
@@ -132,6 +135,12 @@ MAX_OPENINGS = 1024
 # the gather indexes every output byte (int32): a batch bigger than this (one huge line) goes the per-record way
 MAX_BATCH_BYTES = 16 << 20
 ROLE_BYTES = 16  # a role of 16 bytes or more (none of ROLES) goes the per-record way
+FIELDS = {"messages": ("role", "content"), "conversations": ("from", "value")}  # as normalize_messages reads them
+
+
+def chat_field(line: bytes) -> str | None:
+    """The field of a batch's conversations, by its first line: ``messages``, else ShareGPT's ``conversations``."""
+    return next((key for key in FIELDS if f'"{key}"'.encode() in line), None)
 
 
 class Rendered:
@@ -257,10 +266,13 @@ class ColumnarChat:
         # what the span search takes after an answer's content (the end marker, as a rule)
         self.end_len = len(shape.end) if end_len is None else end_len
         self.category_field = category_field or "category"  # the record's category (--category-field)
-        fields = [("role", pa.string()), ("content", pa.string())]
-        self._schema = pa.schema([("messages", pa.list_(pa.struct(fields))), (self.category_field, pa.string())])
-        # a message's category is left out of the schema: then a batch without any has no such field at all
-        self._with_category = {pa.list_(pa.struct([*fields, ("category", t)])) for t in (pa.string(), pa.null())}
+        self._schemas, self._with_category = {}, {}
+        for key, names in FIELDS.items():  # OpenAI's messages, ShareGPT's conversations
+            fields = [(name, pa.string()) for name in names]
+            self._schemas[key] = pa.schema([(key, pa.list_(pa.struct(fields))), (self.category_field, pa.string())])
+            # a message's category is left out of the schema: then a batch without any has no such field at all
+            self._with_category[key] = {pa.list_(pa.struct([*fields, ("category", t)])) for t in (pa.string(),
+                                                                                                 pa.null())}
         self._bos = bos if shape.bos else ""
         self._has_head = np.array([k in shape.heads for k in range(CODES)])  # a role without one goes per record
         heads = [shape.heads.get(k, "") for k in range(CODES)]
@@ -283,15 +295,16 @@ class ColumnarChat:
         """The batch rendered, or None where it must go the per-record way whole (see the module's docstring)."""
         import pyarrow as pa  # deferred with the module itself (imported already by __init__)
 
-        table = self._read(items)
-        if table is None:
+        read = self._read(items)
+        if read is None:
             return None
-        messages = table.column("messages").combine_chunks()
+        table, key = read
+        messages = table.column(key).combine_chunks()
         n = len(items)
         starts = _offsets(messages)
         counts = np.diff(starts)
         structs = messages.values
-        role, content = structs.field("role"), structs.field("content")
+        role, content = (structs.field(name) for name in FIELDS[key])
         msg_cat = structs.field("category") if structs.type.get_field_index("category") >= 0 else None
         m = len(structs)
         msg_ok = _valid(structs) & _valid(role) & _valid(content)
@@ -340,6 +353,8 @@ class ColumnarChat:
         the per-record way (``REFUSED``)."""
         lines = [json.dumps({"messages": probe}, ensure_ascii=False).encode() for probe in PROBES + chat_fast.PROBES]
         lines.append(json.dumps({"messages": ESCAPES}, ensure_ascii=True).encode())  # emoji as surrogate pairs
+        lines += [json.dumps({"conversations": [{"from": m["role"], "value": m["content"]} for m in probe]},
+                             ensure_ascii=False).encode() for probe in PROBES]
         for line in lines:
             rendered = self.render([line])
             if rendered is None or rendered.status[0] == OTHER:
@@ -357,10 +372,12 @@ class ColumnarChat:
         return all(self.render([lines[0], line]) is None for line in REFUSED)
 
     def _read(self, items: list[bytes]):
+        """(the batch as a table, the field of its conversations), or None (see the module's docstring)."""
         import pyarrow as pa  # deferred with the module itself: only chat batches need it
         import pyarrow.json as pj  # deferred: as pyarrow
 
-        if not items or b'"messages"' not in items[0] or sum(map(len, items)) > MAX_BATCH_BYTES:
+        key = chat_field(items[0]) if items else None
+        if key is None or sum(map(len, items)) > MAX_BATCH_BYTES:
             return None  # not chat (a text corpus under --format auto), or too big for the gather's indexes
         for line in items:
             if line[:1] != b"{" or line[-1:] != b"}":
@@ -373,22 +390,22 @@ class ColumnarChat:
         try:
             table = pj.read_json(io.BytesIO(raw),
                                  read_options=pj.ReadOptions(use_threads=False, block_size=len(raw) + 1),
-                                 parse_options=pj.ParseOptions(explicit_schema=self._schema,
+                                 parse_options=pj.ParseOptions(explicit_schema=self._schemas[key],
                                                                unexpected_field_behavior="infer"))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
             return None
-        messages = table.schema.field("messages").type
-        if table.num_rows != len(items) or (messages != self._schema.field(0).type
-                                            and messages not in self._with_category):
+        messages = table.schema.field(key).type
+        if table.num_rows != len(items) or (messages != self._schemas[key].field(0).type
+                                            and messages not in self._with_category[key]):
             return None
-        for f in table.schema:
-            if f.name == "conversations" or (f.name != "messages" and pa.types.is_nested(f.type)):
+        for f in table.schema:  # (the other field of conversations: which one a record uses is per record)
+            if f.name in FIELDS and f.name != key or (f.name != key and pa.types.is_nested(f.type)):
                 return None
         try:
             table.validate(full=True)  # invalid UTF-8 passes pyarrow's reader; Python's json refuses it
         except pa.ArrowInvalid:
             return None
-        return table
+        return table, key
 
     def _roles(self, role, m: int) -> np.ndarray:
         """Each message's head code by its role, as ``normalize_messages`` maps it (-1: not for this path; a null

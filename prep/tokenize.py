@@ -197,7 +197,7 @@ class Processor:
     def __call__(self, batch: RawBatch) -> Encoded:
         docs: list[tuple[str, object, str | int | None]] = []  # (kind, payload, category)
         rejects = []
-        chat = batch.kind == LINES and batch.items and b'"messages"' in batch.items[0]
+        chat = batch.kind == LINES and batch.items and chat_columns.chat_field(batch.items[0]) is not None
         rendered = self.columns.render(batch.items) if chat and self.columns is not None else None
         parse = self._parse if rendered is None else self._rendered_parser(rendered)
         for item, line in zip(batch.items, batch.lines, strict=True):

@@ -447,3 +447,39 @@ def test_tool_turns_column_wise_equal_per_record(template, train_on, monkeypatch
         lines.append(json.dumps(record).encode())
     columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on)
     _assert_batches_same(columns, records, lines, template)
+
+
+def _sharegpt(line: bytes, i: int) -> bytes:
+    """A chitchat line as ShareGPT writes it: ``conversations`` of ``from``/``value`` (human/gpt, now and then
+    user/assistant or another case), a message category on some."""
+    record = json.loads(line)
+    names = {"user": ("human", "user", "Human"), "assistant": ("gpt", "assistant", "GPT")}
+    turns = [{"from": names[m["role"]][(i + k) % 3], "value": m["content"]} for k, m in enumerate(record["messages"])]
+    if i % 9 == 0 and turns:
+        turns[-1]["category"] = "last"
+    return json.dumps({"id": record["id"], "conversations": turns}).encode()
+
+
+@requires_shared_data
+@pytest.mark.parametrize("template", ["qwen3", "llama3.1", "mistral"])
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_sharegpt_conversations_column_wise_equal_per_record(template, train_on, monkeypatch):
+    """ShareGPT's ``conversations`` are read column-wise as ``messages`` are: every chitchat conversation so
+    written, and lines that must go the per-record way among them (a batch with both fields goes whole)."""
+    lines = [_sharegpt(line, i) for i, line in enumerate(_chitchat())]
+    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on)
+    _assert_batches_same(columns, records, lines, template)
+    good = lines[:40]
+    odd = [("role and content keys", b'{"conversations": [{"role": "user", "content": "q"}, '
+                                      b'{"role": "assistant", "content": "a"}]}', BATCH),
+           ("messages too", json.dumps({"messages": QA, "conversations": []}).encode(), BATCH),
+           ("null conversations", b'{"conversations": null}', chat_columns.OTHER),
+           ("no field", b'{"id": "x"}', chat_columns.OTHER),
+           ("null value", b'{"conversations": [{"from": "human", "value": null}, {"from": "gpt", "value": "a"}]}',
+            chat_columns.OTHER)]
+    for name, line, want in odd:
+        batch = RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES)
+        rendered = columns.columns.render(batch.items)
+        got = BATCH if rendered is None else int(rendered.status[20])
+        assert got == want, name
+        _assert_same(columns(batch), records(batch), name)
