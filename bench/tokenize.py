@@ -23,7 +23,7 @@ over a Llama 3 shaped tokenizer: Qwen3's vocabulary under Llama 3's split patter
 no clean cut, every conversation's mask from its token starts).
 
     python bench/tokenize.py [--quick] [--mb 107] [--skip-classic] [--chat-only] [--chat-mb 50]
-                             [--chat-template qwen3|llama3.1|mistral]
+                             [--chat-template qwen3|llama3.1|mistral] [--sharegpt]
 """
 
 from __future__ import annotations
@@ -104,8 +104,15 @@ def build_text_corpus(path: Path, megabytes: float) -> int:
     return write_repeated(path, [json.dumps({"text": t}) + "\n" for t in texts if t.strip()], megabytes)
 
 
-def build_chat_corpus(path: Path, megabytes: float) -> int:
+def build_chat_corpus(path: Path, megabytes: float, sharegpt: bool = False) -> int:
+    """chitchat repeated to ``megabytes``; ``sharegpt``: written as ShareGPT does (``conversations`` of
+    ``from``/``value``, human/gpt)."""
     lines = (DATA / "chat" / "chitchat.jsonl").read_text().splitlines(keepends=True)
+    if sharegpt:
+        names = {"user": "human", "assistant": "gpt"}
+        lines = [json.dumps({"id": r["id"], "conversations": [{"from": names.get(m["role"], m["role"]),
+                                                               "value": m["content"]} for m in r["messages"]]}) + "\n"
+                 for r in map(json.loads, lines)]
     return write_repeated(path, lines, megabytes)
 
 
@@ -197,7 +204,9 @@ tok = AutoTokenizer.from_pretrained(tok_dir)
 convs = []
 with open(corpus) as f:
     for line in f:
-        messages = json.loads(line)["messages"]
+        record = json.loads(line)
+        messages = record.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}.get(m["from"], m["from"]),
+                                               "content": m["value"]} for m in record["conversations"]]
         if any(m["role"] == "assistant" for m in messages):
             convs.append(messages)
         if len(convs) >= limit:
@@ -267,10 +276,10 @@ def chat_breakdown(corpus: Path, limit: int, tokenizer: Path = QWEN3) -> dict:
     return out
 
 
-def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3") -> None:
+def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3", sharegpt: bool = False) -> None:
     """Chat: the fast path against the general Jinja path and a transformers loop, all in this run."""
     chat = work / "chat.jsonl"
-    chat_size = build_chat_corpus(chat, chat_mb)
+    chat_size = build_chat_corpus(chat, chat_mb, sharegpt)
     tok = {"qwen3": lambda: QWEN3, "llama3.1": lambda: llama31_tokenizer(work),
            "mistral": lambda: mistral_tokenizer(work)}[template]()
     new_t, new_rss = xprep_tokenize(chat, work / "chat", "--on-error", "skip", tokenizer=tok)
@@ -283,6 +292,7 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3")
     new_rate, old_rate = n_conv / new_t, n_conv / old_t
     what = {"qwen3": "Qwen3 template", "llama3.1": "Meta's Llama 3.1 template, Llama 3 shaped tokenizer",
             "mistral": "Mistral-Instruct's template and tokenizer"}[template]
+    what += ", as ShareGPT's conversations" if sharegpt else ""
     print(f"chat: {chat_size / 1e6:.1f} MB chitchat ({what}), {n_conv:,} conversations kept, "
           f"{os.cpu_count()} cores, whole process, auto workers")
     for name, t, rate, rss in (("fast path", new_t, new_rate, new_rss),
@@ -292,7 +302,7 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3")
     print(f"  speed-up: {new_rate / old_rate:.2f}x the Jinja path (target >= 4x), {new_rate / hf_rate:.0f}x the "
           f"transformers loop (target >= 60x); outputs byte-identical: {same}")
     big = work / "chat2.jsonl"
-    build_chat_corpus(big, 2 * chat_mb)
+    build_chat_corpus(big, 2 * chat_mb, sharegpt)
     big_t, big_rss = xprep_tokenize(big, work / "chat2", "--on-error", "skip", tokenizer=tok)
     print(f"  peak RSS: {chat_size / 1e6:.0f} MB {new_rss:.0f} MB, {2 * chat_size / 1e6:.0f} MB {big_rss:.0f} MB "
           f"(ratio {big_rss / new_rss:.2f}; target < 1024 MB and flat), {2 * chat_size / 1e6 / big_t:.1f} MB/s")
@@ -357,6 +367,8 @@ def main() -> None:
     parser.add_argument("--chat-template", choices=("qwen3", "llama3.1", "mistral"), default="qwen3",
                         help="qwen3: the Qwen3 tokenizer's own template (the targets); llama3.1: Meta's Llama 3.1 "
                         "template over a Llama 3 shaped tokenizer; mistral: Mistral-Instruct's over Mistral's")
+    parser.add_argument("--sharegpt", action="store_true",
+                        help="the chat corpus written as ShareGPT's conversations (from/value, human/gpt)")
     args = parser.parse_args()
     if not QWEN3.is_dir():
         raise SystemExit(f"needs the real test material in {DATA}")
@@ -364,7 +376,7 @@ def main() -> None:
     try:
         if not args.chat_only:
             text_bench(work, 10.0 if args.quick else args.mb, args.skip_classic)
-        chat_bench(work, 5.0 if args.quick else args.chat_mb, args.quick, args.chat_template)
+        chat_bench(work, 5.0 if args.quick else args.chat_mb, args.quick, args.chat_template, args.sharegpt)
         if not args.chat_only:
             chat_workers(work)
     finally:
