@@ -19,8 +19,8 @@ message's ``category``; a span takes its message's, the rest of the conversation
 command's ``--category``). Roles are looked up as ``normalize_messages`` does, ``--role-map`` first.
 
 A record is left to the per-record path (``OTHER``) wherever this module is not sure to agree with it:
-a message with another field, role or type (a role without a head in the template's shape: Llama 3.1's tool
-turns, Gemma's and Mistral's system ones); roles that do not alternate user/assistant where the
+a message with another role or type (a role without a head in the template's shape: Llama 3.1's tool turns,
+Gemma's and Mistral's system ones); roles that do not alternate user/assistant where the
 template requires it (it raises); content holding ``</think>``, ``<tool_response>`` or the span search's
 placeholder character; an answer that Qwen3 would strip; where the template trims contents (Llama 3, 3.1,
 Gemma), a content that begins or ends with a space beyond ASCII (``WIDE_SPACES``) or more than ``MAX_STRIP``
@@ -34,8 +34,9 @@ where pyarrow might not read it as Python's ``json`` does, or might not survive 
 - a line with more than ``MAX_OPENINGS`` brackets (its parser recurses per nesting level);
 - any line pyarrow refuses (malformed, duplicate keys, lone surrogates, raw control characters), invalid
   UTF-8 (which it accepts), both fields of conversations (``messages`` and ShareGPT's ``conversations``, which
-  a record picks per record), a category that is not a string, another top-level
-  field that is not a scalar;
+  a record picks per record), a category that is not a string, a message field the template may read
+  (``MESSAGE_EXTRAS`` but the category: other message fields are dropped, as ``normalize_messages`` drops them),
+  another top-level field that is not a scalar;
 - a batch whose first line names no ``messages`` (text under ``--format auto``) or of more than
   ``MAX_BATCH_BYTES``.
 
@@ -53,7 +54,7 @@ import numpy as np
 
 from prep import chat_fast
 from prep.encoder import csr_offsets
-from prep.templates import ROLES, ChatTemplate, TemplateError, normalize_messages
+from prep.templates import MESSAGE_EXTRAS, ROLES, ChatTemplate, TemplateError, normalize_messages
 
 SYSTEM, USER, ASSISTANT, TOOL, THINKING = 0, 1, 2, 3, 4  # head codes; THINKING: Qwen3's answer after the last query
 TOOL_OPEN, TOOL_MID, TOOL_CLOSE = 5, 6, 7  # Qwen3's tool turns in a run of several (TOOL: a run of one)
@@ -266,13 +267,11 @@ class ColumnarChat:
         # what the span search takes after an answer's content (the end marker, as a rule)
         self.end_len = len(shape.end) if end_len is None else end_len
         self.category_field = category_field or "category"  # the record's category (--category-field)
-        self._schemas, self._with_category = {}, {}
+        self._schemas = {}
         for key, names in FIELDS.items():  # OpenAI's messages, ShareGPT's conversations
             fields = [(name, pa.string()) for name in names]
-            self._schemas[key] = pa.schema([(key, pa.list_(pa.struct(fields))), (self.category_field, pa.string())])
             # a message's category is left out of the schema: then a batch without any has no such field at all
-            self._with_category[key] = {pa.list_(pa.struct([*fields, ("category", t)])) for t in (pa.string(),
-                                                                                                 pa.null())}
+            self._schemas[key] = pa.schema([(key, pa.list_(pa.struct(fields))), (self.category_field, pa.string())])
         self._bos = bos if shape.bos else ""
         self._has_head = np.array([k in shape.heads for k in range(CODES)])  # a role without one goes per record
         heads = [shape.heads.get(k, "") for k in range(CODES)]
@@ -394,9 +393,7 @@ class ColumnarChat:
                                                                unexpected_field_behavior="infer"))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
             return None
-        messages = table.schema.field(key).type
-        if table.num_rows != len(items) or (messages != self._schemas[key].field(0).type
-                                            and messages not in self._with_category[key]):
+        if table.num_rows != len(items) or not _plain_messages(table.schema.field(key).type, key):
             return None
         for f in table.schema:  # (the other field of conversations: which one a record uses is per record)
             if f.name in FIELDS and f.name != key or (f.name != key and pa.types.is_nested(f.type)):
@@ -545,6 +542,21 @@ def _strip(data: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray
         if text[:1].isspace() or text[-1:].isspace():
             ok[i] = False
     return lo, hi, ok
+
+
+def _plain_messages(kind, key: str) -> bool:
+    """Whether a batch's conversations (``key``) have the type this module reads: a list of messages of a role and a
+    content (strings), maybe a category (a string or null), and fields ``normalize_messages`` drops (any but
+    ``MESSAGE_EXTRAS``, which it keeps for the template: such a batch goes the per-record way)."""
+    import pyarrow as pa  # deferred with the module itself (imported already by ColumnarChat)
+
+    if not pa.types.is_list(kind) or not pa.types.is_struct(kind.value_type):
+        return False
+    fields = {f.name: f.type for f in kind.value_type}
+    role, content = FIELDS[key]
+    return (fields.get(role) == pa.string() and fields.get(content) == pa.string()
+            and fields.get("category", pa.null()) in (pa.string(), pa.null())
+            and not any(name in MESSAGE_EXTRAS for name in fields if name != "category"))
 
 
 def _offsets(arr) -> np.ndarray:

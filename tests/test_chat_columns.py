@@ -122,6 +122,17 @@ HOSTILE: list[tuple[str, bytes, int, int]] = [
     ("blank", b"", BATCH, BATCH),
     ("message field", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), name="bob")}).encode(),
      BATCH, BATCH),
+    ("reasoning field", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), reasoning_content="r")})
+     .encode(), BATCH, BATCH),
+    ("message fields dropped", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), weight=1, id="m",
+                                                             meta={"a": [1], "b": None})}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
+    ("a dropped field pyarrow cannot type", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"),
+                                                                          meta=[1, {"b": None}])}).encode(),
+     BATCH, BATCH),
+    ("a dropped field named like a ShareGPT one", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"),
+                                                                                 value="not the content")}).encode(),
+     chat_columns.KEPT, chat_columns.KEPT),
     ("record category", json.dumps({"category": "x", "messages": QA}).encode(), chat_columns.KEPT, chat_columns.KEPT),
     ("message categories", json.dumps({"messages": _msgs(("user", "q"), ("assistant", "a"), category="m")}).encode(),
      chat_columns.KEPT, chat_columns.KEPT),
@@ -451,10 +462,11 @@ def test_tool_turns_column_wise_equal_per_record(template, train_on, monkeypatch
 
 def _sharegpt(line: bytes, i: int) -> bytes:
     """A chitchat line as ShareGPT writes it: ``conversations`` of ``from``/``value`` (human/gpt, now and then
-    user/assistant or another case), a message category on some."""
+    user/assistant or another case), a message category on some, a ``weight`` (axolotl's, dropped) on others."""
     record = json.loads(line)
     names = {"user": ("human", "user", "Human"), "assistant": ("gpt", "assistant", "GPT")}
-    turns = [{"from": names[m["role"]][(i + k) % 3], "value": m["content"]} for k, m in enumerate(record["messages"])]
+    turns = [{"from": names[m["role"]][(i + k) % 3], "value": m["content"], **({"weight": k % 2} if i % 4 == 1 else {})}
+             for k, m in enumerate(record["messages"])]
     if i % 9 == 0 and turns:
         turns[-1]["category"] = "last"
     return json.dumps({"id": record["id"], "conversations": turns}).encode()
@@ -471,7 +483,7 @@ def test_sharegpt_conversations_column_wise_equal_per_record(template, train_on,
     _assert_batches_same(columns, records, lines, template)
     good = lines[:40]
     odd = [("role and content keys", b'{"conversations": [{"role": "user", "content": "q"}, '
-                                      b'{"role": "assistant", "content": "a"}]}', BATCH),
+                                      b'{"role": "assistant", "content": "a"}]}', chat_columns.OTHER),  # (no from)
            ("messages too", json.dumps({"messages": QA, "conversations": []}).encode(), BATCH),
            ("null conversations", b'{"conversations": null}', chat_columns.OTHER),
            ("no field", b'{"id": "x"}', chat_columns.OTHER),
