@@ -188,6 +188,10 @@ class Rendered:
         chars = _chars_before(self.data[at : self.bounds[k + 1]])
         return list(zip(chars[self.starts[a:b] - at].tolist(), chars[self.ends[a:b] - at].tolist(), strict=True))
 
+    def spans_with_categories(self, k: int) -> list[tuple[int, int, str | None]]:
+        """Conversation k's spans with each one's own category, as the per-record way gives them."""
+        return [(a, b, c) for (a, b), c in zip(self.spans(k), self.span_categories_of(k), strict=True)]
+
     def clean(self, cuts) -> np.ndarray:
         """Per conversation, whether every cut of its segments is clean under ``cuts`` (an ``encoder.Cuts``).
 
@@ -198,14 +202,11 @@ class Rendered:
         """
         data, starts, ends, n = self.data, self.starts, self.ends, self.kept
         row = np.repeat(np.arange(n), self.answers)
-        end = np.frombuffer(self.end.encode(), np.uint8)
-        built = bool(np.all(data[starts - 1] == ord("\n"))) and all(
-            np.all(data[ends - len(end) + i] == byte) for i, byte in enumerate(end.tolist()))
         # (an answer Llama 3's template strips never begins with whitespace here: a wide space at its start sends
         # its record the per-record way, see _strip)
         if not cuts.after_newline and not cuts.after_tokens:  # no clean cut (a Metaspace tokenizer): but at the ends
             bad = (starts > self.bounds[:-1][row]) | (ends < self.bounds[1:][row])
-        elif cuts.after_newline and self.end in cuts.after_tokens and built:
+        elif cuts.after_newline and self.end in cuts.after_tokens and self._built():
             first = data[starts]  # (a span is never empty: it ends with the end marker)
             bad = _ASCII_SPACE[first]
             for i in np.flatnonzero(_WIDE_LEAD[first]).tolist():
@@ -216,6 +217,12 @@ class Rendered:
             bad = np.array([not (cuts.clean(text, a) and (b == z or cuts.clean(text, b)))
                             for a, b, z in zip(chars[starts].tolist(), chars[ends].tolist(), last, strict=True)], bool)
         return np.bincount(row, weights=bad, minlength=n) == 0
+
+    def _built(self) -> bool:
+        """Whether every span starts after a "\n" and ends with ``end``, as this module renders them."""
+        end = np.frombuffer(self.end.encode(), np.uint8)
+        return bool(np.all(self.data[self.starts - 1] == ord("\n"))) and all(
+            np.all(self.data[self.ends - len(end) + i] == byte) for i, byte in enumerate(end.tolist()))
 
     def segments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """What ``Processor._encode_chats`` cuts each conversation into, for all of them at once: where the texts
@@ -306,11 +313,12 @@ class ColumnarChat:
         role, content = (structs.field(name) for name in FIELDS[key])
         msg_cat = structs.field("category") if structs.type.get_field_index("category") >= 0 else None
         m = len(structs)
+        row_of_msg = np.repeat(np.arange(n), counts)
+        position = np.arange(m) - starts[row_of_msg]  # each message's index in its conversation
         msg_ok = _valid(structs) & _valid(role) & _valid(content)
         code = self._roles(role, m)
         msg_ok &= (code >= 0) & self._has_head[np.maximum(code, 0)]
         if self.shape.alternate:  # the template's own check (an error, per record) where roles do not alternate
-            position = np.arange(m) - np.repeat(starts[:-1], counts)
             msg_ok &= code == np.where(position % 2 == 0, USER, ASSISTANT)
         c_off, data = _offsets(content), _data(content)
         msg_ok &= ~self._has_markup(data, c_off)
@@ -321,13 +329,12 @@ class ColumnarChat:
         if msg_cat is not None and msg_cat.type == pa.string():  # an empty category: rejected per record
             msg_ok &= ~_empty(msg_cat)
         # per record: every message fine, at least one message, and (below) the template's own conditions
-        row_of_msg = np.repeat(np.arange(n), counts)
         ok = ~_any(~msg_ok, row_of_msg, n) & (counts > 0) & _valid(messages)
         record_cat = table.column(self.category_field).combine_chunks()
         ok &= ~_empty(record_cat)
         answered = _any(code == ASSISTANT, row_of_msg, n)
         if self.name == "qwen3":
-            code, ok = self._qwen3_heads(code, ok, starts, counts, row_of_msg, data, c_off)
+            code, ok = self._qwen3_heads(code, ok, starts, counts, row_of_msg, position, data, c_off)
         status = np.where(ok, np.where(answered | self.keep_unanswered, KEPT, NO_ANSWER), OTHER).astype(np.int8)
         kept = status == KEPT
         gathered = self._gather(kept, starts, counts, code, data, c_lo, c_hi)
@@ -441,14 +448,12 @@ class ColumnarChat:
                 at = raw.find(needle, at + 1)
         return found
 
-    def _qwen3_heads(self, code, ok, starts, counts, row_of_msg, data, c_off):
+    def _qwen3_heads(self, code, ok, starts, counts, row_of_msg, position, data, c_off):
         """Qwen3: a run of tool turns is one user turn (each tool message's code says where it is in its run); the
         last message, when an answer after the last query (user turn), opens with an empty ``<think>`` block and
         loses its content's leading newlines (such content is left to the per-record path)."""
         n = len(counts)
-        ok = ok.copy()
-        position = np.arange(len(code)) - starts[row_of_msg]  # each message's index in its conversation
-        code = code.copy()
+        ok, code = ok.copy(), code.copy()
         tools = np.flatnonzero(code == TOOL)
         if len(tools):
             after = (position[tools] > 0) & (code[tools - 1] == TOOL)

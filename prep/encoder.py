@@ -535,40 +535,34 @@ class Encoder:
         return starts
 
     def _starts_from_bytes(self, text: str, ids: np.ndarray) -> np.ndarray | None:
-        """``byte_char_starts`` of ``ids`` from their spelling (``_spelling``), or None where gigatoken does not
+        """``byte_char_starts`` of ``ids`` from their spelling (``_spelled_starts``), or None where gigatoken does not
         encode or the tokens do not spell ``text`` byte for byte (a normalizer changed it)."""
         if self._giga is None:
             return None
         data = np.frombuffer(text.encode(), np.uint8)
-        flat, offsets, opens, added = self._spelling
-        at, lengths = offsets[ids], offsets[ids + 1] - offsets[ids]
-        if opens is not None and len(ids):  # the ▁ the normalizer put before each section is no byte of the text
-            first = np.ones(len(ids), bool)
-            first[1:] = added[ids[:-1]]
-            drop = first & opens[ids] & ~added[ids]
-            at, lengths = at + drop, lengths - drop
-        if lengths.sum() != len(data) or (len(ids) and lengths[-1] == 0):
-            return None
-        index = np.repeat(at - csr_offsets(lengths)[:-1], lengths) + np.arange(len(data))
-        if not np.array_equal(flat[index], data):
-            return None
-        return byte_char_starts(data.tobytes(), lengths)
+        starts, spelled = self._spelled_starts(data, np.array([0, len(data)]), ids, np.array([len(ids)]))
+        return byte_char_starts(data, starts) if spelled[0] else None
 
     def token_starts(self, data: np.ndarray, bounds: np.ndarray, flat: np.ndarray, lengths: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Where each token of several texts begins, in bytes of ``data`` (text k is ``data[bounds[k]:bounds[k + 1]]``,
-        its ids the k-th ``lengths`` of ``flat``), by ``_starts_from_bytes``' rule for all texts at once; and per
-        text whether its tokens spell it byte for byte (where not, its starts are not to be used). None where this
-        tokenizer's offsets are not its spelling's (``_offsets_are_bytes``)."""
+        """``_spelled_starts`` of several texts at once, or None where this tokenizer's offsets are not its
+        spelling's (``_offsets_are_bytes``)."""
         if self._giga is None or not self._offsets_are_bytes():
             return None
+        return self._spelled_starts(data, bounds, flat, lengths)
+
+    def _spelled_starts(self, data: np.ndarray, bounds: np.ndarray, flat: np.ndarray, lengths: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """Where each token of several texts begins, in bytes of ``data`` (text k is ``data[bounds[k]:bounds[k + 1]]``,
+        its ids the k-th ``lengths`` of ``flat``), from the tokens' spelling (``_spelling``); and per text whether
+        its tokens spell it byte for byte (where not, its starts are not to be used)."""
         spelled, offsets, opens, added = self._spelling
         at, size = offsets[flat], offsets[flat + 1] - offsets[flat]
         first_token = csr_offsets(lengths)
-        if opens is not None and len(flat):  # as in _starts_from_bytes; each text starts a section
+        if opens is not None and len(flat):  # the ▁ the normalizer put before each section is no byte of the text
             first = np.zeros(len(flat), bool)
             first[1:] = added[flat[:-1]]
-            first[first_token[:-1][lengths > 0]] = True
+            first[first_token[:-1][lengths > 0]] = True  # each text starts a section
             drop = first & opens[flat] & ~added[flat]
             at, size = at + drop, size - drop
         row = np.repeat(np.arange(len(lengths)), lengths)
@@ -610,13 +604,10 @@ class Encoder:
         return self._bytes_verdict
 
 
-def byte_char_starts(data: bytes, token_bytes: np.ndarray) -> np.ndarray:
-    """Character index of the first byte of each token, for tokens of ``token_bytes`` bytes that spell the UTF-8
-    ``data`` in order; a token that begins inside a character gets that character's index."""
-    first_bytes = np.zeros(len(token_bytes), np.int64)
-    np.cumsum(token_bytes[:-1], out=first_bytes[1:])
-    starts_char = (np.frombuffer(data, np.uint8) & 0xC0) != 0x80  # not a UTF-8 continuation byte
-    char_of_byte = np.cumsum(starts_char) - 1
+def byte_char_starts(data: np.ndarray, first_bytes: np.ndarray) -> np.ndarray:
+    """Index of the character that holds each of ``first_bytes`` in the UTF-8 bytes ``data``: a token that begins
+    inside a character gets that character's index."""
+    char_of_byte = np.cumsum((data & 0xC0) != 0x80) - 1  # a UTF-8 continuation byte adds no character
     return char_of_byte[first_bytes] if len(data) else first_bytes
 
 

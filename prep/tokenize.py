@@ -475,14 +475,8 @@ class Processor:
             ids = whole_flat[whole_off[w] : whole_off[w + 1]]
             sa, sb = conv_seg[k], conv_seg[k + 1]
             if not (sb - sa == len(ids) and np.array_equal(seg_flat[sa:sb], ids)):
-                if spans is None:
-                    at = k - per_record
-                    spans = [(s, e, c) for (s, e), c in zip(rendered.spans(at), rendered.span_categories_of(at),
-                                                            strict=True)]
-                doc_target, doc_cats = self._mask_from_offsets(text_of(k), ids, spans, cat, code)
-                doc_mask = np.ones(len(ids), np.uint8) if self.options.train_on == "all" else doc_target.astype(
-                    np.uint8)
-                out[j] = (ids, doc_mask, doc_cats)
+                spans = spans if spans is not None else rendered.spans_with_categories(k - per_record)
+                out[j] = self._doc_by_offsets(text_of(k), ids, spans, cat, code)
         for j, item in done.items():
             out[j] = item
         return self._first_not_a_target(out)
@@ -499,7 +493,7 @@ class Processor:
         """A column-wise batch's conversations where no cut is clean for this tokenizer (one that writes spaces as
         "▁", say): each encoded whole, its mask and categories from where its tokens start against the spans, for
         the whole batch at once (byte offsets: a token that starts inside a span's first character is in, as by
-        characters). A conversation its tokens do not spell goes through ``_mask_from_offsets``; None where the
+        characters). A conversation its tokens do not spell goes through ``_doc_by_offsets``; None where the
         encoder cannot tell where tokens start (then each is cut into segments)."""
         flat, lengths = self.encoder.encode_utf8([], rendered.data, rendered.bounds)
         found = self.encoder.token_starts(rendered.data, rendered.bounds, flat, lengths)
@@ -513,18 +507,13 @@ class Processor:
             token_cats = np.where(target, span_code[np.maximum(k, 0)], conv_code[row])
         else:
             target, token_cats = np.zeros(len(flat), bool), conv_code[row]
-        every = self.options.train_on == "all"
-        mask = np.ones(len(flat), np.uint8) if every else target.view(np.uint8).copy()
+        mask = np.ones(len(flat), np.uint8) if self.options.train_on == "all" else target.view(np.uint8).copy()
         off = csr_offsets(lengths)
         out = []
         for c, ok in enumerate(spelled.tolist()):
-            ids = flat[off[c] : off[c + 1]]
-            if ok:
-                out.append((ids, mask[off[c] : off[c + 1]], token_cats[off[c] : off[c + 1]]))
-                continue
-            spans = [(a, b, sc) for (a, b), sc in zip(rendered.spans(c), rendered.span_categories_of(c), strict=True)]
-            doc_target, doc_cats = self._mask_from_offsets(rendered.text_of(c), ids, spans, cats[c], code)
-            out.append((ids, np.ones(len(ids), np.uint8) if every else doc_target.astype(np.uint8), doc_cats))
+            ids, doc = flat[off[c] : off[c + 1]], slice(off[c], off[c + 1])
+            out.append((ids, mask[doc], token_cats[doc]) if ok else
+                       self._doc_by_offsets(rendered.text_of(c), ids, rendered.spans_with_categories(c), cats[c], code))
         return out
 
     def _needs_segments(self, span_codes: np.ndarray, convs: list, code) -> bool:
@@ -549,6 +538,13 @@ class Processor:
         for k, (j, _, _) in enumerate(convs):
             out[j] = (flat[off[k] : off[k + 1]], mask[off[k] : off[k + 1]], cats[off[k] : off[k + 1]])
         return out
+
+    def _doc_by_offsets(self, text, ids, spans, cat, code) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A conversation's (ids, loss mask, categories), its mask from where each token starts
+        (``_mask_from_offsets``): what a conversation whose segments do not make its ids gets."""
+        target, cats = self._mask_from_offsets(text, ids, spans, cat, code)
+        mask = np.ones(len(ids), np.uint8) if self.options.train_on == "all" else target.astype(np.uint8)
+        return ids, mask, cats
 
     def _mask_from_offsets(self, text, ids, spans, cat, code):
         """Each token of ``ids`` (``text``'s) a target where it begins inside a span, with the span's category;
