@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
+import sys
+import threading
 import warnings
 
 import numpy as np
@@ -26,6 +29,7 @@ from prepkit import (
 )
 
 from prep import encoder, sources
+from prep import tokenize as tk
 from prep.dataset import TokenDataset
 from prep.encoder import add_around
 from prep.errors import XprepError
@@ -262,21 +266,73 @@ def test_workers_give_byte_identical_datasets_with_small_batches(tmp_path, tiny_
     q = write_jsonl(tmp_path / "c.jsonl", text_records(30))
     inputs = [p, tmp_path / "b.jsonl.gz", q]
     tokenize(inputs, tmp_path / "w1", tiny_tokenizer, workers=1, on_error="skip")
-    tokenize(inputs, tmp_path / "w2", tiny_tokenizer, workers=2, on_error="skip")
+    # workers forked from this process once it built a Processor (unless a thread the test runner left makes that
+    # unsafe: test_workers_1_and_2_write_byte_identical_datasets forks from the command for sure), or spawned
+    for start in ("fork", "spawn"):
+        monkeypatch.setenv(tk.WORKER_START_ENV, start)
+        tokenize(inputs, tmp_path / start, tiny_tokenizer, workers=2, on_error="skip")
+        assert_same_files(tmp_path / "w1", tmp_path / start)
     assert TokenDataset(tmp_path / "w1").manifest["rejects"]["count"] == 2
-    assert_same_files(tmp_path / "w1", tmp_path / "w2")
+
+
+def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_safe(monkeypatch):
+    """Forked workers run the Processor this process built and warmed (none builds its own); with another Python
+    thread running, or XPREP_WORKER_START=spawn, workers are spawned instead."""
+    if sys.platform != "linux":
+        pytest.skip("workers are forked on Linux only")
+
+    class Fake:
+        def __init__(self, *args):
+            self.built_in, self.warmed = os.getpid(), False
+
+        def warm(self):
+            self.warmed = True
+
+        def __call__(self, batch):
+            return self.built_in, self.warmed, os.getpid(), batch
+
+    monkeypatch.setattr(tk, "Processor", Fake)
+    monkeypatch.delenv(tk.WORKER_START_ENV, raising=False)
+    # (a test runner may have left a thread of its own, e.g. tqdm's monitor: the rule is checked apart below)
+    monkeypatch.setattr(tk, "_can_fork", lambda: True)
+    pipeline = tk.Pipeline((), 2)
+    try:
+        assert pipeline.pool._mp_context.get_start_method() == "fork"
+        results = list(pipeline.map(range(6)))
+    finally:
+        pipeline.close(True)
+    assert [r[3] for r in results] == list(range(6))
+    assert {r[:2] for r in results} == {(os.getpid(), True)} and os.getpid() not in {r[2] for r in results}
+    assert tk._PROCESSOR is None  # the one the workers were forked with is dropped once they are gone
+    monkeypatch.undo()
+
+    can_fork = tk._can_fork
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not can_fork()  # a fork now could copy a lock that thread holds
+    finally:
+        stop.set()
+        other.join()
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    assert can_fork()
+    monkeypatch.setenv(tk.WORKER_START_ENV, "spawn")
+    assert not can_fork()
 
 
 @requires_shared_data
-def test_workers_1_and_2_write_byte_identical_datasets(tmp_path, run_cli):
-    """Point 4 through the real CLI: text files, chat with the Qwen3 template, rejects; every file equal."""
+def test_workers_1_and_2_write_byte_identical_datasets(tmp_path, run_cli, monkeypatch):
+    """Point 4 through the real CLI: text files, chat with the Qwen3 template, rejects; every file equal, with the
+    workers forked (the command has no other thread when it starts them) and spawned."""
     lines = (SHARED / "chat/chitchat.jsonl").read_text().splitlines()[:300]
     (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
     text = write_jsonl(tmp_path / "text.jsonl", [{**r, "category": "prose"} for r in text_records(50)])
     inputs = [*sotu_files(step=24), text, tmp_path / "chat.jsonl"]
     outs = []
-    for workers in (1, 2):
-        out = tmp_path / f"w{workers}"
+    for workers, start in ((1, "fork"), (2, "fork"), (2, "spawn")):
+        monkeypatch.setenv(tk.WORKER_START_ENV, start)
+        out = tmp_path / f"w{workers}-{start}"
         code, _, err = run_cli("tokenize", *inputs, "-o", out, "--tokenizer", SHARED / "tokenizers/qwen3",
                                "--workers", workers, "--on-error", "skip")
         assert code == 0, err
@@ -284,6 +340,7 @@ def test_workers_1_and_2_write_byte_identical_datasets(tmp_path, run_cli):
         outs.append(out)
     assert {"loss_mask.bin", "category_ids.bin", "rejects.jsonl"} <= set(dir_bytes(outs[0]))
     assert_same_files(outs[0], outs[1])
+    assert_same_files(outs[0], outs[2])
 
 
 # -- options ------------------------------------------------------------------------------------------------
@@ -570,9 +627,6 @@ def test_one_worker_encodes_beside_the_reading_thread_in_order(monkeypatch):
     parsing and writing overlap it): results come back in batch order, unreadable files in their place, an
     error of the Processor reaches the caller as itself, and a Pipeline can map again after it was closed
     (a Ray worker keeps its Pipeline from one task to the next, and runs it without the extra thread)."""
-    import threading
-
-    from prep import tokenize as tk
     from prep.sources import Unreadable
 
     class Fake:

@@ -69,8 +69,15 @@ def test_template_syntax_error_fails_once_with_any_worker_count(tmp_path, tiny_t
     no_temp_left(tmp_path)
 
 
-def _children(pid: int, marker: str) -> list[int]:
-    """Pids of the processes whose parent is ``pid`` and whose command line holds ``marker``."""
+def _workers(pid: int, start: str) -> list[int]:
+    """The tokenize worker processes of ``pid``: forked ones (which keep its command line) or spawned ones."""
+    spawned = [(child, "spawn_main" in cmdline) for child, cmdline in _child_processes(pid) if "tokenize" in cmdline
+               or "spawn_main" in cmdline]
+    return [child for child, was_spawned in spawned if was_spawned == (start == "spawn")]
+
+
+def _child_processes(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of each process whose parent is ``pid``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -80,17 +87,19 @@ def _children(pid: int, marker: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == pid and marker in cmdline:
-            found.append(int(entry.name))
+        if ppid == pid:
+            found.append((int(entry.name), cmdline))
     return found
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the worker processes")
-def test_a_worker_killed_mid_run_ends_the_command(tmp_path, tiny_tokenizer):
-    """A worker that dies (the OOM killer, a SIGKILL) must not leave the command waiting forever."""
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_worker_killed_mid_run_ends_the_command(start, tmp_path, tiny_tokenizer):
+    """A worker that dies (the OOM killer, a SIGKILL) must not leave the command waiting forever, whether the
+    workers were forked or spawned."""
     src = write_jsonl(tmp_path / "chat.jsonl", chat_records(12) * 4000)
     script = Path(sys.executable).with_name("xprep")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "XPREP_WORKER_START": start}
     proc = subprocess.Popen([str(script), "tokenize", str(src), "-o", str(tmp_path / "out"), "--tokenizer",
                              str(tiny_tokenizer), "--format", "chat", "--workers", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -98,7 +107,7 @@ def test_a_worker_killed_mid_run_ends_the_command(tmp_path, tiny_tokenizer):
         deadline = time.monotonic() + 20
         workers = []
         while not workers and time.monotonic() < deadline and proc.poll() is None:
-            workers = _children(proc.pid, "spawn_main")
+            workers = _workers(proc.pid, start)
             time.sleep(0.05)
         assert workers, "no worker process appeared"
         os.kill(workers[0], signal.SIGKILL)
@@ -391,7 +400,7 @@ def test_sigterm_removes_the_temporary_output_and_stops_the_workers(tmp_path, ti
         deadline = time.monotonic() + 20
         workers = []
         while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            workers = _children(proc.pid, "spawn_main")
+            workers = _workers(proc.pid, "fork")
             time.sleep(0.05)
         assert workers, "no worker process appeared"
         proc.send_signal(signal.SIGTERM)
