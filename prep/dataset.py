@@ -409,14 +409,22 @@ def verify_streams(path: str | Path, manifest: dict, part: Literal["idx", "bin"]
     ``part`` "idx" re-hashes the indexes (~12 bytes a document, ~0.1 s at 10M: all a pack depends on),
     "bin" the data itself (one full read). ``streams`` defaults to every stream of the manifest.
     """
-    path = Path(path)
     fix = "re-create it with `xprep tokenize`, then re-run `xprep pack`"
+    file = stream_mismatch(path, manifest, part, fix, streams)
+    if file is not None:
+        raise XprepError(f"{file}: changed since {Path(path) / MANIFEST} was written (its sha256 differs): the "
+                         f"dataset was edited in place; {fix}")
+
+
+def stream_mismatch(path: str | Path, manifest: dict, part: Literal["idx", "bin"], fix: str,
+                    streams: Sequence[str] | None = None) -> Path | None:
+    """The first stream file (``part`` of each of ``streams``, default all) whose sha256 is not the manifest's, or
+    None; a file that cannot be read is an XprepError ending in ``fix``."""
     for stream in manifest["streams"] if streams is None else streams:
-        file = path / f"{stream}.{part}"
-        want = (manifest["streams"].get(stream) or {}).get(f"{part}_sha256")
-        if file_sha256(file, fix) != want:
-            raise XprepError(f"{file}: changed since {path / MANIFEST} was written (its sha256 differs): the "
-                             f"dataset was edited in place; {fix}")
+        file = Path(path) / f"{stream}.{part}"
+        if file_sha256(file, fix) != (manifest["streams"].get(stream) or {}).get(f"{part}_sha256"):
+            return file
+    return None
 
 
 class TokenDataset:

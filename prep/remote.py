@@ -20,10 +20,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from prep.dataset import stream_mismatch
 from prep.errors import XprepError
 from prep.formats import MANIFEST
-from prep.indexed import bin_path, idx_path
-from prep.io import file_sha256
 
 COMPLETE = "COMPLETE"  # written last into a dataset at a URL: its content is the manifest's fingerprint
 DEFAULT_CACHE = "~/.cache/xprep"
@@ -182,8 +181,10 @@ def _origin_file(target: Path) -> Path:
 
 def _check_digests(directory: Path, manifest: dict, url: str) -> None:
     """Every stream the manifest lists arrived whole: its .bin and .idx digests are the manifest's."""
-    for name, stream in manifest.get("streams", {}).items():
-        for path, key in ((bin_path(directory / name), "bin_sha256"), (idx_path(directory / name), "idx_sha256")):
-            if not path.is_file() or file_sha256(path, "run again") != stream.get(key):
-                raise XprepError(f"{url}: {path.name} is missing or differs from its manifest digest after "
-                                 "download; run again")
+    streams = manifest.get("streams", {})
+    for part in ("bin", "idx"):
+        missing = [directory / f"{name}.{part}" for name in streams if not (directory / f"{name}.{part}").is_file()]
+        wrong = missing[0] if missing else stream_mismatch(directory, manifest, part, "run again", list(streams))
+        if wrong is not None:
+            raise XprepError(f"{url}: {wrong.name} is missing or differs from its manifest digest after download; "
+                             "run again")

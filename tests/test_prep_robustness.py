@@ -33,6 +33,24 @@ def test_pack_refuses_a_dataset_whose_index_was_edited_in_place(tmp_path, tiny_t
         pack([str(tmp_path / "ds")], str(tmp_path / "packed"), config)
 
 
+def test_a_downloaded_dataset_is_checked_stream_by_stream_against_its_manifest(tmp_path, tiny_tokenizer):
+    """A dataset synced from a URL is kept only if every .bin and .idx arrived whole (prep/remote.py)."""
+    from prep.remote import _check_digests  # deferred: the one test of this private check
+
+    recs = [{**r, "category": "c"} for r in chat_records(6)]
+    tokenize(write_jsonl(tmp_path / "a.jsonl", recs), tmp_path / "ds", tiny_tokenizer, format="chat")
+    ds = tmp_path / "ds"
+    manifest = json.loads((ds / "manifest.json").read_text())
+    assert {"tokens", "loss_mask", "category_ids"} <= set(manifest["streams"])
+    _check_digests(ds, manifest, "s3://b/ds")
+    for name, damage in (("loss_mask.bin", lambda f: f.write_bytes(f.read_bytes()[:-1] + b"\x07")),
+                         ("category_ids.idx", lambda f: f.unlink())):
+        shutil.copytree(ds, tmp_path / name)
+        damage(tmp_path / name / name)
+        with pytest.raises(XprepError, match=f"^s3://b/ds: {name} is missing or differs from its manifest digest"):
+            _check_digests(tmp_path / name, manifest, "s3://b/ds")
+
+
 def test_an_index_whose_pointers_disagree_with_its_lengths_does_not_open(tmp_path, tiny_tokenizer):
     tokenize(write_jsonl(tmp_path / "a.jsonl", text_records(5)), tmp_path / "ds", tiny_tokenizer)
     idx = tmp_path / "ds" / "tokens.idx"
