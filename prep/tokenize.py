@@ -907,8 +907,10 @@ def auto_workers(chat: bool, planned_bytes: int | None) -> int:
     """``--workers 0``: one process per core (at most 8) for chat, whose template rendering is Python, unless the
     input is too small to pay for starting them; one otherwise (gigatoken already encodes on every core).
 
-    Measured on 2 cores (bench/tokenize.py, chitchat with Qwen3's template): 50 MB takes 17.2 s with one worker
-    and 10.4 s with two; 5 MB 2.7 s with one and 4.4 s with two (each worker loads the tokenizer and Jinja).
+    Measured on 2 cores (bench/tokenize.py, chitchat with Qwen3's template), before the fast path and with
+    spawned workers: 50 MB took 17.2 s with one worker and 10.4 s with two; 5 MB 2.7 s with one and 4.4 s with two
+    (each worker loaded the tokenizer and Jinja). Forked (``_start_pool``), two cost about what one does at 5 and
+    12 MB (1.4–1.6 s either way), so the floor stays for where workers are spawned.
     """
     if not chat or (planned_bytes is not None and planned_bytes < CHAT_POOL_MIN_BYTES):
         return 1
