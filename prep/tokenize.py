@@ -19,6 +19,7 @@ import warnings
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -668,18 +669,41 @@ def _start_pool(processor_args: tuple, workers: int) -> ProcessPoolExecutor:
     (numpy), and pyarrow's thread pool and jemalloc (pyarrow re-creates its pools in a child). A forked worker
     leaves without Python's teardown (multiprocessing ends it with ``os._exit``), so the file buffers it
     inherited are never flushed twice. ``XPREP_WORKER_START=spawn`` forces spawning.
+
+    Either way the workers are started now, with SIGINT ignored, which they keep: Ctrl-C (SIGINT to the whole
+    process group) reaches this process alone, which unwinds and stops them after their batch in hand, instead
+    of each worker printing a KeyboardInterrupt traceback (as spawned ones did while still importing).
     """
     global _PROCESSOR
     if not _can_fork():
-        return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_init_worker, initargs=(processor_args, verdicts()))
+        with _sigint_ignored():
+            for _ in range(workers):  # while none is idle, each task starts a worker
+                pool.submit(int)
+        return pool
     _PROCESSOR = _build(processor_args)
     _PROCESSOR.warm()
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_forked)
-    with warnings.catch_warnings():  # Python ≥ 3.12 warns of any fork while a native pool above exists
+    with _sigint_ignored(), warnings.catch_warnings():  # Python ≥ 3.12 warns of any fork beside a native pool
         warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
-        pool.submit(int).result()  # forks every worker now (a pool using fork starts them all at its first task)
+        started = pool.submit(int)  # forks every worker now (a pool using fork starts them all at its first task)
+    started.result()
     return pool
+
+
+@contextmanager
+def _sigint_ignored():
+    """SIGINT ignored in this process meanwhile (where it can be: signals are set from the main thread only), so
+    that processes started now inherit it ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _can_fork() -> bool:

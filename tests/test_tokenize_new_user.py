@@ -388,22 +388,30 @@ def test_all_rejected_says_why_and_long_roles_share_one_kind(tmp_path, tiny_toke
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the worker processes")
-def test_sigterm_removes_the_temporary_output_and_stops_the_workers(tmp_path, tiny_tokenizer):
-    """Preemption (SIGTERM, as Slurm and Kubernetes send) unwinds like Ctrl-C: nothing is left behind."""
+@pytest.mark.parametrize("how, start", [("sigterm", "fork"), ("ctrl-c", "fork"), ("ctrl-c", "spawn")])
+def test_sigterm_removes_the_temporary_output_and_stops_the_workers(how, start, tmp_path, tiny_tokenizer):
+    """Preemption (SIGTERM to the command, as Slurm and Kubernetes send) unwinds like Ctrl-C (SIGINT to every
+    process of the terminal's group, workers included): nothing is left behind, whether workers were forked or
+    spawned."""
     src = write_jsonl(tmp_path / "chat.jsonl", chat_records(12) * 4000)
     script = Path(sys.executable).with_name("xprep")
     proc = subprocess.Popen([str(script), "tokenize", str(src), "-o", str(tmp_path / "out"), "--tokenizer",
                              str(tiny_tokenizer), "--format", "chat", "--workers", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "XPREP_WORKER_START": start},
+                            # a job started without a terminal inherits SIGINT ignored: take it as a terminal's is
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 20
         workers = []
         while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            workers = _workers(proc.pid, "fork")
+            workers = _workers(proc.pid, start)
             time.sleep(0.05)
         assert workers, "no worker process appeared"
-        proc.send_signal(signal.SIGTERM)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
