@@ -38,20 +38,37 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def pss_mb(pid: int) -> float:
+    """Proportional set size of `pid` in MB: its private pages, and each page it shares divided among the processes
+    sharing it (summed over processes, what they use together); 0 once it is gone or where the kernel has no
+    smaps_rollup."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 class TreeRss:
     """Samples the summed RSS of `pid` and its descendants every `interval` seconds until stopped; `peak` is the
-    largest sum seen. The kernel's own peak (wait4's ru_maxrss) is that of the largest single process of the tree,
-    which says nothing of N workers together."""
+    largest sum seen, and `peak_pss` the largest sum of their PSS. The kernel's own peak (wait4's ru_maxrss) is that
+    of the largest single process of the tree, which says nothing of N workers together; summed RSS counts a page
+    that forked workers share with their parent once in each of them, summed PSS once in all."""
 
     def __init__(self, pid: int, interval: float = 0.25):
-        self.pid, self.interval, self.peak = pid, interval, 0.0
+        self.pid, self.interval, self.peak, self.peak_pss = pid, interval, 0.0, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, sum(rss_mb(p) for p in [self.pid, *descendants(self.pid)]))
+            tree = [self.pid, *descendants(self.pid)]
+            self.peak = max(self.peak, sum(rss_mb(p) for p in tree))
+            self.peak_pss = max(self.peak_pss, sum(pss_mb(p) for p in tree))
 
     def stop(self) -> float:
         self._stop.set()

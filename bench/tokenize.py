@@ -43,6 +43,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -130,9 +131,15 @@ def write_repeated(path: Path, lines: list[str], megabytes: float) -> int:
     return written
 
 
-def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> tuple[float, float]:
-    """Run a command to completion; return (wall seconds, peak RSS in MB of the command's processes together: its
-    worker processes included, sampled every 0.25 s, and never below the kernel's peak of its largest process)."""
+class Timed(NamedTuple):
+    seconds: float  # wall
+    rss: float  # peak RSS of the command's processes together, MB: worker processes included, sampled every 0.25 s,
+    # never below the kernel's peak of its largest process; pages forked workers share are counted in each
+    pss: float  # peak of their summed PSS, MB: shared pages counted once in all (0 where the kernel cannot say)
+
+
+def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> Timed:
+    """Run a command to completion: its wall time and peak memory (``Timed``)."""
     # from bytecode, as an installed package runs: where PYTHONDONTWRITEBYTECODE is set, every process (each worker
     # too) would compile the project's modules again, ~0.06 s each
     base = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
@@ -148,11 +155,11 @@ def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> tup
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise SystemExit(f"command failed ({code}): {' '.join(map(str, cmd))}\n{stderr}")
-    return elapsed, max(sampled, usage.ru_maxrss / 1024)
+    return Timed(elapsed, max(sampled, usage.ru_maxrss / 1024), tree.peak_pss)
 
 
 def xprep_tokenize(corpus: Path, out: Path, *extra: str, cache: Path | None = None, env: dict | None = None,
-                   tokenizer: Path = QWEN3) -> tuple[float, float]:
+                   tokenizer: Path = QWEN3) -> Timed:
     shutil.rmtree(out, ignore_errors=True)
     env = {**(env or {}), **({"XPREP_CACHE_DIR": str(cache)} if cache else {})}
     return run([*XPREP, "tokenize", str(corpus), "-o", str(out), "--tokenizer", str(tokenizer), *extra], ROOT, env)
@@ -282,30 +289,31 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3",
     chat_size = build_chat_corpus(chat, chat_mb, sharegpt)
     tok = {"qwen3": lambda: QWEN3, "llama3.1": lambda: llama31_tokenizer(work),
            "mistral": lambda: mistral_tokenizer(work)}[template]()
-    new_t, new_rss = xprep_tokenize(chat, work / "chat", "--on-error", "skip", tokenizer=tok)
+    new = xprep_tokenize(chat, work / "chat", "--on-error", "skip", tokenizer=tok)
     n_conv = json.loads((work / "chat" / "manifest.json").read_text())["counts"]["documents"]
-    old_t, old_rss = xprep_tokenize(chat, work / "chat-jinja", "--on-error", "skip", env={"XPREP_CHAT_RENDER": "jinja"},
-                                    tokenizer=tok)
+    old = xprep_tokenize(chat, work / "chat-jinja", "--on-error", "skip", env={"XPREP_CHAT_RENDER": "jinja"},
+                         tokenizer=tok)
     same = all((work / "chat" / f).read_bytes() == (work / "chat-jinja" / f).read_bytes()
                for f in ("tokens.bin", "tokens.idx", "loss_mask.bin", "loss_mask.idx"))
     hf_rate = transformers_loop(chat, 300 if quick else 2000, tok)
-    new_rate, old_rate = n_conv / new_t, n_conv / old_t
+    new_rate, old_rate = n_conv / new.seconds, n_conv / old.seconds
     what = {"qwen3": "Qwen3 template", "llama3.1": "Meta's Llama 3.1 template, Llama 3 shaped tokenizer",
             "mistral": "Mistral-Instruct's template and tokenizer"}[template]
     what += ", as ShareGPT's conversations" if sharegpt else ""
     print(f"chat: {chat_size / 1e6:.1f} MB chitchat ({what}), {n_conv:,} conversations kept, "
           f"{os.cpu_count()} cores, whole process, auto workers")
-    for name, t, rate, rss in (("fast path", new_t, new_rate, new_rss),
-                               ("general Jinja path", old_t, old_rate, old_rss)):
-        print(f"  {name:18s} {t:7.2f} s  {rate:8,.0f} conversations/s  peak RSS {rss:5.0f} MB (all processes)")
+    for name, timed, rate in (("fast path", new, new_rate), ("general Jinja path", old, old_rate)):
+        print(f"  {name:18s} {timed.seconds:7.2f} s  {rate:8,.0f} conversations/s  peak RSS {timed.rss:5.0f} MB "
+              f"(all processes; PSS {timed.pss:.0f} MB)")
     print(f"  transformers apply_chat_template(tokenize=True) loop: {hf_rate:,.0f} conversations/s (loop only)")
     print(f"  speed-up: {new_rate / old_rate:.2f}x the Jinja path (target >= 4x), {new_rate / hf_rate:.0f}x the "
           f"transformers loop (target >= 60x); outputs byte-identical: {same}")
     big = work / "chat2.jsonl"
     build_chat_corpus(big, 2 * chat_mb, sharegpt)
-    big_t, big_rss = xprep_tokenize(big, work / "chat2", "--on-error", "skip", tokenizer=tok)
-    print(f"  peak RSS: {chat_size / 1e6:.0f} MB {new_rss:.0f} MB, {2 * chat_size / 1e6:.0f} MB {big_rss:.0f} MB "
-          f"(ratio {big_rss / new_rss:.2f}; target < 1024 MB and flat), {2 * chat_size / 1e6 / big_t:.1f} MB/s")
+    big_run = xprep_tokenize(big, work / "chat2", "--on-error", "skip", tokenizer=tok)
+    print(f"  peak RSS: {chat_size / 1e6:.0f} MB {new.rss:.0f} MB, {2 * chat_size / 1e6:.0f} MB {big_run.rss:.0f} MB "
+          f"(ratio {big_run.rss / new.rss:.2f}; target < 1024 MB and flat; PSS {new.pss:.0f} and "
+          f"{big_run.pss:.0f} MB), {2 * chat_size / 1e6 / big_run.seconds:.1f} MB/s")
     # in a worker process, as tokenize runs it: gigatoken encodes on the calling thread there (in a main process it
     # would fan out over every core, and the encoder's share would look smaller than it is)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -323,15 +331,15 @@ def text_bench(work: Path, text_mb: float, skip_classic: bool) -> None:
     print(f"text corpus: {size / 1e6:.1f} MB JSONL of real documents; Qwen3 tokenizer; {os.cpu_count()} cores")
     # Cold: an empty cache of tokenizer facts, so this run loads the HF tokenizer and self-checks
     # gigatoken against it. Warm: the verdict is memoized per tokenizer content (the usual case).
-    cold, _ = xprep_tokenize(corpus, work / "xprep", cache=work / "cache")
-    ours, ours_rss = xprep_tokenize(corpus, work / "xprep", cache=work / "cache")
-    fast, fast_rss = run([sys.executable, "-c", FAST_BASELINE, str(corpus), str(QWEN3), str(work / "fast")])
+    cold = xprep_tokenize(corpus, work / "xprep", cache=work / "cache").seconds
+    ours, ours_rss, _ = xprep_tokenize(corpus, work / "xprep", cache=work / "cache")
+    fast, fast_rss, _ = run([sys.executable, "-c", FAST_BASELINE, str(corpus), str(QWEN3), str(work / "fast")])
     for name, t, rss in (("xprep tokenize", ours, ours_rss), ("fast baseline (gigatoken+mcore)", fast, fast_rss)):
         print(f"  {name:32s} {t:7.2f} s  {size / 1e6 / t:7.1f} MB/s  peak RSS {rss:6.0f} MB")
     print(f"  xprep tokenize, first run with this tokenizer (HF load + self-check): {cold:.2f} s")
     print(f"  speed-up vs fast baseline: {fast / ours:.2f}x, first run {fast / cold:.2f}x  (target >= 1.5x)")
     if not skip_classic:
-        classic, _ = run([sys.executable, "-c", CLASSIC_BASELINE, str(corpus), str(QWEN3), str(work / "classic")])
+        classic = run([sys.executable, "-c", CLASSIC_BASELINE, str(corpus), str(QWEN3), str(work / "classic")]).seconds
         print(f"  classic baseline (Pool(2)+HF)  {classic:7.2f} s  {size / 1e6 / classic:7.1f} MB/s")
         print(f"  speed-up vs classic baseline: {classic / ours:.2f}x, "
               f"first run {classic / cold:.2f}x  (target >= 10x)")
@@ -341,7 +349,7 @@ def text_bench(work: Path, text_mb: float, skip_classic: bool) -> None:
         for _ in range(4):
             with open(corpus, "rb") as f:
                 shutil.copyfileobj(f, out)
-    big_t, big_rss = xprep_tokenize(big, work / "xprep4")
+    big_t, big_rss, _ = xprep_tokenize(big, work / "xprep4")
     print(f"peak RSS: {size / 1e6:.0f} MB corpus {ours_rss:.0f} MB, "
           f"{4 * size / 1e6:.0f} MB corpus {big_rss:.0f} MB (ratio {big_rss / ours_rss:.2f}; "
           f"target < 1024 MB and flat), {4 * size / 1e6 / big_t:.1f} MB/s")
@@ -350,8 +358,8 @@ def text_bench(work: Path, text_mb: float, skip_classic: bool) -> None:
 def chat_workers(work: Path) -> None:
     """What --workers 0 (auto) picks for chat, against one worker and every core, in the same run."""
     chat = work / "chat.jsonl"
-    auto = xprep_tokenize(chat, work / "chat-auto", "--on-error", "skip")[0]
-    by_workers = {n: xprep_tokenize(chat, work / f"chat-{n}", "--on-error", "skip", "--workers", str(n))[0]
+    auto = xprep_tokenize(chat, work / "chat-auto", "--on-error", "skip").seconds
+    by_workers = {n: xprep_tokenize(chat, work / f"chat-{n}", "--on-error", "skip", "--workers", str(n)).seconds
                   for n in (1, os.cpu_count() or 1)}
     print("chat workers: " + ", ".join(f"{n} → {t:.2f} s" for n, t in by_workers.items())
           + f"; auto ({auto:.2f} s) is {by_workers[1] / auto:.2f}x one worker")
