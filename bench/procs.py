@@ -28,24 +28,22 @@ def descendants(pid: int) -> list[int]:
 
 def rss_mb(pid: int) -> float:
     """VmRSS of `pid` in MB (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return _proc_mb(f"/proc/{pid}/status", "VmRSS:")
 
 
 def pss_mb(pid: int) -> float:
     """Proportional set size of `pid` in MB: its private pages, and each page it shares divided among the processes
     sharing it (summed over processes, what they use together); 0 once it is gone or where the kernel has no
     smaps_rollup."""
+    return _proc_mb(f"/proc/{pid}/smaps_rollup", "Pss:")
+
+
+def _proc_mb(path: str, key: str) -> float:
+    """The kB figure of the line starting with `key` in the /proc file `path`, in MB; 0 where there is none."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("Pss:"):
+                if line.startswith(key):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass

@@ -512,13 +512,9 @@ class Processor:
             return None
         starts, spelled = found
         row = np.repeat(np.arange(rendered.kept), lengths)
-        if len(rendered.starts):
-            k = np.searchsorted(rendered.starts, starts, side="right") - 1  # the last span begun by each token
-            target = (k >= 0) & (starts < rendered.ends[np.maximum(k, 0)])
-            token_cats = np.where(target, span_code[np.maximum(k, 0)], conv_code[row])
-        else:
-            target, token_cats = np.zeros(len(flat), bool), conv_code[row]
-        mask = np.ones(len(flat), np.uint8) if self.options.train_on == "all" else target.view(np.uint8).copy()
+        target, k = _in_spans(starts, rendered.starts, rendered.ends)
+        token_cats = np.where(target, span_code[k], conv_code[row]) if len(span_code) else conv_code[row]
+        mask = self._loss_mask(target)
         off = csr_offsets(lengths)
         out = []
         for c, ok in enumerate(spelled.tolist()):
@@ -554,23 +550,32 @@ class Processor:
         """A conversation's (ids, loss mask, categories), its mask from where each token starts
         (``_mask_from_offsets``): what a conversation whose segments do not make its ids gets."""
         target, cats = self._mask_from_offsets(text, ids, spans, cat, code)
-        mask = np.ones(len(ids), np.uint8) if self.options.train_on == "all" else target.astype(np.uint8)
-        return ids, mask, cats
+        return ids, self._loss_mask(target), cats
+
+    def _loss_mask(self, target: np.ndarray) -> np.ndarray:
+        """The loss mask of tokens ``target`` marks as in an assistant span: those, or all under --train-on all."""
+        return np.ones(len(target), np.uint8) if self.options.train_on == "all" else target.astype(np.uint8)
 
     def _mask_from_offsets(self, text, ids, spans, cat, code):
         """Each token of ``ids`` (``text``'s) a target where it begins inside a span, with the span's category;
         the others of ``cat``. Spans come in order, none overlapping: each token's is found by bisection."""
         starts = self.encoder.char_starts(text, ids)
         cats = np.full(len(ids), code(cat), np.uint16)
-        if not spans:
-            return np.zeros(len(ids), bool), cats
         lo, hi = np.array([a for a, _, _ in spans], np.int64), np.array([b for _, b, _ in spans], np.int64)
         span_codes = np.array([code(c or cat) for *_, c in spans], np.uint16)
         assert np.all(lo[1:] >= hi[:-1]), "assistant spans out of order"
-        k = np.searchsorted(lo, starts, side="right") - 1  # the last span that begins at or before each token
-        target = (k >= 0) & (starts < hi[np.maximum(k, 0)])
+        target, k = _in_spans(starts, lo, hi)
         cats[target] = span_codes[k[target]]
         return target, cats
+
+
+def _in_spans(starts: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whether each of ``starts`` lies inside a span ``[lo, hi)`` (in order, none overlapping), and the span it would
+    lie in: the last that begins at or before it (0 where none does), found by bisection."""
+    if not len(lo):
+        return np.zeros(len(starts), bool), np.zeros(len(starts), np.int64)
+    k = np.maximum(np.searchsorted(lo, starts, side="right") - 1, 0)
+    return (starts >= lo[k]) & (starts < hi[k]), k
 
 
 def _detect(record: dict, text_field: str) -> str:
