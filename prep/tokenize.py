@@ -8,6 +8,7 @@ encodes a whole batch at once. Output bytes do not depend on the worker count.
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 import json
 import multiprocessing
@@ -190,6 +191,9 @@ class Processor:
         self._columns_for = ((self.template, options.train_on == "all", options.category_field, options.role_map)
                              if plain and self.template else None)
         self._columns = None
+        # ids leave a worker process in the narrowest type that holds the vocabulary (the writer's own, as a rule):
+        # int64 would double what crosses the pipe (50 MB of chat: 77 MB of ids)
+        self._token_dtype = token_dtype(options.vocab_size)
 
     @property
     def columns(self) -> chat_columns.ColumnarChat | None:
@@ -203,7 +207,7 @@ class Processor:
     def warm(self) -> None:
         """Build now what the first batch would: a process forks its workers after this, which then share it."""
         _ = self.columns
-        self.encoder.warm()
+        self.encoder.warm(chat=self.template is not None)
 
     def __call__(self, batch: RawBatch) -> Encoded:
         docs: list[tuple[str, object, str | int | None]] = []  # (kind, payload, category)
@@ -217,6 +221,7 @@ class Processor:
             except (BadRecord, TemplateError) as e:
                 rejects.append(Rejected(line, e.kind, str(e), _snippet(item), fatal=not isinstance(e, Unusable)))
         out = self._encode(batch.source, docs, rendered)
+        out.tokens = out.tokens.astype(self._token_dtype, copy=False)
         out.rejects = rejects
         out.bytes_in = sum(len(i) for i in batch.items) if batch.kind != ROWS else 0
         return out
@@ -689,6 +694,9 @@ def _start_pool(processor_args: tuple, workers: int) -> ProcessPoolExecutor:
         return pool
     _PROCESSOR = _build(processor_args)
     _PROCESSOR.warm()
+    # every object alive now out of the collector's sight (gc.freeze, as its docs advise before a fork): no worker's
+    # collection writes to the pages it shares with this process, and none here or there traverses them again
+    gc.freeze()
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_forked)
     with _sigint_ignored(), warnings.catch_warnings():  # Python ≥ 3.12 warns of any fork beside a native pool
         warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)

@@ -495,3 +495,22 @@ def test_sharegpt_conversations_column_wise_equal_per_record(template, train_on,
         got = BATCH if rendered is None else int(rendered.status[20])
         assert got == want, name
         _assert_same(columns(batch), records(batch), name)
+
+
+@requires_shared_data
+def test_a_warmed_processor_leaves_a_forked_worker_nothing_to_build_and_returns_narrow_ids():
+    """What a process builds before forking its workers (``Processor.warm``) is all a chat batch needs: the
+    column-wise path, the encoder's verdicts and the vocabulary's spelling; and ids come back in the narrowest
+    type that holds the vocabulary (what crosses the pipe from a worker)."""
+    processor = _processor(None)
+    processor.warm()
+    assert processor._columns is not None
+    assert {"_bytes_as_text", "_spelling", "_bytes_verdict"} <= vars(processor.encoder).keys()
+    out = processor(_batches(_chitchat(300))[0])
+    assert out.tokens.dtype == np.int32 and out.tokens.max() >= 65_536  # Qwen3: 151,669 ids
+
+    info = load_tokenizer_info(str(SHARED / "tokenizers/mistral"))
+    text = Processor(info, choose_backend(info, "auto")[0], None,
+                     Options(AUTO, "text", "assistant", None, None, None, info.eod_id, info.vocab_size))
+    small = text(RawBatch(0, [b'{"text": "Four score and seven years ago"}'], [1], LINES))
+    assert small.tokens.dtype == np.uint16 and len(small.tokens) > 5

@@ -3,6 +3,7 @@ every input format, options, determinism (workers, fingerprints), and the manife
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import os
@@ -289,7 +290,7 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
             self.warmed = True
 
         def __call__(self, batch):
-            return self.built_in, self.warmed, os.getpid(), batch
+            return self.built_in, self.warmed, os.getpid(), batch, gc.get_freeze_count()
 
     monkeypatch.setattr(tk, "Processor", Fake)
     monkeypatch.delenv(tk.WORKER_START_ENV, raising=False)
@@ -303,6 +304,7 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
         pipeline.close(True)
     assert [r[3] for r in results] == list(range(6))
     assert {r[:2] for r in results} == {(os.getpid(), True)} and os.getpid() not in {r[2] for r in results}
+    assert all(r[4] > 0 for r in results)  # what they share with this process is out of their collector's sight
     assert tk._PROCESSOR is None  # the one the workers were forked with is dropped once they are gone
     monkeypatch.undo()
 
