@@ -313,11 +313,22 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3",
     tok = {"qwen3": lambda: QWEN3, "llama3.1": lambda: llama31_tokenizer(work),
            "mistral": lambda: mistral_tokenizer(work)}[template]()
     before = checkout(work, BEFORE_ISSUE_15)
+    missing = "no git history here"
     commands = {"fast path": ("chat", ROOT, None), "general Jinja path": ("chat-jinja", ROOT, {RENDER: "jinja"})}
     if before is not None:
         commands[f"xprep at {BEFORE_ISSUE_15}"] = ("chat-before", before, None)
-    for out, root, env in commands.values():  # once untimed: tokenizer facts cached, as in a user's second run
-        xprep_tokenize(chat, work / out, "--on-error", "skip", tokenizer=tok, root=root, env=env)
+    for name, (out, root, env) in list(commands.items()):  # once untimed: tokenizer facts cached, as on a second run
+        try:
+            xprep_tokenize(chat, work / out, "--on-error", "skip", tokenizer=tok, root=root, env=env)
+        except SystemExit as failed:
+            if root == ROOT:
+                raise
+            # an old checkout may not run against today's dependencies: said, and the rest measured
+            lines = str(failed).splitlines()
+            print(f"  {name} could not run here: {lines[0].partition(':')[0]}"
+                  + (f": {lines[-1]}" if len(lines) > 1 else ""))
+            del commands[name]
+            before, missing = None, "it could not run here (above)"
     runs: dict[str, list[Timed]] = {name: [] for name in commands}
     for _ in range(repeat):
         for name, (out, root, env) in commands.items():
@@ -351,7 +362,7 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3",
               f"({BEFORE_ISSUE_15}; target >= 4x); every file byte-identical, manifest included: "
               f"{same_as_fast('chat-before', os.listdir(work / 'chat'))}")
     else:
-        print(f"  (no git history here: xprep at {BEFORE_ISSUE_15}, the issue's own baseline, not measured)")
+        print(f"  ({missing}: xprep at {BEFORE_ISSUE_15}, the issue's own baseline, not measured)")
     big = work / "chat2.jsonl"
     build_chat_corpus(big, 2 * chat_mb, sharegpt)
     big_run = xprep_tokenize(big, work / "chat2", "--on-error", "skip", tokenizer=tok)
