@@ -11,6 +11,7 @@ import shutil
 import sys
 import threading
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -296,7 +297,15 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
     monkeypatch.delenv(tk.WORKER_START_ENV, raising=False)
     # (a test runner may have left a thread of its own, e.g. tqdm's monitor: the rule is checked apart below)
     monkeypatch.setattr(tk, "_can_fork", lambda: True)
-    pipeline = tk.Pipeline((), 2)
+    cycle = Fake()
+    cycle.me, garbage = cycle, weakref.ref(cycle)
+    del cycle
+    gc.disable()  # (so that only the pool's own collection can free it)
+    try:
+        pipeline = tk.Pipeline((), 2)
+    finally:
+        gc.enable()
+    assert garbage() is None  # collected before the freeze, not frozen for good
     try:
         assert pipeline.pool._mp_context.get_start_method() == "fork"
         results = list(pipeline.map(range(6)))
