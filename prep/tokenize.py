@@ -696,8 +696,8 @@ def _start_pool(processor_args: tuple, workers: int) -> ProcessPoolExecutor:
     _PROCESSOR.warm()
     # every object alive now out of the collector's sight (gc.freeze, as its docs advise before a fork): no worker's
     # collection writes to the pages it shares with this process, and none here or there traverses them again
-    # (they stay frozen here too: reference counting still frees them, only a cycle among them would wait). The
-    # garbage of now collected first (~0.01 s), or its cycles would be frozen with them, never to be freed.
+    # (they stay frozen here too: reference counting still frees them, only a cycle among them would wait). Garbage
+    # is collected first (~0.01 s): a dead cycle frozen with them would never be freed.
     gc.collect()
     gc.freeze()
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_forked)
