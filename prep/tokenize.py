@@ -688,10 +688,8 @@ def _start_pool(processor_args: tuple, workers: int) -> ProcessPoolExecutor:
     if not _can_fork():
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_init_worker, initargs=(processor_args, verdicts()))
-        with _sigint_ignored():
-            for _ in range(workers):  # while none is idle, each task starts a worker
-                pool.submit(int)
-        return pool
+        with _sigint_ignored():  # while none is idle, each task starts a worker
+            return _started(pool, lambda: [pool.submit(int) for _ in range(workers)])
     _PROCESSOR = _build(processor_args)
     _PROCESSOR.warm()
     # every object alive now out of the collector's sight (gc.freeze, as its docs advise before a fork): no worker's
@@ -704,7 +702,20 @@ def _start_pool(processor_args: tuple, workers: int) -> ProcessPoolExecutor:
     with _sigint_ignored(), warnings.catch_warnings():  # Python ≥ 3.12 warns of any fork beside a native pool
         warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
         started = pool.submit(int)  # forks every worker now (a pool using fork starts them all at its first task)
-    started.result()
+    return _started(pool, started.result)
+
+
+def _started(pool: ProcessPoolExecutor, start) -> ProcessPoolExecutor:
+    """``pool`` once ``start()`` (its first tasks) is done. A worker that dies meanwhile (killed as it appeared)
+    ends the command as a death at any later task does: the one-line error, the pool shut down (a traceback and
+    exit 1 before, or a command that never ended: the pool was left to the interpreter's exit)."""
+    global _PROCESSOR
+    try:
+        start()
+    except BrokenProcessPool:
+        pool.shutdown(wait=True, cancel_futures=True)
+        _PROCESSOR = None
+        raise _worker_died() from None
     return pool
 
 

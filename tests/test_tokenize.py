@@ -6,8 +6,10 @@ from __future__ import annotations
 import gc
 import gzip
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import threading
 import warnings
@@ -330,6 +332,27 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
     assert can_fork()
     monkeypatch.setenv(tk.WORKER_START_ENV, "spawn")
     assert not can_fork()
+
+
+def test_a_worker_that_dies_as_it_starts_ends_the_command_in_one_line(monkeypatch):
+    """A forked worker killed before its first task (the moment it appears) gives the one-line error any later
+    death gives, with the pool shut down and nothing left running (it was a BrokenProcessPool traceback)."""
+    if sys.platform != "linux":
+        pytest.skip("workers are forked on Linux only")
+
+    class Idle:
+        def __init__(self, *args):
+            pass
+
+        def warm(self):
+            pass
+
+    monkeypatch.setattr(tk, "Processor", Idle)
+    monkeypatch.setattr(tk, "_can_fork", lambda: True)
+    monkeypatch.setattr(tk, "_forked", lambda: os.kill(os.getpid(), signal.SIGKILL))  # in each worker, first thing
+    with pytest.raises(XprepError, match="a tokenize worker process died"):
+        tk.Pipeline((), 2)
+    assert tk._PROCESSOR is None and not multiprocessing.active_children()
 
 
 @requires_shared_data
