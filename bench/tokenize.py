@@ -312,11 +312,11 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3",
     chat_size = build_chat_corpus(chat, chat_mb, sharegpt)
     tok = {"qwen3": lambda: QWEN3, "llama3.1": lambda: llama31_tokenizer(work),
            "mistral": lambda: mistral_tokenizer(work)}[template]()
-    before = checkout(work, BEFORE_ISSUE_15)
+    before, baseline = checkout(work, BEFORE_ISSUE_15), f"xprep at {BEFORE_ISSUE_15}"
     missing = "no git history here"
     commands = {"fast path": ("chat", ROOT, None), "general Jinja path": ("chat-jinja", ROOT, {RENDER: "jinja"})}
     if before is not None:
-        commands[f"xprep at {BEFORE_ISSUE_15}"] = ("chat-before", before, None)
+        commands[baseline] = ("chat-before", before, None)
     for name, (out, root, env) in list(commands.items()):  # once untimed: tokenizer facts cached, as on a second run
         try:
             xprep_tokenize(chat, work / out, "--on-error", "skip", tokenizer=tok, root=root, env=env)
@@ -328,7 +328,7 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3",
             print(f"  {name} could not run here: {lines[0].partition(':')[0]}"
                   + (f": {lines[-1]}" if len(lines) > 1 else ""))
             del commands[name]
-            before, missing = None, "it could not run here (above)"
+            missing = "it could not run here (above)"
     runs: dict[str, list[Timed]] = {name: [] for name in commands}
     for _ in range(repeat):
         for name, (out, root, env) in commands.items():
@@ -356,13 +356,12 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3",
     print(f"  transformers apply_chat_template(tokenize=True) loop: {hf_rate:,.0f} conversations/s (loop only)")
     print(f"  speed-up: {new_rate / old_rate:.2f}x the Jinja path, {new_rate / hf_rate:.0f}x the transformers loop "
           f"(target >= 60x); outputs byte-identical: {same}")
-    if before is not None:  # "today's conversations/s" of the issue: the command as it was when the issue was filed
-        before_run = best[f"xprep at {BEFORE_ISSUE_15}"]
-        print(f"  speed-up: {before_run.seconds / new.seconds:.2f}x xprep as it was when issue 15 was filed "
+    if baseline in best:  # "today's conversations/s" of the issue: the command as it was when the issue was filed
+        print(f"  speed-up: {best[baseline].seconds / new.seconds:.2f}x xprep as it was when issue 15 was filed "
               f"({BEFORE_ISSUE_15}; target >= 4x); every file byte-identical, manifest included: "
               f"{same_as_fast('chat-before', os.listdir(work / 'chat'))}")
     else:
-        print(f"  ({missing}: xprep at {BEFORE_ISSUE_15}, the issue's own baseline, not measured)")
+        print(f"  ({missing}: {baseline}, the issue's own baseline, not measured)")
     big = work / "chat2.jsonl"
     build_chat_corpus(big, 2 * chat_mb, sharegpt)
     big_run = xprep_tokenize(big, work / "chat2", "--on-error", "skip", tokenizer=tok)

@@ -183,8 +183,9 @@ def _check_digests(directory: Path, manifest: dict, url: str) -> None:
     """Every stream the manifest lists arrived whole: its .bin and .idx digests are the manifest's."""
     streams = manifest.get("streams", {})
     for part in ("bin", "idx"):
-        missing = [directory / f"{name}.{part}" for name in streams if not (directory / f"{name}.{part}").is_file()]
-        wrong = missing[0] if missing else stream_mismatch(directory, manifest, part, "run again", list(streams))
+        files = [directory / f"{name}.{part}" for name in streams]
+        wrong = next((f for f in files if not f.is_file()), None) or stream_mismatch(directory, manifest, part,
+                                                                                      "run again", list(streams))
         if wrong is not None:
             raise XprepError(f"{url}: {wrong.name} is missing or differs from its manifest digest after download; "
                              "run again")

@@ -707,8 +707,8 @@ def _start_pool(processor_args: tuple, workers: int) -> ProcessPoolExecutor:
 
 def _started(pool: ProcessPoolExecutor, start) -> ProcessPoolExecutor:
     """``pool`` once ``start()`` (its first tasks) is done. A worker that dies meanwhile (killed as it appeared)
-    ends the command as a death at any later task does: the one-line error, the pool shut down (a traceback and
-    exit 1 before, or a command that never ended: the pool was left to the interpreter's exit)."""
+    ends the command as a death at any later task does: the one-line error, with the pool shut down here rather
+    than left to the interpreter's exit."""
     global _PROCESSOR
     try:
         start()
