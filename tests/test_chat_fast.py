@@ -8,13 +8,14 @@ and Mistral templates, and must agree array for array, reject for reject.
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
 from conftest import META_TEMPLATES, SHARED, requires_shared_data
 from prepkit import write_jsonl
 
-from prep import chat_fast, templates
+from prep import chat_columns, chat_fast, templates
 from prep.encoder import choose_backend, load_tokenizer_info
 from prep.formats import CHAT
 from prep.sources import LINES, RawBatch
@@ -468,3 +469,80 @@ def test_masks_from_token_starts_equal_masks_from_segments(template, train_on, c
         if batch.items[20] == literal.encode():
             assert spelled and spelled[0].sum() == len(spelled[0]) - 1  # that one only
     assert len(calls) > len(batches) / 2
+
+
+# -- random conversations -----------------------------------------------------------------------------------------
+# Pieces of content that templates and the span search treat specially: every template's markers, reasoning and tool
+# tags, whitespace of every kind, Jinja syntax, multi-byte and joining characters, the span search's placeholders.
+PIECES = ["Hello", "world", "a", ".", " ", "  ", "\n", "\n\n", "\t", "\r\n", "\u00a0", "\u2003", "\u3000", "\u200b",
+          "\u2028", "\x0b", "\x85", "<think>", "</think>", "<think>\n", "\n</think>\n\n", "<tool_call>",
+          "</tool_call>", "<tool_response>", "</tool_response>", "<|im_start|>", "<|im_end|>",
+          "<|im_start|>assistant\n", "<|endoftext|>", "<|begin_of_text|>", "<|start_header_id|>",
+          "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>", "[INST]", "[/INST]", "assistant", "user", "{{", "}}",
+          "{%", "%}", "\\", '"', "<", ">", "|", "é", "日本", "😀", "👨‍👩‍👧", "\ue000", "\ue001", "\ue0000\ue001"]
+
+
+def _text(rng, most: int = 5) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(rng.randint(0, most)))
+
+
+def _plain(rng) -> dict:
+    """A record the column-wise path may take: string contents, the four usual roles (alternating, mostly)."""
+    messages = [{"role": "system", "content": _text(rng)}] if rng.random() < 0.3 else []
+    alternate = rng.random() < 0.7
+    for k in range(rng.randint(0, 7)):
+        role = ("user", "assistant")[k % 2] if alternate else rng.choice(["user", "assistant", "tool", "system"])
+        messages.append({"role": role, "content": _text(rng)})
+        if rng.random() < 0.05:
+            messages[-1]["category"] = rng.choice(["math", "x y", ""])
+    record = {"messages": messages}
+    if rng.random() < 0.05:
+        record["category"] = rng.choice(["smalltalk", "qa"])
+    return record
+
+
+def _wild(rng) -> dict:
+    """Anything a chat corpus may hold: other roles, contents that are not strings, reasoning, tool calls, names,
+    categories of the wrong type, ShareGPT's fields."""
+    messages = []
+    for _ in range(rng.randint(0, 7)):
+        content = rng.choice([_text(rng), _text(rng), _text(rng), "", None, 7, [{"type": "text", "text": "part"}]])
+        message = {"role": rng.choice(["user", "assistant", "system", "tool", "user", "assistant", "developer",
+                                       "function", "ipython", "human", "gpt"]), "content": content}
+        if rng.random() < 0.08:
+            message["reasoning_content"] = _text(rng)
+        if message["role"] == "assistant" and rng.random() < 0.1:
+            message["tool_calls"] = [{"function": {"name": "f", "arguments": rng.choice([{"a": 1}, '{"b": 2}'])}}]
+        if rng.random() < 0.04:
+            message["category"] = rng.choice(["math", "", 3])
+        messages.append(message)
+    if rng.random() < 0.1:
+        return {"conversations": [{"from": m["role"], "value": m["content"]} for m in messages]}
+    return {"messages": messages, **({"category": rng.choice(["chat", "", 5])} if rng.random() < 0.05 else {})}
+
+
+@requires_shared_data
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_fast_path_equals_general_path_on_random_conversations(name, train_on, tokenizer_dir, monkeypatch):
+    """Random conversations built from the pieces templates treat specially (``PIECES``): the column-wise path,
+    the fast path per record and Jinja give the same tokens, masks, categories and rejects. One batch of records
+    the column-wise path may take (it must take some), one of anything."""
+    rng = random.Random(f"{name} {train_on}")
+    plain = [_plain(rng) for _ in range(400)]
+    wild = [_wild(rng) for _ in range(300)]
+    batches = [RawBatch(0, [json.dumps(r, ensure_ascii=rng.random() < 0.2).encode() for r in records],
+                        list(range(1, len(records) + 1)), LINES) for records in (plain, wild)]
+    columns = _processor(tokenizer_dir, CASES[name], train_on)
+    assert columns.columns is not None, "the column-wise path refused this template at start"
+    kept = columns.columns.render(batches[0].items).status == chat_columns.KEPT
+    assert kept.sum() > 50, "the column-wise path takes none of the plain records"
+    monkeypatch.setenv(RENDER_ENV, "records")
+    records = _processor(tokenizer_dir, CASES[name], train_on)
+    monkeypatch.setenv(RENDER_ENV, "jinja")
+    general = _processor(tokenizer_dir, CASES[name], train_on)
+    assert records.columns is None and records.template.has_fast_path and not general.template.has_fast_path
+    for k, batch in enumerate(batches):
+        want = general(batch)
+        _assert_same(columns(batch), want, f"{name}, batch {k}, column-wise")
+        _assert_same(records(batch), want, f"{name}, batch {k}, per record")
