@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -108,7 +109,9 @@ def join_cluster(address: str) -> Cluster:
 
 
 def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster) -> tuple[dict, str]:
-    """Tokenize on ``cluster`` and publish into ``out``: (manifest, how it ran)."""
+    """Tokenize on ``cluster`` and publish into ``out``: (manifest, how it ran). The staging area stays: the caller
+    removes it (``Staging.beside(config.output).remove()``) once the dataset is where it goes (uploaded, for a
+    URL), so that a run that fails before then can still reuse every shard."""
     ray = cluster.ray
     shards = plan_shards(job.sources, config.shard_size)
     key_head = {**job.head, "on_error": config.on_error}
@@ -120,7 +123,7 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
     staging.prune(set(keys))
     results: dict[int, ShardDone] = {}
     for k, key in enumerate(keys):
-        done = staging.reusable(key)
+        done = staging.reusable(key, len(shards[k].pieces))
         if done is not None:
             results[k] = done
     reused = len(results)
@@ -131,7 +134,6 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
         t1 = time.perf_counter()
         manifest = merge.finish(config)
     t2 = time.perf_counter()
-    staging.remove()
     merged = _bin_bytes(out, manifest)
     print(f"xprep tokenize: ray: shards ran in {t1 - t0:.2f} s; the merge copied {merged / 1e6:,.1f} MB in "
           f"{merge.seconds:.2f} s ({merged / 1e6 / max(merge.seconds, 1e-9):,.0f} MB/s), {t2 - t1:.2f} s of it after "
@@ -297,11 +299,16 @@ def _import_ray():
 
 
 def _connect(ray, address: str) -> bool:
-    """Join the cluster ``--ray`` names; with ``auto`` and none running, start a local one. True if started here."""
+    """Join the cluster ``--ray`` names; with ``auto`` and none running, start a local one. True if started here.
+
+    An address is first tried with a plain TCP connection: Ray itself retries one that nothing answers for
+    ~14 minutes before it gives up.
+    """
     quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
     if ray.is_initialized():
         return False
     if address != "auto":
+        _check_answers(address, f"--ray {address}", "is `ray start --head` running at that address?")
         try:
             ray.init(address=address, **quiet)
         except (ConnectionError, ValueError, RuntimeError) as e:
@@ -309,19 +316,54 @@ def _connect(ray, address: str) -> bool:
                              "running at that address?") from None
         return True
     if os.environ.get("RAY_ADDRESS"):
+        named = f"--ray auto: RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
+        _check_answers(os.environ["RAY_ADDRESS"], named, "unset RAY_ADDRESS to start a local cluster")
         try:
             ray.init(address="auto", **quiet)
         except (ConnectionError, ValueError, RuntimeError) as e:
-            raise XprepError(f"--ray auto: cannot join the Ray cluster RAY_ADDRESS={os.environ['RAY_ADDRESS']} "
-                             f"names ({e})") from None
+            raise XprepError(f"{named}: cannot join the Ray cluster it names ({e})") from None
         return True
-    try:
-        ray.init(address="auto", **quiet)  # the cluster `ray start` left on this machine
-    except (ConnectionError, ValueError, RuntimeError):
-        print("xprep tokenize: no Ray cluster found (RAY_ADDRESS unset, no `ray start`): starting a local one",
-              file=sys.stderr)
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
+    found = _cluster_left_here()
+    if found is not None and _unanswered(found) is None:
+        try:
+            ray.init(address="auto", **quiet)  # the cluster `ray start` left on this machine
+            return True
+        except (ConnectionError, ValueError, RuntimeError):
+            pass
+    why = "RAY_ADDRESS unset, no `ray start`" if found is None else f"the cluster `ray start` left at {found} is gone"
+    print(f"xprep tokenize: no Ray cluster found ({why}): starting a local one", file=sys.stderr)
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
     return True
+
+
+def _cluster_left_here() -> str | None:
+    """The address of the cluster ``ray.init(address="auto")`` would join (the one ``ray start`` recorded on this
+    machine, or a running one), or None. Ray's own lookup, which is not public API: None where it fails."""
+    try:
+        from ray._private.services import get_ray_address_from_environment  # ray is an optional extra
+
+        return get_ray_address_from_environment("auto", None)
+    except Exception:  # noqa: BLE001 - none found (ConnectionError), or another Ray: as if none were found
+        return None
+
+
+def _check_answers(address: str, named: str, hint: str) -> None:
+    reason = _unanswered(address)
+    if reason is not None:
+        raise XprepError(f"{named}: no Ray cluster answers there ({reason}); {hint}")
+
+
+def _unanswered(address: str, timeout: float = 5.0) -> str | None:
+    """Why nothing accepts a TCP connection at ``address`` (HOST:PORT, or ray://HOST:PORT), or None where something
+    does (or the address is not of that form: Ray judges it)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
 
 
 def _check_shared(ray, nodes: list[dict], staging: Staging, job: Job, config: TokenizeConfig) -> None:

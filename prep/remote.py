@@ -109,10 +109,14 @@ def upload_dataset(local: str | Path, url: str) -> None:
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     names = sorted(p.name for p in local.iterdir() if p.is_file() and p.name != MANIFEST)
-    for name in [*names, MANIFEST]:
-        fs.put_file(str(local / name), f"{inner}/{name}")
     fingerprint = json.loads((local / MANIFEST).read_text())["fingerprint"]
-    fs.pipe_file(f"{inner}/{COMPLETE}", fingerprint.encode())
+    try:
+        for name in [*names, MANIFEST]:
+            fs.put_file(str(local / name), f"{inner}/{name}")
+        fs.pipe_file(f"{inner}/{COMPLETE}", fingerprint.encode())
+    except OSError as e:  # s3fs, gcsfs: a refused or dropped request is an OSError
+        raise XprepError(f"-o {url}: the upload failed ({type(e).__name__}: {e}); no {COMPLETE} marker was "
+                         "written, so no reader takes it for a dataset: run the command again") from None
 
 
 def read_complete_manifest(url: str) -> dict:

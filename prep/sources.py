@@ -284,8 +284,8 @@ def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int |
                  lines_read: list[int] | None = None) -> Iterator[RawBatch | Unreadable]:
     """Yield record batches in order; a file that cannot be read (on) yields an ``Unreadable``.
 
-    ``lines_read``, when given, gets one number per assignment read to its end: the lines (blank ones
-    included) of a JSON Lines range, 0 for other kinds.
+    ``lines_read``, when given, gets one number per assignment read: the lines (blank ones included) of a JSON
+    Lines range read to its end, 0 for other kinds and for a file that could not be read to its end.
     """
     remaining = limit
     for a in plan:
@@ -307,6 +307,8 @@ def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int |
                     remaining -= len(batch.items)
                 yield batch
         except READ_ERRORS as e:
+            if lines_read is not None:  # one number per assignment, read to its end or not (what it read is lost)
+                lines_read.append(0)
             yield Unreadable(a.source, 0, f"unreadable file: {e or type(e).__name__}")
 
 

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from dataclasses import dataclass
 
 from prep.dataset import read_manifest, verify_streams
@@ -83,11 +84,21 @@ class Staging:
         except (FileNotFoundError, ValueError, KeyError):
             return None
 
-    def reusable(self, key: str) -> ShardDone | None:
-        """The marker of a shard an earlier run finished, if the shard is whole; a damaged one is removed."""
+    def reusable(self, key: str, pieces: int) -> ShardDone | None:
+        """The marker of a shard of ``pieces`` pieces an earlier run finished, if the shard is whole and its marker
+        counts lines for each piece; anything else is removed."""
         done = self.finished(key)
-        if done is None or self.remote or _intact(self._path("shards", key)):
+        if done is None:
+            return None
+        if len(done.lines_read) == pieces and (self.remote or _intact(self._path("shards", key))):
             return done  # an object store's uploads are whole or absent: nothing to check there
+        if self.remote:  # the marker first, as below
+            fs, inner = filesystem(self.marker(key))
+            fs.rm(inner)
+            shard = filesystem(self._path("shards", key))[1]
+            if fs.exists(shard):
+                fs.rm(shard, recursive=True)
+            return None
         with contextlib.suppress(FileNotFoundError):  # the marker first: no marker ever names a half-removed shard
             os.remove(self.marker(key))
         shutil.rmtree(self._path("shards", key), ignore_errors=True)
@@ -102,9 +113,15 @@ class Staging:
                 fs.put_file(os.path.join(local_dataset, name), f"{inner}/{name}")
             fs.pipe_file(filesystem(self.marker(key))[1], json.dumps(done.to_json()).encode())
             return
-        shutil.rmtree(target, ignore_errors=True)  # an attempt that died between rename and marker
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(local_dataset, target)
+        try:
+            os.replace(local_dataset, target)
+        except OSError:  # the target is there: another attempt's
+            if self.finished(key) is not None:  # published, and maybe being merged: it stands, this copy goes
+                shutil.rmtree(local_dataset, ignore_errors=True)
+                return
+            _move_aside(target)  # an attempt that died between its rename and its marker
+            os.replace(local_dataset, target)
         write_json_atomic(self.marker(key), done.to_json(), durable=False)
 
     def fetch(self, key: str, into: str) -> str:
@@ -148,6 +165,16 @@ class Staging:
                 fs.rm(inner, recursive=True)
         else:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _move_aside(path: str) -> None:
+    """Remove a directory another process may be renaming onto: rename it away whole first."""
+    aside = f"{path}.old-{uuid.uuid4().hex[:8]}"
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _intact(dataset: str) -> bool:

@@ -20,6 +20,7 @@ from prep.dataset import DatasetWriter
 from prep.io import check_output_dir
 from prep.remote import check_output_url, is_url, upload_dataset
 from prep.sources import plan_shard
+from prep.staging import Staging
 from prep.tokenize import (
     Job,
     Pipeline,
@@ -68,6 +69,7 @@ def _tokenize_on_ray(config: TokenizeConfig) -> tuple[dict, Job, str]:
             job = preparing.result()
             with local_output(config.output) as out:
                 manifest, how = tokenize_on_ray(config, job, out, cluster)
+            Staging.beside(config.output).remove()  # the dataset is published (uploaded): the shards can go
         finally:
             cluster.leave()
     return manifest, job, how

@@ -8,6 +8,7 @@ Every command runs in its own process (as users run it), bounded in time.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -197,6 +198,32 @@ def test_killed_driver_resumes_from_finished_shards(cluster, corpus, tmp_path):
     assert shards == 17 and finished - 1 <= reused < 17
     assert_same_files(corpus["reference"], out)
     assert not markers.parent.exists()
+
+
+def test_an_unreadable_file_under_skip_is_set_aside_as_without_ray(cluster, corpus, tmp_path):
+    """A .gz cut short, ahead of other shards: rejected as an unreadable file, the rest as one process does it (the
+    shard that met it used to leave no line count for its piece, and every merge after it broke)."""
+    damaged = tmp_path / "cut.jsonl.gz"
+    damaged.write_bytes(gzip.compress(corpus["inputs"][1].read_bytes())[:-500])
+    inputs = [damaged, corpus["inputs"][0]]
+    local = xprep("tokenize", *inputs, "-o", tmp_path / "a", "--tokenizer", QWEN, "--on-error", "skip")
+    assert local.returncode == 0, local.stderr
+    remote = xprep("tokenize", *inputs, "-o", tmp_path / "b", "--tokenizer", QWEN, "--on-error", "skip",
+                   "--ray", cluster, "--shard-size", _shard_size_for(inputs, 5))
+    assert remote.returncode == 0, remote.stderr
+    assert_same_files(tmp_path / "a", tmp_path / "b")
+    assert "unreadable file" in (tmp_path / "b" / "rejects.jsonl").read_text()
+
+
+def test_an_address_nothing_answers_is_an_error_at_once(corpus, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    started = time.monotonic()
+    proc = xprep("tokenize", corpus["inputs"][0], "-o", tmp_path / "x", "--tokenizer", QWEN, "--ray", dead,
+                 timeout=120)
+    assert proc.returncode == 2 and f"--ray {dead}: no Ray cluster answers there" in proc.stderr
+    assert "Traceback" not in proc.stderr and time.monotonic() - started < 60
 
 
 def test_ray_refuses_options_it_cannot_honour(corpus, tmp_path):

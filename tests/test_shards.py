@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -175,15 +176,132 @@ def test_a_shard_damaged_before_reuse_is_run_again(tmp_path, damage):
     """Shards are published without fsync (only the merged dataset is forced to disk), so a shard an earlier run
     left is reused only when its files still match its manifest's digests and counts; a damaged one is removed."""
     staging, done, shard = _published_shard(tmp_path, rejects=2)
-    assert staging.reusable("k") == done
+    assert staging.reusable("k", 1) == done
     path = shard / damage
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # what a crash before the write-back leaves: a file cut short
-    assert staging.reusable("k") is None
+    assert staging.reusable("k", 1) is None
     assert not shard.exists() and staging.finished("k") is None
 
 
 def test_a_whole_shard_without_rejects_is_reused(tmp_path):
     staging, done, shard = _published_shard(tmp_path, rejects=0)
     assert not (shard / "rejects.jsonl").exists()
-    assert staging.reusable("k") == done and shard.exists()
+    assert staging.reusable("k", 1) == done and shard.exists()
+
+
+def test_a_duplicate_attempt_leaves_the_published_shard_alone(tmp_path):
+    """A second attempt of a finished shard (a task resubmitted while the first still ran) must not remove the
+    published one, which the merge may be reading; an attempt that died between its rename and its marker left a
+    shard without marker, which the next attempt replaces."""
+    staging, done, shard = _published_shard(tmp_path, rejects=1)
+
+    def attempt(name: str) -> str:
+        dataset = Path(staging.scratch()) / "dataset"
+        dataset.mkdir()
+        (dataset / name).write_text("this attempt's copy")
+        return str(dataset)
+
+    inode = shard.stat().st_ino
+    late = attempt("late")
+    staging.publish(late, "k", done)
+    assert shard.stat().st_ino == inode and not (shard / "late").exists() and not os.path.exists(late)
+    assert staging.reusable("k", 1) == done
+    os.remove(staging.marker("k"))  # as if the first attempt had died before its marker
+    staging.publish(attempt("next"), "k", done)
+    assert (shard / "next").exists() and staging.finished("k") == done
+    assert sorted(p.name for p in shard.parent.iterdir()) == ["k", "k.done"]  # the old one moved away, removed
+
+
+def test_a_marker_that_does_not_count_lines_for_each_piece_is_not_reused(tmp_path):
+    """A shard's marker gives the lines each of its pieces read, for renumbering the shards after it; one that
+    lacks a number (an unreadable file, before a fix) is run again, not reused into a merge that breaks."""
+    staging, done, shard = _published_shard(tmp_path, rejects=0)
+    assert staging.reusable("k", 2) is None
+    assert not shard.exists() and staging.finished("k") is None
+
+
+def test_an_unreadable_piece_still_counts_its_lines(tmp_path):
+    """``lines_read`` gets a number for every assignment, read to its end or not."""
+    good = _lines(tmp_path / "a.jsonl", 5)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(good.read_bytes())[:-30])  # cut short
+    sources = resolve_inputs([str(tmp_path / "b.jsonl.gz"), str(good)])
+    counted: list[int] = []
+    batches = list(read_batches(sources, plan_shard(sources, 1, 0), lines_read=counted))
+    assert any(not isinstance(b, RawBatch) for b in batches) and len(counted) == 2 and counted[1] == 6
+
+
+class _FakeInit:
+    """``ray`` as ``_connect`` uses it: records how ``init`` was called."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, **kwargs):
+        self.calls.append(kwargs)
+
+
+def _dead_address() -> str:
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_an_address_nothing_answers_is_refused_at_once(monkeypatch):
+    """Ray retries an address nothing answers for ~14 minutes; xprep tries it first and says so at once."""
+    from prep import cluster
+
+    dead = _dead_address()
+    fake = _FakeInit()
+    with pytest.raises(XprepError, match=f"--ray {dead}: no Ray cluster answers there"):
+        cluster._connect(fake, dead)
+    monkeypatch.setenv("RAY_ADDRESS", dead)
+    with pytest.raises(XprepError, match=f"--ray auto: RAY_ADDRESS={dead}: no Ray cluster answers there"):
+        cluster._connect(fake, "auto")
+    assert fake.calls == []
+
+
+def test_auto_starts_a_local_cluster_where_the_recorded_one_is_gone(monkeypatch, capsys):
+    """A head killed by SIGKILL or the OOM killer leaves its address recorded; ``auto`` starts a local cluster
+    instead of joining it (Ray would wait for it, and ``ray.init()`` without an address would join it)."""
+    from prep import cluster
+
+    dead = _dead_address()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster, "_cluster_left_here", lambda: dead)
+    fake = _FakeInit()
+    assert cluster._connect(fake, "auto")
+    assert [c.get("address") for c in fake.calls] == ["local"]
+    assert f"the cluster `ray start` left at {dead} is gone): starting a local one" in capsys.readouterr().err
+
+
+def test_the_staging_area_outlives_a_failed_upload(tmp_path, monkeypatch):
+    """With an object-store -o, the dataset is uploaded after the merge: the shards stay until the upload is
+    done, so the same command run again reuses them all."""
+    from prep import tokenize_run
+    from prep.staging import Staging
+
+    out = "s3://bucket/ds"
+    staging = Staging.beside(str(tmp_path / "ds"))
+    monkeypatch.setattr(tokenize_run, "prepare", lambda config: SimpleNamespace())
+    monkeypatch.setattr(tokenize_run, "join_cluster", lambda address: SimpleNamespace(leave=lambda: None))
+    monkeypatch.setattr(tokenize_run.Staging, "beside", classmethod(lambda cls, output: staging))
+
+    def tokenize(config, job, local, cluster):
+        os.makedirs(os.path.join(staging.root, "shards"))
+        os.makedirs(local)
+        return {}, "ray"
+
+    def upload(local, url):
+        raise XprepError(f"-o {url}: the upload failed")
+
+    monkeypatch.setattr(tokenize_run, "tokenize_on_ray", tokenize)
+    monkeypatch.setattr(tokenize_run, "upload_dataset", upload)
+    with pytest.raises(XprepError, match="the upload failed"):
+        tokenize_run._tokenize_on_ray(SimpleNamespace(ray="auto", output=out))
+    assert os.path.isdir(os.path.join(staging.root, "shards"))
