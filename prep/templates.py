@@ -1,7 +1,10 @@
 """Chat templates: render a conversation and find which characters are assistant targets.
 
 Templates are Jinja, rendered in jinja2's ``ImmutableSandboxedEnvironment`` as transformers does
-(a tokenizer_config.json is untrusted input). Target spans work for any template without
+(a tokenizer_config.json is untrusted input), with bounds of its own: what a single operation may build
+(``MAX_RENDERED``, ``MAX_INT_BITS``), what a namespace may keep across loop iterations (``MAX_KEPT_*``: the
+only way a value grows from one iteration to the next), and how long one conversation may render
+(``RENDER_SECONDS``, ``_Watchdog``). Target spans work for any template without
 special tags: for assistant message ``i`` the span starts where the template's own rendering of
 ``messages[:i]`` with ``add_generation_prompt=True`` ends (the assistant header), and ends after
 the message content plus the end-of-turn marker that follows it. The whole conversation is
@@ -16,10 +19,15 @@ text and spans, so everything below holds for both paths; ``ChatTemplate.path`` 
 from __future__ import annotations
 
 import copy
+import ctypes
+import functools
 import hashlib
 import json
 import os
 import re
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -49,6 +57,13 @@ RENDER_ENV = "XPREP_CHAT_RENDER"  # "jinja" forces the general path (what bench/
 TEMPLATE_DATE = datetime(2024, 7, 26)  # what `strftime_now` renders: Llama 3.1's own default date_string
 _SPACES = re.compile(r"[ \t\r\n]*")  # what _after_marker skips before an end-of-turn marker
 MAX_RENDERED = 1 << 26  # characters a single template operation may produce (untrusted templates)
+# What an untrusted template may keep from one loop iteration to the next (in a namespace: the only place a value
+# outlives its iteration) and how long it may render one conversation: without these, a template can loop for
+# hours, fill the memory, or nest a tuple deep enough that hashing it overflows the C stack.
+MAX_KEPT_ITEMS = 1 << 20  # elements, over every nested list, tuple and dict of a value kept in a namespace
+MAX_KEPT_DEPTH = 64  # nesting of such a value
+MAX_INT_BITS = 1 << 16  # an integer's size (a product or power beyond it is refused)
+RENDER_SECONDS = 60.0  # one conversation's rendering (a real template takes milliseconds)
 
 
 class TemplateError(ValueError):
@@ -102,12 +117,183 @@ def resolve_template(choice: str, tokenizer_template: str | None, bos: str | Non
 
 
 def _raise(message: str):
-    raise TemplateError(message)
+    raise TemplateError(one_line(str(message)))
+
+
+def one_line(message: str, limit: int = 500) -> str:
+    """A template's own error message as one line of the console and of rejects.jsonl: newlines escaped, cut."""
+    flat = message.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+    return flat if len(flat) <= limit else flat[:limit] + "…"
+
+
+def _check_kept(value) -> None:
+    """Refuse a value a template keeps in a namespace that is too large or nested too deep (``MAX_KEPT_*``)."""
+    if isinstance(value, str) and len(value) > MAX_RENDERED:
+        raise TemplateError("chat template builds a value too large to render")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise TemplateError("chat template builds a number too large to render")
+    level, items = [value], 0
+    for _ in range(MAX_KEPT_DEPTH + 1):  # breadth first, level by level: never recursive
+        level = [child for v in level if isinstance(v, list | tuple | dict)
+                 for child in ([*v.keys(), *v.values()] if isinstance(v, dict) else v)]
+        items += len(level)
+        if not level:
+            return
+        if items > MAX_KEPT_ITEMS:
+            raise TemplateError("chat template builds a value too large to render")
+    raise TemplateError(f"chat template nests a value more than {MAX_KEPT_DEPTH} levels deep")
+
+
+class _Overran(BaseException):
+    """Raised inside a render that ran past its time (``_Watchdog``); not an Exception, so nothing catches it."""
+
+
+class _Watchdog:
+    """Stops a Jinja render that runs past ``RENDER_SECONDS`` (or at once: ``abort``), by raising ``_Overran`` in
+    its thread (CPython's ``PyThreadState_SetAsyncExc``: it lands between two bytecodes, which every Jinja loop
+    runs). One daemon thread per process, started at the first render, that wakes twice a second."""
+
+    def __init__(self):
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # a forked worker gets no thread, and a fresh lock
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._deadlines: dict[int, float] = {}  # thread id → when its render must stop
+        self._fired: set[int] = set()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def watching(self):
+        thread = threading.get_ident()
+        with self._lock:
+            self._deadlines[thread] = time.monotonic() + RENDER_SECONDS
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="xprep-render-watchdog", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._deadlines[thread]
+                if thread in self._fired:  # fired as the render ended: not to land in the code after it
+                    self._fired.discard(thread)
+                    _async_raise(thread, None)
+
+    def abort(self) -> None:
+        """Stop every render now (the command is interrupted: its threads must not keep it waiting)."""
+        self._fire(float("inf"))
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            self._fire(time.monotonic())
+
+    def _fire(self, now: float) -> None:
+        """Stop the renders due by ``now``."""
+        with self._lock:
+            for thread, deadline in self._deadlines.items():
+                if thread not in self._fired and deadline < now:
+                    self._fired.add(thread)
+                    _async_raise(thread, _Overran)
+
+
+def _async_raise(thread: int, exception) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                               ctypes.py_object(exception) if exception else None)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def abort_renders() -> None:
+    """Stop every Jinja render of this process now (see ``_Watchdog``)."""
+    _WATCHDOG.abort()
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# the widths and precisions of printf-style and str.format fields: '%999999999s', '{:>999999999}'
+_FORMAT_NUMBERS = re.compile(r"%[-+ #0]*(\d*)(?:\.(\d+))?|\{[^{}]*?:[^{}]*?(\d+)(?:\.(\d+))?[^{}]*\}")
+
+
+def _check_asked(args, kwargs) -> None:
+    """Refuse integers beyond ``MAX_RENDERED`` among a call's arguments: the width, indent or count it would
+    allocate (``'x'.ljust(10**9)``, ``center(10**9)``)."""
+    if any(_int(v) and abs(v) > MAX_RENDERED for v in (*args, *kwargs.values())):
+        raise TemplateError("chat template asks for a value too large to render")
+
+
+SIZING_FILTERS = ("center", "indent", "batch", "slice", "truncate", "wordwrap", "tojson")  # widths, counts
+
+
+def _asking_little(name: str, fn):
+    """A filter that refuses to be asked for a value too large: a width or count beyond ``MAX_RENDERED`` (the
+    ``SIZING_FILTERS``: ``center(10**9)``, ``tojson(indent=10**9)``), a ``format`` string with such a field, a
+    ``replace`` or ``join`` whose result would pass it. The value filtered comes after the context or environment
+    jinja2 passes some filters first."""
+    from jinja2.utils import _PassArg  # deferred: jinja2 loads only when a chat template is compiled
+
+    at = 0 if _PassArg.from_obj(fn) is None else 1
+
+    @functools.wraps(fn)  # (its jinja_pass_arg mark included)
+    def run(*args, **kwargs):
+        if name in SIZING_FILTERS:
+            _check_asked(args[at + 1 :], kwargs)
+        elif name == "format" and isinstance(args[at], str):
+            _check_format(args[at])
+        elif name in ("replace", "join"):
+            _check_grows(name, args[at], args[at + 1 :])
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def _check_grows(name: str, value, args) -> None:
+    """Refuse ``replace(old, new)`` or ``join(sep)`` whose result would be longer than ``MAX_RENDERED``."""
+    if name == "replace" and isinstance(value, str) and len(args) >= 2 and isinstance(args[1], str):
+        old, new = str(args[0]), args[1]
+        grown = len(value) + (len(value) // max(len(old), 1) + 1) * max(len(new) - len(old), 0)
+    elif name == "join" and isinstance(value, list | tuple) and args and isinstance(args[0], str):
+        grown = len(args[0]) * len(value) + sum(len(v) for v in value if isinstance(v, str))
+    else:
+        return
+    if grown > MAX_RENDERED:
+        raise TemplateError("chat template builds a value too large to render")
+
+
+def _check_format(fmt: str) -> None:
+    """Refuse a format string whose field widths or precisions go beyond ``MAX_RENDERED``."""
+    if "%" in fmt or "{" in fmt:
+        for match in _FORMAT_NUMBERS.finditer(fmt):
+            if any(n and int(n) > MAX_RENDERED for n in match.groups()):
+                raise TemplateError("chat template asks for a value too large to render")
+
+
+def _kept_namespace_class():
+    from jinja2.utils import Namespace  # deferred: jinja2 loads only when a chat template is compiled
+
+    class KeptNamespace(Namespace):
+        """Jinja's ``namespace()``, whose values are checked as they are set (``_check_kept``)."""
+
+        def __init__(*args, **kwargs):
+            for value in [*(args[1].values() if len(args) > 1 and isinstance(args[1], dict) else ()),
+                          *kwargs.values()]:
+                _check_kept(value)
+            Namespace.__init__(*args, **kwargs)
+
+        def __setitem__(self, name, value):
+            _check_kept(value)
+            Namespace.__setitem__(self, name, value)
+
+    return KeptNamespace
 
 
 @lru_cache(maxsize=8)
@@ -121,16 +307,39 @@ def _compile(source: str):
         """The immutable sandbox, with its verdicts memoized: they depend only on (type, name)."""
 
         _verdicts: dict = {}
-        intercepted_binops = frozenset({"*", "**"})
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's own signature
+            """Refuse a string method asked for a value too large (``'x'.ljust(10**9)``,
+            ``s.replace('x', 'x' * 1000)``); other calls take what they are given (a record's own numbers)."""
+            method, owner = getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None)
+            if isinstance(owner, str):
+                _check_asked(args, kwargs)
+                if method in ("replace", "join"):
+                    _check_grows(method, owner if method == "replace" else args[0] if args else None,
+                                 args if method == "replace" else [owner])
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def wrap_str_format(self, value):
+            """Refuse ``str.format`` with too wide a field (``'{:>999999999}'.format(x)``), as it is looked up."""
+            if getattr(value, "__name__", "") in ("format", "format_map") and isinstance(
+                    getattr(value, "__self__", None), str):
+                _check_format(value.__self__)
+            return super().wrap_str_format(value)
 
         def call_binop(self, context, operator, left, right):
-            """Refuse string/list repetition or powers that would exhaust memory."""
+            """Refuse string/list repetition, products or powers that would exhaust memory."""
             if operator == "*":
                 for seq, n in ((left, right), (right, left)):
                     if isinstance(seq, str | list | tuple) and isinstance(n, int) and len(seq) * n > MAX_RENDERED:
                         raise TemplateError("chat template builds a value too large to render")
-            if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+                if _int(left) and _int(right) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                    raise TemplateError("chat template builds a number too large to render")
+            if operator == "**" and _int(right) and (abs(right) > 1024 or _int(left) and
+                                                     left.bit_length() * abs(right) > MAX_INT_BITS):
                 raise TemplateError("chat template raises a number to a huge power")
+            if operator == "%" and isinstance(left, str):
+                _check_format(left)
             return super().call_binop(context, operator, left, right)
 
         def is_safe_attribute(self, obj, attr, value):
@@ -142,7 +351,9 @@ def _compile(source: str):
 
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _asking_little(name, f) for name, f in env.filters.items()}  # called directly, not via call
     env.globals["raise_exception"] = _raise
+    env.globals["namespace"] = _kept_namespace_class()
     # Templates that print today's date (Llama 3.x) would make datasets depend on the day they were
     # built, and renders of one conversation disagree across midnight: the date is frozen.
     env.globals["strftime_now"] = lambda fmt: TEMPLATE_DATE.strftime(fmt)
@@ -190,7 +401,7 @@ class ChatTemplate:
         try:
             parts = self._fast(messages, add_generation_prompt, self.spec.bos_token, self.spec.eos_token or "", slots)
         except chat_fast.RaisedByTemplate as e:
-            raise TemplateError(str(e)) from None
+            raise TemplateError(one_line(str(e))) from None
         except Exception:  # noqa: BLE001 - a renderer's own bug: Jinja's rendering is the truth
             parts = None
         if parts is None:
@@ -206,10 +417,14 @@ class ChatTemplate:
         """The template's own rendering, in the sandbox (what ``render`` equals, faster where it can)."""
         compiled = self._jinja  # (outside the try: a template that does not compile is no record's fault)
         try:
-            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.spec.bos_token, eos_token=self.spec.eos_token or "")
+            with _WATCHDOG.watching():
+                return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       bos_token=self.spec.bos_token, eos_token=self.spec.eos_token or "")
         except TemplateError:
             raise
+        except _Overran:  # the template's fault, not a record's: the run stops (a time limit is no per-record rule)
+            raise XprepError(f"chat template {self.spec.name}: rendering one conversation took over "
+                             f"{RENDER_SECONDS:.0f} s (a loop without bound?), and was stopped") from None
         except Exception as e:  # an untrusted template may raise anything, jinja2's own errors included
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
 

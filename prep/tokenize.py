@@ -37,6 +37,7 @@ from prep.templates import (
     ChatTemplate,
     TemplateError,
     TemplateSpec,
+    abort_renders,
     adopt_verdicts,
     json_type,
     normalize_messages,
@@ -809,6 +810,9 @@ class Pipeline:
         thread = ThreadPoolExecutor(1, thread_name_prefix="xprep-encode")
         try:
             yield from _ordered(batches, lambda b: thread.submit(self.inline, b), 2)
+        except BaseException:
+            abort_renders()  # (interrupted, or failed) a template's render must not keep this waiting below
+            raise
         finally:
             thread.shutdown(wait=True, cancel_futures=True)
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
 from prepkit import chat_records, read_jsonl, text_records, tokenize, write_jsonl
 
 from prep import dataset as D
@@ -88,6 +93,27 @@ def test_a_hostile_template_rejects_records_instead_of_crashing(tmp_path, tiny_t
     m = tokenize(src, tmp_path / "o", tiny_tokenizer, chat_template=str(template), on_error="skip", allow_empty=True)
     assert m["rejects"]["count"] == 2
     assert all("chat template" in r["reason"] for r in read_jsonl(tmp_path / "o" / "rejects.jsonl"))
+
+
+def test_an_interrupted_run_does_not_wait_for_a_template_that_loops(tmp_path, tiny_tokenizer):
+    """With one worker the records are rendered in a thread of the command's own process: SIGTERM (or Ctrl-C)
+    while a template loops ends the command at once instead of waiting for that render."""
+    template = tmp_path / "spin.jinja"
+    template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x")
+    src = write_jsonl(tmp_path / "c.jsonl", chat_records(2))
+    cmd = [sys.executable, "-c", "import sys, cli; sys.argv[0] = 'xprep'; cli.xprep()", "tokenize", str(src), "-o",
+           str(tmp_path / "o"), "--tokenizer", str(tiny_tokenizer), "--chat-template", str(template), "--workers",
+           "1", "--progress-every", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # (imports, the tokenizer, then the render)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("still running 30 s after SIGTERM")
+    assert proc.returncode != 0 and "interrupted" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o*"))
 
 
 def test_a_template_that_fails_to_compile_is_one_clear_error(tmp_path, tiny_tokenizer):

@@ -168,6 +168,77 @@ def test_templates_run_in_the_immutable_sandbox(source):
         t.render([{"role": "user", "content": "x"}])
 
 
+HUGE = 3 * 2**26  # beyond MAX_RENDERED
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("source, match", [
+    # values a namespace carries from one loop iteration to the next: the only way they grow without bound
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "too large"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "too large"),
+    ("{% set ns = namespace(t=()) %}{% for i in range(100000) %}{% set ns.t = (ns.t,) %}{% endfor %}{{ {ns.t: 1} }}",
+     "nests a value more than 64 levels deep"),  # hashing it would overflow the C stack: a segfault
+    ("{% set ns = namespace(l=[]) %}{% for i in range(100) %}{% set ns.l = [ns.l] %}{% endfor %}", "levels deep"),
+    ("{% set ns = namespace(l=[]) %}{% for i in range(50) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}",
+     "too large"),  # 2^50 elements, by reference
+    ("{% set ns = namespace(n=10**30) %}{% for i in range(30) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
+     "number too large"),
+    (f"{{{{ '%{HUGE}s'|format(messages[0].content) }}}}", "asks for a value too large"),
+    ("{{ (2**1000)**1000 }}", "huge power"),
+    # one call asked for a huge width, indent, count or growth
+    (f"{{{{ messages[0].content.ljust({HUGE}) }}}}", "asks for a value too large"),
+    (f"{{{{ messages[0].content|center({HUGE}) }}}}", "asks for a value too large"),
+    (f"{{{{ messages|tojson(indent={HUGE}) }}}}", "asks for a value too large"),
+    (f"{{{{ messages|batch({HUGE}, 0)|list }}}}", "asks for a value too large"),
+    (f"{{{{ '{{:>{HUGE}}}'.format(messages[0].content) }}}}", "asks for a value too large"),
+    (f"{{{{ '%{HUGE}s' % messages[0].content }}}}", "asks for a value too large"),
+    ("{{ ('x' * 60000000)|replace('x', 'xxxx') }}", "too large"),
+    ("{{ ('x' * 60000000).replace('x', 'xxxx') }}", "too large"),
+    ("{{ (['x'] * 60000000)|join('ab') }}", "too large"),
+])
+def test_a_template_cannot_build_values_without_bound(source, match):
+    """What would fill the memory (or crash the interpreter) is refused as the template builds it; the records
+    are then rejected as the template's failures."""
+    with pytest.raises(TemplateError, match=match):
+        ChatTemplate(TemplateSpec("hostile", source, "", None)).render([{"role": "user", "content": "x"}])
+
+
+def test_values_real_templates_keep_are_untouched():
+    source = ("{% set ns = namespace(n=0, s='', l=[]) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+              "{% set ns.s = ns.s ~ m.content %}{% set ns.l = ns.l + [m.role] %}{% endfor %}"
+              "{{ ns.n }} {{ ns.s }} {{ ns.l|join(',') }} {{ '%5s|%-3d' % ('a', 7) }} {{ '{:>4}'.format('b') }}"
+              " {{ 1234567890123 }} {{ 'x'.ljust(3) }}|{{ messages|tojson(indent=2)|length > 0 }}"
+              "{% set ns.t = namespace(ts=1700000000123) %} {{ ns.t.ts|default(9999999999) }}")
+    t = ChatTemplate(TemplateSpec("kept", source, "", None))
+    assert t.render(CONVERSATION[:2]) == (
+        "2 Be brief.Hi there system,user     a|7      b 1234567890123 x  |True 1700000000123")
+
+
+def test_a_render_that_runs_too_long_stops_the_run(monkeypatch):
+    """A template that loops without bound (nested ranges: 10^10 steps) is stopped after RENDER_SECONDS, as an
+    error of the template's (the command stops), not of the record; renders after it are unaffected."""
+    import time
+
+    from prep import templates
+
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 0.5)
+    t = ChatTemplate(TemplateSpec("spin", NESTED_LOOPS + "{{ messages[0].content }}", "", None))
+    started = time.monotonic()
+    with pytest.raises(XprepError, match=r"chat template spin: rendering one conversation took over 0 s"):
+        t.render([{"role": "user", "content": "x"}])
+    assert time.monotonic() - started < 10
+    ok = template("chatml")
+    for _ in range(2000):  # long enough for a stray stop to land, had one been left pending
+        ok.render(CONVERSATION)
+
+
+def test_a_template_error_message_is_one_line():
+    t = ChatTemplate(TemplateSpec("r", "{{ raise_exception('first\nsecond ' ~ messages[0].content) }}", "", None))
+    with pytest.raises(TemplateError) as e:
+        t.render([{"role": "user", "content": "a\r\nb"}])
+    assert str(e.value) == "first\\nsecond a\\r\\nb" and "\n" not in str(e.value)
+
+
 def test_tojson_and_loop_controls_are_available():
     source = ("{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
               "{{ m | tojson }}{% endfor %}")
