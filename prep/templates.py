@@ -211,6 +211,13 @@ def abort_renders() -> None:
     _WATCHDOG.abort()
 
 
+def render_watchdog_running() -> bool:
+    """Whether this process runs the render watchdog's thread: one that holds no lock a forked child could
+    inherit (its own is made anew in the child), so a process may still fork its workers beside it."""
+    thread = _WATCHDOG._thread
+    return thread is not None and thread.is_alive()
+
+
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)

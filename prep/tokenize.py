@@ -42,6 +42,7 @@ from prep.templates import (
     json_type,
     normalize_messages,
     parse_role_map,
+    render_watchdog_running,
     resolve_template,
     verdicts,
 )
@@ -735,7 +736,7 @@ def _sigint_ignored():
 
 
 def _can_fork() -> bool:
-    return (sys.platform == "linux" and threading.active_count() == 1
+    return (sys.platform == "linux" and threading.active_count() == 1 + render_watchdog_running()
             and os.environ.get(WORKER_START_ENV, "fork") != "spawn")
 
 

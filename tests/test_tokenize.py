@@ -37,6 +37,7 @@ from prep import tokenize as tk
 from prep.dataset import TokenDataset
 from prep.encoder import add_around
 from prep.errors import XprepError
+from prep.templates import BUILTIN_TEMPLATES, ChatTemplate, TemplateSpec, render_watchdog_running
 
 QWEN3_EOD = 151645  # <|im_end|>, Qwen3's eos_token (Megatron's choice too)
 MISTRAL_BOS, MISTRAL_EOD = 1, 2  # <s>, </s>
@@ -328,7 +329,12 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
     finally:
         stop.set()
         other.join()
-    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    # a chat template's check renders with Jinja here before the fork, which starts the render watchdog's thread:
+    # it holds no lock a child could inherit, so the workers are still forked beside it
+    ChatTemplate(TemplateSpec("chatml", BUILTIN_TEMPLATES["chatml"], "", "<|im_end|>")).render_jinja(
+        [{"role": "user", "content": "x"}])
+    assert render_watchdog_running()
+    monkeypatch.setattr(threading, "active_count", lambda: 2)  # this thread and the watchdog's
     assert can_fork()
     monkeypatch.setenv(tk.WORKER_START_ENV, "spawn")
     assert not can_fork()
