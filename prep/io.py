@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 from prep.errors import XprepError
@@ -101,6 +103,18 @@ def write_atomic(path: str | Path, data: str | bytes, durable: bool = True) -> N
 def write_json_atomic(path: str | Path, obj, durable: bool = True) -> None:
     """``obj`` as indented UTF-8 JSON (one trailing newline), written by ``write_atomic``."""
     write_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", durable)
+
+
+def remove_tree(path: str | Path) -> None:
+    """Remove a directory without a moment in which a reader (or a rename onto it) finds part of it: renamed away
+    whole, under a hidden name beside it, then deleted. Gone already is fine."""
+    path = Path(path)
+    aside = path.with_name(f".{path.name}.removing-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(path, aside)
+    except OSError:  # gone already (another process moved it), or not ours to move: left to the caller's next step
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def fsync_dir(path: str | Path) -> None:

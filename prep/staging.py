@@ -17,13 +17,12 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 from dataclasses import dataclass
 
 from prep.dataset import read_manifest, verify_streams
 from prep.errors import XprepError
 from prep.formats import REJECTS
-from prep.io import write_json_atomic
+from prep.io import remove_tree, write_json_atomic
 from prep.remote import filesystem, is_url, join
 
 STAGING_SUFFIX = ".xprep-shards"
@@ -120,7 +119,7 @@ class Staging:
             if self.finished(key) is not None:  # published, and maybe being merged: it stands, this copy goes
                 shutil.rmtree(local_dataset, ignore_errors=True)
                 return
-            _move_aside(target)  # an attempt that died between its rename and its marker
+            remove_tree(target)  # an attempt that died between its rename and its marker
             os.replace(local_dataset, target)
         write_json_atomic(self.marker(key), done.to_json(), durable=False)
 
@@ -165,16 +164,6 @@ class Staging:
                 fs.rm(inner, recursive=True)
         else:
             shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _move_aside(path: str) -> None:
-    """Remove a directory another process may be renaming onto: rename it away whole first."""
-    aside = f"{path}.old-{uuid.uuid4().hex[:8]}"
-    try:
-        os.replace(path, aside)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _intact(dataset: str) -> bool:

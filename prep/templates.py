@@ -322,9 +322,10 @@ def _compile(source: str):
             method, owner = getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None)
             if isinstance(owner, str):
                 _check_asked(args, kwargs)
-                if method in ("replace", "join"):
-                    _check_grows(method, owner if method == "replace" else args[0] if args else None,
-                                 args if method == "replace" else [owner])
+                if method == "replace":
+                    _check_grows("replace", owner, args)
+                elif method == "join" and args:  # sep.join(items): the filter's items|join(sep)
+                    _check_grows("join", args[0], [owner])
             return super().call(__context, __obj, *args, **kwargs)
 
         def wrap_str_format(self, value):

@@ -24,14 +24,13 @@ import shutil
 import struct
 import sys
 import tempfile
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from prep.errors import XprepError
-from prep.io import file_sha256, write_json_atomic
+from prep.io import file_sha256, remove_tree, write_json_atomic
 
 CONVERSION_VERSION = 2  # bump when a conversion gives another tokenizer.json for the same files
 MAX_ID = 2**31 - 1  # token ids are stored as int32 at most
@@ -319,7 +318,7 @@ def _publish(entry: Path, build: Callable[[Path], dict]) -> tuple[Path, dict]:
         if theirs is not None:  # another run published it meanwhile (and may be reading it): keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
             return entry, theirs
-        _move_aside(entry)  # a broken one, said by _read_entry: renamed away whole, then removed
+        remove_tree(entry)  # a broken one, said by _read_entry
     try:
         os.replace(tmp, entry)
     except OSError:  # another run published it between the two: same content, keep theirs
@@ -330,16 +329,6 @@ def _publish(entry: Path, build: Callable[[Path], dict]) -> tuple[Path, dict]:
         raise XprepError(f"{entry}: cannot publish the converted tokenizer there; remove that directory and run "
                          "again") from None
     return entry, meta
-
-
-def _move_aside(entry: Path) -> None:
-    """Remove a broken entry without a moment in which a reader finds half of it: rename, then delete."""
-    aside = entry.with_name(f".{entry.name}.broken-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.replace(entry, aside)
-    except OSError:  # gone already (another run moved it)
-        return
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _fill(tmp: Path, build: Callable[[Path], dict]) -> dict:
