@@ -13,8 +13,11 @@ import itertools
 import json
 import multiprocessing
 import os
+import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import warnings
 from collections import deque
@@ -772,11 +775,36 @@ def _init_worker(args, checked: dict) -> None:
         _START_ERROR = e
 
 
-def _work(batch: RawBatch) -> Encoded:
+def _work(batch: RawBatch, spill: str) -> Spilled:
     if _START_ERROR is not None:
         raise _START_ERROR
     assert _PROCESSOR is not None
-    return _PROCESSOR(batch)
+    return Spilled.write(_PROCESSOR(batch), spill)
+
+
+@dataclass(frozen=True)
+class Spilled:
+    """A worker's result, left in a file for the main process: what crosses the pipe is this path alone.
+
+    A worker killed while it writes a result into the pipe (the OOM killer, a SIGKILL) leaves a message cut short
+    there, and ``concurrent.futures`` reads the rest forever: the command hung, instead of failing. A message this
+    small is written whole or not at all (one write, below PIPE_BUF), so the death is seen as a death.
+    """
+
+    path: str
+
+    @classmethod
+    def write(cls, result: Encoded, directory: str) -> Spilled:
+        fd, path = tempfile.mkstemp(dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        return cls(path)
+
+    def load(self) -> Encoded:
+        with open(self.path, "rb") as f:
+            data = f.read()
+        os.remove(self.path)
+        return pickle.loads(data)
 
 
 class Pipeline:
@@ -798,6 +826,7 @@ class Pipeline:
             self.pool = None
         else:
             self.pool = _start_pool(processor_args, workers)
+            self.spill = tempfile.mkdtemp(prefix="xprep-results-")  # (Spilled)
 
     def map(self, batches):
         if self.pool is not None:
@@ -819,7 +848,7 @@ class Pipeline:
 
     def _submit(self, batch: RawBatch):
         try:
-            return self.pool.submit(_work, batch)
+            return self.pool.submit(_work, batch, self.spill)
         except BrokenProcessPool:  # a worker died before this batch could be queued
             raise _worker_died() from None
 
@@ -828,6 +857,7 @@ class Pipeline:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=not ok)
             _PROCESSOR = None  # the one workers were forked with, if they were
+            shutil.rmtree(self.spill, ignore_errors=True)  # results a failed run did not read
 
 
 def _ordered(batches, submit, lookahead: int):
@@ -846,9 +876,10 @@ def _result(item) -> Encoded | Unreadable:
     if isinstance(item, Unreadable):
         return item
     try:
-        return item.result()
+        result = item.result()
     except BrokenProcessPool:
         raise _worker_died() from None
+    return result.load() if isinstance(result, Spilled) else result
 
 
 def _worker_died() -> XprepError:

@@ -8,12 +8,14 @@ import gzip
 import json
 import multiprocessing
 import os
+import select
 import shutil
 import signal
 import sys
 import threading
 import warnings
 import weakref
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
@@ -318,6 +320,7 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
     assert {r[:2] for r in results} == {(os.getpid(), True)} and os.getpid() not in {r[2] for r in results}
     assert all(r[4] > 0 for r in results)  # what they share with this process is out of their collector's sight
     assert tk._PROCESSOR is None  # the one the workers were forked with is dropped once they are gone
+    assert not os.path.exists(pipeline.spill)  # (results come through files: Spilled)
     monkeypatch.undo()
 
     can_fork = tk._can_fork
@@ -338,6 +341,19 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
     assert can_fork()
     monkeypatch.setenv(tk.WORKER_START_ENV, "spawn")
     assert not can_fork()
+
+
+def test_a_result_crosses_the_pipe_as_a_path_short_enough_to_be_written_whole(tmp_path, monkeypatch):
+    """A worker killed while it wrote a result of megabytes into the pipe left concurrent.futures reading the rest
+    forever (the command hung); what it sends now is a path, one write below PIPE_BUF, and the result a file."""
+    result = tk.Encoded(0, np.arange(3_000_000, dtype=np.int32), np.array([3_000_000]), None, None, [],
+                        [tk.Rejected(7, "bad", "why", "{", True)], 12)
+    monkeypatch.setattr(tk, "_PROCESSOR", lambda batch: result)
+    spilled = tk._work(None, str(tmp_path))
+    assert isinstance(spilled, tk.Spilled) and len(ForkingPickler.dumps(spilled)) < select.PIPE_BUF
+    loaded = spilled.load()
+    assert np.array_equal(loaded.tokens, result.tokens) and loaded.rejects == result.rejects
+    assert list(tmp_path.iterdir()) == []  # read once, removed
 
 
 def test_a_worker_that_dies_as_it_starts_ends_the_command_in_one_line(monkeypatch):
