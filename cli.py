@@ -313,12 +313,13 @@ def xtrain():
               help="Bin order: Megatron sequential, or a permutation per epoch [default: sequential].")
 @click.option("--seed", type=int, default=None, help="Init and sampler seed [default: 0].")
 @click.option("--lr", type=float, default=None, help="Peak learning rate [default: 3e-4].")
-@click.option("--min-lr", type=float, default=None, help="Final learning rate of the decay [default: 0].")
+@click.option("--min-lr", type=float, default=None,
+              help="Where the decay ends, one step after the last [default: 0].")
 @click.option("--warmup", type=int, default=None, help="Linear warm-up steps [default: 0].")
 @click.option("--schedule", type=click.Choice(["cosine", "linear", "constant", "wsd", "wsd-sqrt"]), default=None,
-              help="After the warm-up: cosine or linear decay to --min-lr by the last step; constant; wsd / wsd-sqrt: "
-                   "the peak lr, then linear / 1-sqrt decay over the last --decay-fraction of the steps "
-                   "[default: cosine].")
+              help="After the warm-up: cosine or linear decay, reaching --min-lr one step after the last (every "
+                   "step trains above it); constant; wsd / wsd-sqrt: the peak lr, then linear / 1-sqrt decay over the "
+                   "last --decay-fraction of the steps [default: cosine].")
 @click.option("--decay-fraction", type=float, default=None,
               help="wsd, wsd-sqrt: share of the steps over which the lr decays to --min-lr [default: 0.2].")
 @click.option("--weight-decay", type=float, default=None, help="AdamW weight decay [default: 0.1].")

@@ -1,8 +1,9 @@
 """The learning-rate schedules and gradient clipping against references written here, not xtrain's helpers.
 
 Schedules: the lr of every update of a run equals a closed form (update n = 1..T runs at): warm-up
-lr·n/W (never 0); cosine/linear decay to --min-lr reached exactly at update T; wsd/wsd-sqrt at the peak,
-then linear / 1-sqrt decay over the last round(decay_fraction·T) updates. Clipping: one ``train_step``
+lr·n/W (never 0); cosine/linear decay to --min-lr reached at update T+1, one after the last (so the last
+trains above it); wsd/wsd-sqrt at the peak, then linear / 1-sqrt decay over the last round(decay_fraction·T)
+updates. Clipping: one ``train_step``
 reports the pre-clip global norm and moves the parameters as clip-then-AdamW computed by hand does.
 """
 
@@ -46,7 +47,8 @@ def reference_lr(kind: str, n: int, steps: int, warmup: int, lr: float, min_lr: 
         first = steps - decay_steps
         if n <= first:
             return lr  # the stable plateau
-    p = (n - first) / (steps - first)
+    peak = max(first, 1)  # the last update at the peak (the first update, when nothing comes before the decay)
+    p = (n - peak) / (steps + 1 - peak)  # 1 at update steps + 1: --min-lr is reached after the run
     shape = {"cosine": (1 + math.cos(math.pi * p)) / 2, "linear": 1 - p, "wsd": 1 - p, "wsd-sqrt": 1 - math.sqrt(p)}
     return min_lr + (lr - min_lr) * shape[kind]
 
@@ -79,8 +81,8 @@ def test_every_schedule_matches_its_closed_form(kind, steps, warmup, lr, min_lr,
     for n, groups in enumerate(got, start=1):
         want = reference_lr(kind, n, steps, warmup, lr, min_lr, fraction)
         assert groups == pytest.approx([want] * len(groups), rel=1e-12, abs=1e-18), (kind, n, groups, want)
-    if kind != "constant" and warmup < steps:  # every decaying schedule ends exactly at --min-lr
-        assert got[-1][0] == pytest.approx(min_lr, rel=1e-12, abs=1e-18)
+    if kind != "constant" and min_lr < lr:  # every update of a decay trains above --min-lr, the last one too
+        assert all(g[0] > min_lr for g in got[warmup:])
 
 
 def test_hand_computed_values():
@@ -89,17 +91,30 @@ def test_hand_computed_values():
         steps = kw.pop("steps")
         return [g[0] for g in xtrain_lrs(OptimizerSection(**kw), steps)]
 
-    c = (1 + math.cos(math.pi / 4)) / 2
-    assert lrs(lr=1.0, warmup=1, schedule="cosine", steps=5) == pytest.approx([1.0, c, 0.5, 1 - c, 0.0])
-    assert lrs(lr=1.0, min_lr=0.2, warmup=2, schedule="cosine", steps=4) == pytest.approx([0.5, 1.0, 0.6, 0.2])
-    assert lrs(lr=1.0, min_lr=0.1, warmup=2, schedule="linear", steps=5) == pytest.approx([0.5, 1, 0.7, 0.4, 0.1])
+    cos = lambda p: (1 + math.cos(math.pi * p)) / 2  # noqa: E731
+    assert lrs(lr=1.0, warmup=1, schedule="cosine", steps=5) == pytest.approx(
+        [1.0, cos(1 / 5), cos(2 / 5), cos(3 / 5), cos(4 / 5)])
+    assert lrs(lr=1.0, schedule="cosine", steps=4) == pytest.approx([1.0, cos(1 / 4), cos(2 / 4), cos(3 / 4)])
+    assert lrs(lr=1.0, min_lr=0.2, warmup=2, schedule="cosine", steps=4) == pytest.approx([0.5, 1.0, 0.8, 0.4])
+    assert lrs(lr=1.0, min_lr=0.1, warmup=2, schedule="linear", steps=5) == pytest.approx(
+        [0.5, 1, 0.775, 0.55, 0.325])
     assert lrs(lr=1.0, warmup=4, schedule="constant", steps=6) == pytest.approx([0.25, 0.5, 0.75, 1, 1, 1])
     assert lrs(lr=1.0, min_lr=0.1, warmup=2, schedule="wsd", decay_fraction=0.3, steps=10) == pytest.approx(
-        [0.5, 1, 1, 1, 1, 1, 1, 0.7, 0.4, 0.1])
+        [0.5, 1, 1, 1, 1, 1, 1, 0.775, 0.55, 0.325])
     assert lrs(lr=1.0, schedule="wsd-sqrt", decay_fraction=0.4, steps=10) == pytest.approx(
-        [1, 1, 1, 1, 1, 1, 1 - 0.5, 1 - math.sqrt(0.5), 1 - math.sqrt(0.75), 0.0])
-    # the default fraction is 0.2: 2 of 10 steps decay
-    assert lrs(lr=1.0, schedule="wsd", steps=10) == pytest.approx([1] * 8 + [0.5, 0.0])
+        [1, 1, 1, 1, 1, 1, 1 - math.sqrt(0.2), 1 - math.sqrt(0.4), 1 - math.sqrt(0.6), 1 - math.sqrt(0.8)])
+    # the default fraction is 0.2: 2 of 10 steps decay, both above --min-lr
+    assert lrs(lr=1.0, schedule="wsd", steps=10) == pytest.approx([1] * 8 + [2 / 3, 1 / 3])
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "wsd", "wsd-sqrt"])
+def test_no_update_trains_at_min_lr_zero(kind):
+    """Issue 29: cosine to --min-lr 0 trained the last update (and the only one of --steps 1) at lr 0."""
+    one = xtrain_lrs(OptimizerSection(lr=1e-3, schedule=kind), 1)
+    assert one == [[1e-3, 1e-3]]  # a one-step run trains at --lr
+    for steps, warmup in ((2, 0), (10, 0), (10, 3), (7, 6)):
+        lrs = [g[0] for g in xtrain_lrs(OptimizerSection(lr=1e-3, warmup=warmup, schedule=kind), steps)]
+        assert min(lrs) > 0 and lrs[-1] < max(lrs), (steps, warmup, lrs)  # it decays, and never to 0
 
 
 def test_decay_fraction_is_checked():
@@ -120,7 +135,7 @@ def test_a_resume_names_a_changed_decay_fraction():
     assert LRSchedule("cosine", 0, 10, 0.0).settings() == {"schedule": "cosine", "warmup": 0, "steps": 10}
     note = schedule_change(now, {"schedule": "wsd", "warmup": 0, "steps": 10, "decay_fraction": 0.2}, 6, 1.0)
     assert note == ("decay_fraction 0.2 → 0.4: the learning-rate schedule is recomputed for 10 steps "
-                    "(step 7 lr 7.50e-01 instead of 1.00e+00)")
+                    "(step 7 lr 8.00e-01 instead of 1.00e+00)")
     assert schedule_change(now, now.settings(), 6, 1.0) is None
     # an implicit and an explicit default fraction are the same schedule
     assert schedule_change(LRSchedule("wsd", 0, 10, 0.0, 0.2), {**now.settings(), "decay_fraction": None}, 6, 1) is None
@@ -137,7 +152,7 @@ def test_a_run_logs_the_closed_form_lr(tmp_path):
     assert result.exit_code == 0, result.output
     logged = [json.loads(x)["lr"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert logged == pytest.approx([reference_lr("wsd", n, 6, 2, 1e-3, 1e-4, 0.5) for n in range(1, 7)], rel=1e-12)
-    assert logged == pytest.approx([5e-4, 1e-3, 1e-3, 7e-4, 4e-4, 1e-4], rel=1e-12)
+    assert logged == pytest.approx([5e-4, 1e-3, 1e-3, 7.75e-4, 5.5e-4, 3.25e-4], rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------ clipping

@@ -23,15 +23,19 @@ class LRSchedule:
     """LR multiplier at 0-based step s (the lr of the (s+1)-th update): warm-up, then a plateau, then a decay.
 
     - warm-up, s < W: (s+1)/W — the first update already moves (never lr 0), the W-th runs at the peak.
-    - decay from step S to the last step T−1, with progress p = (s+1−S)/(T−S) in (0, 1]: the multiplier is
-      m + (1−m)·f(p), m = min_ratio (--min-lr / --lr), so the last step runs at exactly --min-lr. S = W for
-      ``cosine`` (f = (1+cos πp)/2) and ``linear`` (f = 1−p); S = T−D for ``wsd`` (f = 1−p) and ``wsd-sqrt``
-      (f = 1−√p), whose D = round(decay_fraction·T) decay steps (at least 1, at most T−W) follow a plateau at
-      the peak; ``constant`` stays at the peak after the warm-up (no --min-lr).
+    - decay from step S on, with m = min_ratio (--min-lr / --lr): the multiplier is m + (1−m)·f(p), p the
+      progress from the last step at the peak, a = max(S−1, 0) (the last warm-up or plateau step; step 0
+      when nothing comes before the decay), to the step *after* the last one, T: p = (s−a)/(T−a). So --min-lr
+      is reached once the run is over and every update of the decay trains above it (with --min-lr 0 the
+      last one is not wasted at lr 0, and a one-step run trains at --lr). S = W for ``cosine``
+      (f = (1+cos πp)/2) and ``linear`` (f = 1−p); S = T−D for ``wsd`` (f = 1−p) and ``wsd-sqrt``
+      (f = 1−√p), whose D = round(decay_fraction·T) decay steps (at least 1, at most T−W) follow a plateau
+      at the peak; ``constant`` stays at the peak after the warm-up (no --min-lr).
 
-    With 1-based update numbers n = s+1 these are OLMo-core's ``CosWithWarmup``/``LinearWithWarmup``/``WSD``
-    (warm-up n/W, decay progress (n−S)/(T−S)); ``wsd-sqrt`` is the "1-sqrt" cooldown of Hägele et al. (2024),
-    torchtitan's ``lr_decay_type = "sqrt"``. A plain object (not a lambda) so ``LambdaLR.state_dict`` can save it.
+    The shapes are OLMo-core's ``CosWithWarmup``/``LinearWithWarmup``/``WSD``, except that they end at
+    --min-lr one update after the last (OLMo-core's last update runs at it); ``wsd-sqrt`` is the "1-sqrt"
+    cooldown of Hägele et al. (2024), torchtitan's ``lr_decay_type = "sqrt"``. A plain object (not a
+    lambda) so ``LambdaLR.state_dict`` can save it.
     """
 
     def __init__(self, kind: str, warmup: int, total: int, min_ratio: float, decay_fraction: float | None = None):
@@ -47,7 +51,8 @@ class LRSchedule:
             return (step + 1) / self.warmup
         if self.kind == "constant" or step < self.decay_start:
             return 1.0
-        progress = min(1.0, (step + 1 - self.decay_start) / max(1, self.total - self.decay_start))
+        peak = max(self.decay_start - 1, 0)  # the last step at the peak; the decay ends at step `total`
+        progress = min(1.0, (step - peak) / max(1, self.total - peak))
         if self.kind == "cosine":
             decay = 0.5 * (1 + math.cos(math.pi * progress))
         elif self.kind == "wsd-sqrt":
