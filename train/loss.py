@@ -128,9 +128,10 @@ class LossSums:
         return cls(v[0], v[1], v[2 : 2 + c], v[2 + c :])
 
     @property
-    def loss(self) -> float:
-        """Σ CE / Σ targets (0 without targets)."""
-        return float(self.ce / self.targets.clamp(min=1))
+    def loss(self) -> float | None:
+        """Σ CE / Σ targets; None without targets: a step (or an evaluation) with no target token has no loss,
+        and a 0 would pass for the best one."""
+        return float(self.ce / self.targets) if float(self.targets) > 0 else None
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ def channel_means(ce: torch.Tensor, targets: torch.Tensor, names: Sequence[str |
     return out
 
 
-def step_losses(sums: LossSums, category_names: list[str | None]) -> tuple[float, dict[str, float]]:
+def step_losses(sums: LossSums, category_names: list[str | None]) -> tuple[float | None, dict[str, float]]:
     """Mean loss and the per-category means by name (category 0 and empty ones left out); the categories
     are the first ids of the sums (as ``Channels.of`` lays them out)."""
     n = len(category_names)

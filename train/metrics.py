@@ -1,5 +1,9 @@
 """What a step measured, and where it goes: ``metrics.jsonl`` (every step) and the console (rank 0 only).
 
+A step with no target token (all its bins are padding or prompts) has no loss: ``loss`` is null on its
+record (never 0, which would pass for the best), "none (no target tokens)" on the console, and the run
+report counts such steps apart (train/report.py); an evaluation without targets likewise.
+
 A step that evaluated on the validation bins carries its ``EvalMetrics``: they go on the same
 metrics.jsonl record (``eval_loss``, ``eval_category_loss``, ``eval_source_loss``, ``eval_target_tokens``,
 ``eval_bins``) and on a console line of their own, whatever ``log_every`` says.
@@ -29,9 +33,10 @@ from train.loggers import Logger, scalars
 
 @dataclass
 class EvalMetrics:
-    """Loss over the validation bins: Σ CE / Σ targets over all of them, per category and per source."""
+    """Loss over the validation bins: Σ CE / Σ targets over all of them, per category and per source (None
+    without targets)."""
 
-    loss: float
+    loss: float | None
     category_loss: dict[str, float]
     source_loss: dict[str, float]
     targets: int
@@ -48,7 +53,7 @@ class StepMetrics:
     """What one optimizer step measured: losses and counts over all ranks, its time, throughput and peak memory."""
 
     step: int
-    loss: float
+    loss: float | None  # None: the step had no target token
     category_loss: dict[str, float]
     grad_norm: float
     lr: float
@@ -127,7 +132,7 @@ class MetricsLog:
         elapsed = time.perf_counter() - self._t0
         done = m.step - self._first_step
         eta = elapsed / done * (self.total - m.step) if done else 0.0
-        line = (f"step {m.step}/{self.total}  loss {m.loss:.4f}  lr {m.lr:.2e}  grad {m.grad_norm:.3f}  "
+        line = (f"step {m.step}/{self.total}  loss {loss_text(m.loss)}  lr {m.lr:.2e}  grad {m.grad_norm:.3f}  "
                 f"{self._interval.rate:,.0f} tok/s{self._interval.perf()}  ETA {clock(eta)}")
         self.stream.write(("\r" if self.tty else "") + line + ("\n" if interval else " "))
         self.stream.flush()
@@ -136,7 +141,7 @@ class MetricsLog:
 
     def _console_eval(self, step: int, e: EvalMetrics) -> None:
         """One line per evaluation: the loss, then per category and per source (more than one source)."""
-        parts = [f"eval step {step}/{self.total}  loss {e.loss:.4f}"]
+        parts = [f"eval step {step}/{self.total}  loss {loss_text(e.loss)}"]
         if e.category_loss:
             parts.append("categories " + ", ".join(f"{k} {v:.4f}" for k, v in e.category_loss.items()))
         if len(e.source_loss) > 1:
@@ -188,6 +193,11 @@ class Interval:
         return out
 
 
+def loss_text(loss: float | None) -> str:
+    """A loss on the console: four decimals, or what a step without targets has instead."""
+    return "none (no target tokens)" if loss is None else f"{loss:.4f}"
+
+
 def _max(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else max(a, b)
 
@@ -200,7 +210,8 @@ def gib(n: int) -> str:
 def best_step(states: dict[int, dict]) -> tuple[int, str] | None:
     """Which of several steps' records (trainer.json of checkpoints) is the best, and by which key: the
     lowest ``eval_loss`` where any record has one (validation loss follows generalization), else the
-    lowest training ``loss``. None when no record has either."""
+    lowest training ``loss``. None when no record has either. A step without targets has a null loss and
+    is never the best."""
     for key in ("eval_loss", "loss"):
         losses = {step: float(s[key]) for step, s in states.items()
                   if isinstance(s.get(key), int | float) and not isinstance(s.get(key), bool)}

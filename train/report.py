@@ -2,6 +2,10 @@
 run (first, last, best, trend), and the same of the validation loss when the run evaluated; throughput
 (median tokens/s, TFLOPS and MFU, peak memory); no torch; ``prep.render`` makes the text.
 
+A step without target tokens has a null loss (train/metrics.py): it is left out of the loss summary
+(first, last, best, trend), a gap in the curves, and counted as ``steps_without_targets`` (evaluations
+without targets as ``evaluations_without_targets``).
+
 Reads ``config.json``, ``run.json`` and ``metrics.jsonl``, and writes nothing: the loss curves are
 drawn (with matplotlib) only into the file ``--plot FILE`` names.
 """
@@ -19,6 +23,10 @@ from train.metrics import best_step
 
 PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
 PLOT_FORMATS = {"": "png", ".png": "png", ".pdf": "pdf", ".svg": "svg"}
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -59,13 +67,18 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
     if target is not None and not records:
         raise XprepError(f"--plot {plot}: {path} has no metrics yet (no metrics.jsonl records); nothing to draw")
     if records:
-        steps = [r["step"] for r in records]
-        report["loss"] = curve_summary(steps, [r["loss"] for r in records])
+        losses = [r for r in records if _number(r.get("loss"))]
+        report["steps_without_targets"] = len(records) - len(losses)
+        if losses:
+            report["loss"] = curve_summary([r["step"] for r in losses], [r["loss"] for r in losses])
         report["tokens"] = sum(r.get("tokens", 0) for r in records)
         report["categories"] = channel_summaries(records, "category_loss")
         report["sources"] = channel_summaries(records, "source_loss")
         names = list(report["categories"])
-        evals = [r for r in records if r.get("eval_loss") is not None]
+        evals = [r for r in records if _number(r.get("eval_loss"))]
+        evaluated = [r for r in records if "eval_bins" in r]
+        if evaluated:
+            report["evaluations_without_targets"] = len(evaluated) - len(evals)
         if evals:
             report["eval"] = {"loss": curve_summary([r["step"] for r in evals], [r["eval_loss"] for r in evals]),
                               "categories": channel_summaries(evals, "eval_category_loss"),
@@ -194,7 +207,8 @@ def draw_plot(out: Path, records: list[dict], names: list[str]) -> str:
     import matplotlib.pyplot as plt  # after use("Agg"), as matplotlib requires
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="all", color="black", lw=1.5)
+    losses = [(r["step"], r["loss"]) for r in records if _number(r.get("loss"))]  # steps without targets: no point
+    ax.plot([s for s, _ in losses], [v for _, v in losses], label="all", color="black", lw=1.5)
     for name in names:
         pts = [(r["step"], r["category_loss"][name]) for r in records if name in r.get("category_loss", {})]
         ax.plot([s for s, _ in pts], [v for _, v in pts], label=name, lw=1)
