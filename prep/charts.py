@@ -105,22 +105,51 @@ def log_ticks(lo: float, hi: float) -> list[float]:
     return [m * 10.0 ** d for d in decades for m in steps if lo <= m * 10.0 ** d <= hi]
 
 
-def short(v: float) -> str:
-    """A tick label: 1.5k, 20M, 0.25, 3e-4."""
+Format = Callable[[float, float], str]  # (value, step between an axis's ticks, 0 for a lone value) → label
+
+
+def decimals(step: float) -> int:
+    """The fewest decimals that write every multiple of ``step`` exactly: 5 → 0, 0.5 → 1, 0.01 → 2, 0.025 → 3."""
+    for d in range(16):
+        scaled = abs(step) * 10 ** d
+        if abs(scaled - round(scaled)) <= 1e-6 * scaled:
+            return d
+    return 15
+
+
+def short(v: float, step: float = 0.0) -> str:
+    """A number in a few characters: 1.5k, 20M, 0.25, 3e-4. Given ``step``, the distance between an axis's
+    ticks, it has the decimals the step needs, so that the ticks read apart and alike: 11.80 11.81 11.82 (not
+    11.8 three times), 0 500 1.0k 1.5k; alone, three significant digits."""
     if v == 0:
         return "0"
     a = abs(v)
     for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if a >= size:
-            return f"{v / size:.3g}{suffix}"
-    if a < 0.01:
+            return f"{v / size:.{decimals(step / size)}f}{suffix}" if step else f"{v / size:.3g}{suffix}"
+    if a >= 0.01 or (step and decimals(step) <= 4):
+        return f"{v:.{decimals(step)}f}" if step else f"{v:.3g}"
+    if not step:
         mantissa, exponent = f"{v:.1e}".split("e")
         return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
-    return f"{v:.3g}"
+    mantissa, exponent = f"{v:.{decimals(step / 10 ** math.floor(math.log10(a)))}e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
 
 
-def percent(v: float) -> str:
-    return f"{100 * v:.3g}%"
+def percent(v: float, step: float = 0.0) -> str:
+    """A fraction as a percentage: 25%, 70.02% (to the precision of ``step``, as ``short``)."""
+    return f"{100 * v:.{decimals(100 * step)}f}%" if step else f"{100 * v:.3g}%"
+
+
+def times(v: float, step: float = 0.0) -> str:
+    """A factor: 2.44×."""
+    return f"{short(v, step)}×"
+
+
+def labelled(ticks: Sequence[float], fmt: Format = short) -> list[tuple[float, str]]:
+    """Evenly spaced ticks with their labels, each written to the precision of the step between them."""
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 0.0
+    return [(t, fmt(t, step)) for t in ticks]
 
 
 # -------------------------------------------------------------------------------------------- frame
@@ -165,7 +194,7 @@ class Frame:
         return f'<svg xmlns="http://www.w3.org/2000/svg"{head}>{"".join(parts)}</svg>'
 
 
-def y_value_axis(values: Sequence[float], fmt: Callable[[float], str] = short, zero: bool = True,
+def y_value_axis(values: Sequence[float], fmt: Format = short, zero: bool = True,
                  log: bool = False, counts: bool = False) -> tuple[Scale, list[tuple[float, str]]]:
     """A numeric y axis over ``values`` (from 0 unless ``zero`` is off; log10 when asked and all > 0; whole
     ticks only for ``counts``)."""
@@ -173,10 +202,10 @@ def y_value_axis(values: Sequence[float], fmt: Callable[[float], str] = short, z
     if log and min(finite) > 0:
         lo, hi = 10 ** math.floor(math.log10(min(finite))), 10 ** math.ceil(math.log10(max(finite)))
         hi = hi * 10 if hi == lo else hi
-        return Scale(lo, hi, HEIGHT - BOTTOM, TOP, log=True), [(t, fmt(t)) for t in log_ticks(lo, hi)]
+        return Scale(lo, hi, HEIGHT - BOTTOM, TOP, log=True), [(t, fmt(t, 0.0)) for t in log_ticks(lo, hi)]
     least = 1.0 if counts else 0.0
     lo, hi = nice_range(min(finite), max(finite), zero=zero, least=least)
-    return Scale(lo, hi, HEIGHT - BOTTOM, TOP), [(t, fmt(t)) for t in linear_ticks(lo, hi, least=least)]
+    return Scale(lo, hi, HEIGHT - BOTTOM, TOP), labelled(linear_ticks(lo, hi, least=least), fmt)
 
 
 # ------------------------------------------------------------------------------------------ legend
@@ -227,7 +256,7 @@ class Marker:
 
 def histogram(title: str, x_label: str, y_label: str, rows: Sequence[dict], path: str, *,
               span: Callable[[dict], tuple[float, float]], tip: Callable[[dict], str], log_x: bool = False,
-              x_fmt: Callable[[float], str] = short, colour: str = NEUTRAL,
+              x_fmt: Format = short, colour: str = NEUTRAL,
               markers: Sequence[Marker] = (), trim: bool = False) -> str:
     """Bars of ``rows`` (``count`` each, at ``span(row)`` on x) with vertical ``markers``; each bar's count
     comes from ``{path}/{i}/count``. ``trim`` leaves out the empty rows at either end."""
@@ -239,10 +268,10 @@ def histogram(title: str, x_label: str, y_label: str, rows: Sequence[dict], path
     lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
     if log_x:
         x = Scale(lo, hi, LEFT, WIDTH - RIGHT, log=True)
-        x_ticks = [(t, x_fmt(t)) for t in log_ticks(lo, hi)]
+        x_ticks = [(t, x_fmt(t, 0.0)) for t in log_ticks(lo, hi)]
     else:
         x = Scale(lo, hi, LEFT, WIDTH - RIGHT)
-        x_ticks = [(t, x_fmt(t)) for t in linear_ticks(lo, hi, 6)]
+        x_ticks = labelled(linear_ticks(lo, hi, 6), x_fmt)
     y, y_ticks = y_value_axis([r["count"] for _, r in shown], counts=True)
     frame = Frame(title, x_label, y_label, x, y, x_ticks, y_ticks)
     base = y(0)
@@ -289,7 +318,7 @@ class Bar:
 
 
 def bar_chart(title: str, value_label: str, row_label: str, rows: Sequence[tuple[str, Sequence[Bar]]],
-              fmt: Callable[[float], str] = short, stacked: bool = False, counts: bool = False) -> str:
+              fmt: Format = short, stacked: bool = False, counts: bool = False) -> str:
     """Horizontal bars, one band per row (a category, a reason, a source); inside a band the bars stand side
     by side, or end to end when ``stacked``; ``counts`` (tokens, records) get whole ticks only."""
     names = [name for name, _ in rows]
@@ -301,7 +330,7 @@ def bar_chart(title: str, value_label: str, row_label: str, rows: Sequence[tuple
     x = Scale(lo, hi, left, WIDTH - RIGHT)
     band = min((HEIGHT - BOTTOM - TOP) / max(len(rows), 1), BAND_MAX)
     frame = Frame(title, value_label, row_label, x, Scale(0, 1, HEIGHT - BOTTOM, TOP),
-                  [(t, fmt(t)) for t in linear_ticks(lo, hi, least=least)], [], left=left)
+                  labelled(linear_ticks(lo, hi, least=least), fmt), [], left=left)
     for k, (name, bars) in enumerate(rows):
         top = TOP + k * band + band * 0.15
         room = int((left - 34) / CHAR_PX)
@@ -349,9 +378,10 @@ class Series:
 
 
 def line_chart(title: str, x_label: str, y_label: str, series: Sequence[Series], *,
-               y_fmt: Callable[[float], str] = short, markers: Sequence[Marker] = (), zero: bool = False,
+               y_fmt: Format = short, markers: Sequence[Marker] = (), zero: bool = False,
                log_y: bool = False) -> str:
-    """Lines over a shared x axis; hovering shows every visible series' value at the nearest x."""
+    """Lines over a shared x axis of steps (whole ticks); hovering shows every visible series' value at the
+    nearest x."""
     xs = [x for s in series for x, _ in s.points()] + [m.x for m in markers]
     ys = [y for s in series for _, y in s.points()]
     x_lo, x_hi = (min(xs), max(xs)) if xs else (0, 1)
@@ -359,7 +389,7 @@ def line_chart(title: str, x_label: str, y_label: str, series: Sequence[Series],
         x_lo, x_hi = x_lo - 1, x_hi + 1
     x = Scale(x_lo, x_hi, LEFT, WIDTH - RIGHT)
     y, y_ticks = y_value_axis(ys, y_fmt, zero=zero, log=log_y)
-    frame = Frame(title, x_label, y_label, x, y, [(t, short(t)) for t in linear_ticks(x_lo, x_hi, 6)], y_ticks)
+    frame = Frame(title, x_label, y_label, x, y, labelled(linear_ticks(x_lo, x_hi, 6, least=1.0)), y_ticks)
     frame.marks += vertical_markers(frame, markers)
     frame.marks += [_line(x, y, s) for s in series]
     return frame.svg("line")

@@ -12,6 +12,7 @@ the whole page.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from html import escape
 from pathlib import Path
@@ -31,6 +32,7 @@ from prep.charts import (
     line_chart,
     percent,
     short,
+    times,
 )
 from prep.errors import XprepError
 from prep.io import check_output_file, write_atomic
@@ -205,17 +207,19 @@ def cards(report: dict, items: Sequence[tuple[str, tuple, object]]) -> str:
 
 
 def table(caption: str, headers: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "") -> str:
-    """A table of cells already rendered (``td`` elements): headers, then the rows."""
+    """A table of cells already rendered (``td`` elements): headers, then the rows; a header stands over its
+    column as the first row's cell does (right over numbers, left over names and text)."""
     if not rows:
         return ""
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    left = [not cell.startswith('<td class="num"') for cell in rows[0]] + [False] * len(headers)
+    head = "".join(f'<th{attrs(class_="left" if left[k] else None)}>{escape(h)}</th>' for k, h in enumerate(headers))
     body = "".join(f"<tr>{''.join(row)}</tr>" for row in rows)
     return (f'<div class="table-wrap"><table class="{cls}"><caption>{escape(caption)}</caption>'
             f'<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>')
 
 
-def td(report: dict, *parts, fmt=number) -> str:
-    return value(report, *parts, fmt=fmt, tag="td")
+def td(report: dict, *parts, fmt=number, cls: str | None = None) -> str:
+    return value(report, *parts, fmt=fmt, tag="td", cls=cls)
 
 
 def text_td(text: str, colour: str | None = None, category: str | None = None) -> str:
@@ -322,10 +326,16 @@ def over_table(r: dict) -> str:
                  ["longer than", "documents", "share", "tokens", "token share"], rows)
 
 
+SHOWN_ROWS = 12  # a longer table (a corpus of 233 files) is folded: open it to read it
+
+
 def sources_table(r: dict) -> str:
     rows = [[td(r, "source_files", k, "path", fmt=str), td(r, "source_files", k, "size", fmt=number)]
             for k in range(len(r.get("source_files") or []))]
-    return table("Sources", ["path", "size (bytes)"], rows)
+    html = table("Sources", ["path", "size (bytes)"], rows)
+    if len(rows) <= SHOWN_ROWS:
+        return html
+    return f"<details><summary>Sources ({len(rows):,} files)</summary>{html}</details>"
 
 
 def rejects_table(r: dict) -> str:
@@ -401,7 +411,7 @@ def dp_charts(r: dict) -> list[str]:
                     opacity=0.45 if when == "before" else 1.0, series=when) for when in ("before", "after")]))
     keys = [Key("before balancing", NEUTRAL, series="before", opacity=0.45), Key("after", NEUTRAL, series="after")]
     balance = figure(bar_chart("DP balance: max/mean Σlen² over ranks", "max/mean Σlen² (ratio)", "measure",
-                               rows, fmt=lambda v: f"{v:.3g}"), keys)
+                               rows, fmt=short), keys)
     loads = steps["rank_loads"]  # per rank, over the first steps
     x = Source(None, list(range(len(loads[0]) if loads else 0)))
     series = [Series(f"rank {k}", Source(ptr("dp_steps", "rank_loads", k), work), x,
@@ -411,7 +421,7 @@ def dp_charts(r: dict) -> list[str]:
                       [Key(s.label, s.colour, series=s.series) for s in series])
     spread = histogram("Imbalance per step (balanced)", "max/mean Σlen² per step (ratio)", "steps (count)",
                        steps["imbalance_histogram"], "/dp_steps/imbalance_histogram",
-                       span=lambda h: (h["lo"], h["hi"]), x_fmt=lambda v: f"{v:.3g}",
+                       span=lambda h: (h["lo"], h["hi"]), x_fmt=short,
                        tip=lambda h: f"{h['lo']:.4f}–{h['hi']:.4f}: {h['count']:,} steps")
     return [balance, per_rank, figure(spread, note="The steps before balancing are not stored, only their mean and "
                                                    "worst (the DP balance chart).")]
@@ -457,11 +467,18 @@ def entries_table(r: dict) -> str:
             rows.append([text_td(mark), text_td(e["name"]), f'<td colspan="4">{escape(e["problem"])}</td>'])
             continue
         rows.append([text_td(mark), text_td(e["name"]), td(r, "entries", k, "bins"),
-                     td(r, "entries", k, "fill", fmt=share), td(r, "entries", k, "created", fmt=str),
-                     td(r, "entries", k, "options", fmt=str)])
+                     td(r, "entries", k, "fill", fmt=share), td(r, "entries", k, "created", fmt=str, cls="code"),
+                     options_td(r, "entries", k, "options")])
     html = table("Entries of the cache (* current, v its validation entry)",
                  ["", "entry", "bins", "fill", "created", "options"], rows, "entries")
     return f'<details><summary>Entries of the cache ({len(entries)})</summary>{html}</details>' if html else ""
+
+
+def options_td(report: dict, *parts) -> str:
+    """Command-line options, the line broken between two options, never inside one (``--group-size 100000``)."""
+    v = dig(report, *parts)
+    inner = " ".join(f'<span class="option">{escape(piece)}</span>' for piece in re.split(r" (?=--)|(?<=;) ", v))
+    return f'<td class="options"{attrs(**Source(ptr(*parts), v).attrs())}>{inner}</td>'
 
 
 # ------------------------------------------------------------------------------------------ blend
@@ -477,7 +494,7 @@ def blend_section(i: int, r: dict, colours: Colours) -> tuple[str, str, str]:
                    *(pack_category_chart(sub, ("source_reports", k), colours,
                                          f"Tokens per category in source {s['name']} (one pass)")
                      for k, (s, sub) in enumerate(zip(b["sources"], r["source_reports"], strict=True))))
-    body += tables(blend_table(r, colours)) + bins_table(r) + entries_table(r)
+    body += blend_table(r, colours) + bins_table(r) + entries_table(r)
     return section(f"s{i}", "pack", "Pack (blend)", r["path"], facts, body, i)
 
 
@@ -500,7 +517,7 @@ def repeat_chart(r: dict, colours: Colours) -> str:
                              f"{s['name']}: {s['bins']:,} of {s['bins_available']:,} bins, {s['epochs']:.3g}×")])
             for k, s in enumerate(r["blend"]["sources"])]
     return figure(bar_chart("Passes over each source", "bins taken / bins it has (×)", "source", rows,
-                            fmt=lambda v: f"{v:.3g}×"), note="Above 1: the source repeats; below 1: it is cut.")
+                            fmt=times), note="Above 1: the source repeats; below 1: it is cut.")
 
 
 def blend_table(r: dict, colours: Colours) -> str:
@@ -510,7 +527,7 @@ def blend_table(r: dict, colours: Colours) -> str:
         rows.append([text_td(s["name"], colours(s["name"])), td(r, *at, "weight"),
                      td(r, *at, "requested_share", fmt=share), td(r, *at, "delivered_share", fmt=share),
                      td(r, *at, "bins"), td(r, *at, "bins_available"), td(r, *at, "epochs", fmt=lambda v: f"{v:.3g}×"),
-                     td(r, *at, "entry", fmt=str)])
+                     td(r, *at, "entry", fmt=str, cls="code")])
     return table("Sources of the blend", ["source", "weight", "requested", "delivered", "bins", "of", "repeat",
                                           "entry"], rows)
 
@@ -597,7 +614,10 @@ def run_block(i: int, r: dict, colours: Colours) -> str:
              ("best loss", ("loss", "best"), lambda v: f"{v:.4f}"), ("at step", ("loss", "best_step"), integer),
              ("last validation loss", ("eval", "loss", "last"), lambda v: f"{v:.4f}"),
              ("best checkpoint", ("checkpoints", "best"), str)]
-    losses = [loss_table(r, ("loss",), ("categories",), ("sources",), "Training loss", colours)]
+    untrained = (("steps_without_targets", "steps without targets"),  # no loss: left out of the figures
+                 ("evaluations_without_targets", "evaluations without targets"))
+    items += [(label, (key,), integer) for key, label in untrained if r.get(key)]
+    losses = [loss_table(r, ("loss",), ("categories",), ("sources",), "Training loss", colours)] if "loss" in r else []
     if r.get("eval"):
         losses.append(loss_table(r, ("eval", "loss"), ("eval", "categories"), ("eval", "sources"), "Validation loss",
                                  colours))

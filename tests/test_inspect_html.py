@@ -260,6 +260,42 @@ def test_legend_toggles_and_hover_shows_values(browsed):
     assert i["tipShown"] and i["tip"].startswith("step ") and "all targets" in i["tip"], i
 
 
+CARD_NUMBERS = """[...document.querySelectorAll(".card .value")].map((e) => {
+  const range = document.createRange();
+  range.selectNodeContents(e.firstChild);
+  const card = e.closest(".card").getBoundingClientRect(), text = range.getBoundingClientRect();
+  return {text: e.textContent, lines: range.getClientRects().length,
+          inside: text.left >= card.left - 0.5 && text.right <= card.right + 0.5};
+})"""
+
+
+def scaled_up(value):
+    """Every count of a report ten million times larger (a corpus of 10^11 tokens rather than the demo's)."""
+    if isinstance(value, dict):
+        return {k: scaled_up(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scaled_up(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value * 10**7 + 1_234_567
+    return value
+
+
+def test_a_stat_card_shows_its_number_on_one_line(demo, chromium, tmp_path):
+    """Cards hold the key figures; a number is never broken over two lines nor wider than its card, however many
+    digits it has (98,765,432,109 tokens), on a wide window or a phone's."""
+    from prep.html_report import write_page
+
+    page = tmp_path / "big.html"
+    write_page([scaled_up(r) for r in demo["reports"]], page)
+    with Chromium(chromium, timeout=BROWSER_TIMEOUT) as browser:
+        for width in (1280, 390):
+            browser.open(file_url(page), width=width, height=900)
+            cards = browser.evaluate(CARD_NUMBERS)
+            assert len(cards) > 30 and max(len(c["text"]) for c in cards) >= 14, cards
+            assert [c for c in cards if c["lines"] != 1 or not c["inside"]] == [], width
+            assert browser.problems() == []
+
+
 # ------------------------------------------------------------------------------------- without a browser
 class Tagged(HTMLParser):
     """The tagged values of a static HTML file, with the report of their nearest ``data-report`` ancestor."""
@@ -379,3 +415,38 @@ def test_axes_of_counts_have_whole_ticks_only():
     lo, hi = nice_range(0, 2, zero=True, least=1.0)
     assert (lo, hi) == (0, 2) and linear_ticks(0, 2, least=1.0) == [0, 1, 2]
     assert linear_ticks(0, 4000, least=1.0) == linear_ticks(0, 4000)  # large counts: the usual round steps
+
+
+def test_tick_labels_tell_close_ticks_apart():
+    """A loss that moves little (11.80 to 11.84 over a short run) gets round steps whose labels all differ and
+    show the step's decimals alike (11.80, not 11.8); the same for shares, ratios and large counts."""
+    from prep.charts import labelled, linear_ticks, nice_range, percent, short, y_value_axis
+
+    _, ticks = y_value_axis([11.8012, 11.8233, 11.8391], zero=False)
+    values, labels = zip(*ticks, strict=True)
+    assert labels == ("11.80", "11.81", "11.82", "11.83", "11.84")
+    assert [float(label) for label in labels] == list(values)
+    for lo, hi, fmt, expect in [(0.70, 0.701, percent, ["70.00%", "70.02%", "70.04%", "70.06%", "70.08%", "70.10%"]),
+                                (1.0, 1.004, short, ["1.000", "1.001", "1.002", "1.003", "1.004"]),
+                                (152_300, 152_400, short, ["152.30k", "152.32k", "152.34k", "152.36k", "152.38k",
+                                                           "152.40k"]),
+                                (0, 4000, short, ["0", "1k", "2k", "3k", "4k"]),
+                                (0, 1, percent, ["0%", "20%", "40%", "60%", "80%", "100%"])]:
+        assert [label for _, label in labelled(linear_ticks(lo, hi), fmt)] == expect, (lo, hi)
+    for lo, hi in [(11.8, 11.80001), (0.0, 3e-5), (2.5e-5, 2.6e-5), (0.1, 0.35), (1e9, 1.0000001e9)]:
+        a, b = nice_range(lo, hi)
+        labels = [label for _, label in labelled(linear_ticks(a, b))]
+        assert len(labels) >= 3 and len(set(labels)) == len(labels), (lo, hi, labels)
+    assert short(11.8) == "11.8" and short(2.5e-4) == "2.5e-4" and short(1500) == "1.5k"  # a lone value: 3 digits
+
+
+def test_a_line_chart_of_steps_ticks_whole_steps():
+    """Optimizer steps are whole: a run of 4 steps has x ticks 1 2 3 4, not 1.5."""
+    import re
+
+    from prep.charts import Series, Source, line_chart
+
+    steps = Source(None, [1, 2, 3, 4])
+    svg = line_chart("t", "step (optimizer steps)", "loss (nats)", [Series("all", Source(None, [3.0, 2.9, 2.8, 2.7]),
+                                                                           steps)])
+    assert re.findall(r'class="tick x"[^>]*>([^<]*)<', svg) == ["1", "2", "3", "4"]
