@@ -9,9 +9,14 @@ and it depends on none of them.
 from __future__ import annotations
 
 import json
+import re
+import textwrap
+from datetime import datetime, timezone
 from pathlib import Path
 
 LOUD_TOKEN_SHARE = 0.01  # removing more than this share of a pack's tokens earns a warning
+WIDTH = 100  # characters a line of text keeps within where it can be wrapped (a terminal's usual width)
+HANG = 16  # where the value of a "  label         value" line starts: its continuation lines start there too
 
 
 def render(report: dict, color: bool = False) -> str:
@@ -61,6 +66,37 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def wrap(text: str, indent: str = "", hang: str | None = None, width: int = WIDTH) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, the first after ``indent``, the others after ``hang``
+    (``indent`` unless given). A line breaks after a comma or semicolon where it can (a short clause stays
+    whole), an option stays with its value (``--seq-len 2048``), and a word longer than a line (a path) has a
+    line of its own, whole."""
+    short = width // 3
+    clauses = [c if len(c) > short else _joined(c) for c in re.split(r"(?<=[,;]) ", text)]
+    glued = " ".join(re.sub(r"(^|\s)(--[\w-]+) (?!--)", f"\\1\\2{_GLUE}",
+                            re.sub(rf"\([^()]{{1,{short}}}\)", lambda m: _joined(m.group()), c)) for c in clauses)
+    lines = textwrap.wrap(glued, width, initial_indent=indent, subsequent_indent=indent if hang is None else hang,
+                          break_long_words=False, break_on_hyphens=False)
+    return [line.replace(_GLUE, " ") for line in lines] or [indent.rstrip()]
+
+
+_GLUE = "\x00"  # joins what must not be split (textwrap breaks at ASCII whitespace only; no path holds a NUL)
+
+
+def _joined(text: str) -> str:
+    return text.replace(" ", _GLUE)
+
+
+def fit(line: str) -> list[str]:
+    """A ``"  label         value"`` line wrapped to ``WIDTH``, its value continuing under itself."""
+    return wrap(line, hang=" " * HANG) if len(line) > WIDTH else [line.replace(_GLUE, " ")]
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 bin``, ``2 bins``, ``1,000 bins``; ``plural`` where adding an s is wrong (``entries``)."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"
+
+
 # ----------------------------------------------------------------------------------------- dataset
 def render_over(over: list[dict]) -> list[str]:
     rows = [[f"> {o['length']:,}", o["documents"], f"{o['share']:.1%}", o["tokens"], f"{o['token_share']:.1%}"]
@@ -76,14 +112,14 @@ _VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), 127] if chr(c) not in "\n\t"}
 
 def render_sample(sample: dict, color: bool) -> list[str]:
     docs = sample["documents"]
-    which = (f"the first {len(docs):,} of {sample['of']:,} documents" if sample["selection"] == "first" else
-             f"{len(docs):,} of {sample['of']:,} documents drawn at random (--seed {sample['seed']})")
+    which = (f"the first {len(docs):,} of {_docs(sample['of'])}" if sample["selection"] == "first" else
+             f"{len(docs):,} of {_docs(sample['of'])} drawn at random (--seed {sample['seed']})")
     legend = ("target tokens in green, {category} in magenta where the category changes" if color else
               "target tokens in [[double brackets]], {category} where the category changes")
     lines = [f"sample: {which}; {legend}"]
     for d in docs:
-        lines += ["", f"--- document {d['index']:,}: {d['tokens']:,} tokens, {d['targets']:,} targets ---",
-                  render_spans(d["spans"], color)]
+        lines += ["", f"--- document {d['index']:,}: {count(d['tokens'], 'token')}, "
+                      f"{count(d['targets'], 'target')} ---", render_spans(d["spans"], color)]
     return lines
 
 
@@ -109,7 +145,8 @@ def render_dataset(r: dict, color: bool = False) -> str:
     if r.get("chat_template"):
         lines.append(f"  chat template {r['chat_template'].get('name')}")
     lines += [
-        f"  documents     {r['documents']:,}   (from {r['sources']} sources, {r['rejects']['count']:,} rejected)",
+        f"  documents     {r['documents']:,}   (from {count(r['sources'], 'source')}, "
+        f"{r['rejects']['count']:,} rejected)",
         f"  tokens        {r['tokens']:,}",
         f"  target tokens {r['loss_tokens']:,}  ({r['target_share']:.1%})",
     ]
@@ -136,18 +173,37 @@ def render_dataset(r: dict, color: bool = False) -> str:
 
 # -------------------------------------------------------------------------------------------- pack
 def render_entries(r: dict) -> list[str]:
+    """The entries of the cache, oldest first, each with the ``xprep pack`` options that made it on the lines
+    under it (wrapped to ``WIDTH``: they run to 200 characters for a blend)."""
     entries = r.get("entries")
     if not entries:
         return []
-    rows = [[_mark(e), e["name"], "-", "-", "-", "-", e["problem"]] if e["status"] != "ok" else
-            [_mark(e), e["name"], e["bins"], f"{e['fill']:.2%}",
-             f"{e['documents_kept']:,}/{e['documents_in']:,}", e["created"] or "-", e["options"]]
-            for e in entries]
-    head = (f"pack cache {Path(r['path']).parent}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}; "
-            "* = current, the one `xtrain run` trains on (re-run an entry's `xprep pack` options to make it current)"
-            + ("; v = its --split validation entry" if any(e.get("validation") for e in entries) else ""))
-    lines = table(["", "entry", "bins", "fill", "documents kept", "created", "options"], rows, align="llrrrll")
-    return [head, *(line.rstrip() for line in lines), ""]
+    rows = [[_mark(e), e["name"], "-", "-", "-", "-"] if e["status"] != "ok" else
+            [_mark(e), e["name"], e["bins"], f"{e['fill']:.2%}", f"{e['documents_kept']:,}/{e['documents_in']:,}",
+             _utc(e["created"])] for e in entries]
+    legend = "* = current, the one `xtrain run` trains on" + (
+        "; v = its --split validation entry" if any(e.get("validation") for e in entries) else "")
+    lines = [f"pack cache {Path(r['path']).parent}: {count(len(entries), 'entry', 'entries')}, oldest first",
+             *wrap(f"{legend}; under each entry, the `xprep pack` options that made it: run them again to make it "
+                   "current", "  "), ""]
+    header, rule, *body = table(["", "entry", "bins", "fill", "documents kept", "created (UTC)"], rows,
+                                align="llrrrl")
+    lines += [header.rstrip(), rule]
+    for e, row in zip(entries, body, strict=True):
+        lines += [row.rstrip(), *wrap(e["options"] if e["status"] == "ok" else e["problem"], " " * 5)]
+    return [*lines, ""]
+
+
+def _utc(created: str | None) -> str:
+    """``2026-11-26T16:20:57+00:00`` → ``2026-11-26 16:20:57`` (UTC, as the column says)."""
+    if not created:
+        return "-"
+    try:
+        when = datetime.fromisoformat(created)
+    except ValueError:
+        return created
+    when = when.astimezone(timezone.utc) if when.tzinfo else when
+    return when.strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _mark(e: dict) -> str:
@@ -161,22 +217,22 @@ def render_pack(r: dict) -> str:
         return "\n".join([*render_entries(r), *render_blend(r["path"], r["key"], r["blend"])])
     c = r["config"]
     lines = [*render_entries(r),
-        f"pack {r['path']}  (key {r['key'][:16]}, {c['method']}, capacity {r['capacity']:,}"
-        + (f", cp {c['cp_size']}" if c.get("cp_size", 1) > 1 else "") + ")",
-        f"  layout        {r['layout']}",
-        f"  input         {r['documents_in']:,} documents, {r['tokens_in']:,} tokens "
-        f"from {len(r['datasets'])} dataset(s)",
-        f"  bins          {r['bins']:,}  holding {r['items']:,} documents/pieces, {r['tokens']:,} tokens",
-        f"  fill          {r['fill']:.4%}   padding {r['padding_tokens']:,} tokens"
-        + (f" (of which CP rounding {r['cp_padding_tokens']:,})" if r["cp_padding_tokens"] else ""),
-        f"  lower bound   {r['lower_bound_bins']:,} bins (⌈tokens/capacity⌉), "
-        f"gap +{r['gap_to_lower_bound']:.3%}",
-        "  " + overlong_line(r["overlong"], r["capacity"], c["overlong"]),
-    ]
+             *wrap(f"pack {r['path']}  ({_key(r['path'], r['key'])}{c['method']}, capacity {r['capacity']:,}"
+                   + (f", cp {c['cp_size']}" if c.get("cp_size", 1) > 1 else "") + ")", hang="  "),
+             *field("layout", r["layout"]),
+             *field("input", f"{_docs(r['documents_in'])}, {r['tokens_in']:,} tokens "
+                             f"from {count(len(r['datasets']), 'dataset')}"),
+             *field("bins", f"{r['bins']:,}  holding {count(r['items'], 'document or piece', 'documents or pieces')}, "
+                            f"{r['tokens']:,} tokens"),
+             *field("fill", f"{r['fill']:.4%}   padding {r['padding_tokens']:,} tokens" + (
+                 f" (of which CP rounding {r['cp_padding_tokens']:,})" if r["cp_padding_tokens"] else "")),
+             *field("lower bound", f"{count(r['lower_bound_bins'], 'bin')} (⌈tokens/capacity⌉), "
+                                   f"gap +{r['gap_to_lower_bound']:.3%}"),
+             *fit("  " + overlong_line(r["overlong"], r["capacity"], c["overlong"]))]
     if r["empty_documents"]:
-        lines.append(f"  empty         {r['empty_documents']:,} documents with no tokens (skipped)")
+        lines += field("empty", f"{_docs(r['empty_documents'])} with no tokens (skipped)")
     if r["dp_balance"]:
-        lines.append("  " + dp_line(r["dp_balance"]))
+        lines += fit("  " + dp_line(r["dp_balance"]))
     lines += ["", *_percentile_table(r)]
     lines.append("")
     if r["categories"] is None:
@@ -185,6 +241,16 @@ def render_pack(r: dict) -> str:
         lines += table(["category", "packed tokens", "share"],
                        [[k, v, f"{r['category_shares'][k]:.1%}"] for k, v in r["categories"].items()])
     return "\n".join(lines)
+
+
+def _key(path: str, key: str) -> str:
+    """``key 3f9a…, `` unless the entry's name already ends with it (``multipack-3f9a…``)."""
+    return "" if Path(path).name.endswith(key[:16]) else f"key {key[:16]}, "
+
+
+def field(label: str, value: str) -> list[str]:
+    """``"  label         value"``, wrapped to ``WIDTH`` with the value continuing under itself."""
+    return fit(f"  {label:<{HANG - 3}} {value}")
 
 
 def _percentile_table(r: dict) -> list[str]:
@@ -197,7 +263,7 @@ def _percentile_table(r: dict) -> list[str]:
 
 
 def overlong_line(s: dict, capacity: int, policy: str) -> str:
-    return (f"overlong      {s['overlong_documents']:,} documents > {capacity:,} tokens ({policy}): "
+    return (f"overlong      {_docs(s['overlong_documents'])} > {capacity:,} tokens ({policy}): "
             f"dropped {s['dropped_documents']:,} ({s['dropped_tokens']:,} tokens), "
             f"truncated {s['truncated_documents']:,} ({s['truncated_tokens']:,} tokens cut), "
             f"split {s['split_documents']:,} (into {s['split_pieces']:,} pieces)")
@@ -208,27 +274,28 @@ def dp_line(b: dict) -> str:
         before, after = b[f"{name}_before"], b[f"{name}_after"]
         return f"{before['mean']:.3f} → {after['mean']:.3f} (worst {before['max']:.3f} → {after['max']:.3f})"
 
-    return (f"dp balance    {b['ranks']} ranks × {b['micro_batches_per_rank']} bins per step, {b['steps']:,} "
-            f"steps; Σlen² max/mean per step {change('imbalance')}, per micro-step "
-            f"{change('micro_step_imbalance')}; {b['empty_bins_added']} empty bins added")
+    return (f"dp balance    {count(b['ranks'], 'data-parallel rank')} × {count(b['micro_batches_per_rank'], 'bin')} "
+            f"per step, {count(b['steps'], 'step')}; Σlen² max/mean per step {change('imbalance')}, per micro-step "
+            f"{change('micro_step_imbalance')}; {count(b['empty_bins_added'], 'empty bin')} added")
 
 
 def render_blend(path: str, key: str, b: dict) -> list[str]:
     """A blend: its size, then per source the requested vs delivered share and how often it repeats."""
     unit = "tokens" if b["size"]["unit"] == "tokens" else "bins × capacity"
     order = "every held-out bin once" if b["seed"] is None else f"seed {b['seed']}"  # None: a --split validation blend
-    lines = [f"blend {path}  (key {key[:16]}, {len(b['sources'])} sources, {b['method']} bins of "
-             f"{b['capacity']:,}, {order})",
-             f"  size          {b['size']['option']}: {b['size']['total_tokens']:,} tokens asked, {b['tokens']:,} "
-             f"delivered in {count(b['bins'], 'bin')} (weights count {unit})",
-             f"  fill          {b['fill']:.4%}   ({b['real_tokens']:,} real tokens)", ""]
+    lines = [*wrap(f"blend {path}  ({_key(path, key)}{count(len(b['sources']), 'source')}, {b['method']} bins of "
+                   f"{b['capacity']:,}, {order})", hang="  "),
+             *field("size", f"{b['size']['option']}: {b['size']['total_tokens']:,} tokens asked, {b['tokens']:,} "
+                            f"delivered in {count(b['bins'], 'bin')} (weights count {unit})"),
+             *field("fill", f"{b['fill']:.4%}   ({b['real_tokens']:,} real tokens)"), ""]
     return lines + blend_table(b["sources"])
 
 
 def blend_table(sources: list[dict]) -> list[str]:
     rows = [[s["name"], f"{s['requested_share']:.2%}", f"{s['delivered_share']:.2%}", s["bins"],
              s["bins_available"], f"{s['epochs']:.3g}x", s["entry"]] for s in sources]
-    return table(["source", "requested", "delivered", "bins", "of", "repeat", "entry"], rows, align="lrrrrrl")
+    lines = table(["source", "requested", "delivered", "bins", "of", "repeat", "entry"], rows, align="lrrrrrl")
+    return [line.rstrip() for line in lines]
 
 
 def summary_lines(o: dict) -> list[str]:
@@ -236,10 +303,9 @@ def summary_lines(o: dict) -> list[str]:
     kept vs removed, then the figures a user checks first. Warnings go to stderr: see ``warning_lines``."""
     if o.get("blend"):
         b = o["blend"]
-        packed = sum(not s["hit"] for s in o["sources"])
         head = (f"cache hit: {o['path']} (no blending done, " if o["hit"] else f"blended → {o['path']} (")
-        lines = [f"{head}{o['seconds']:.2f} s; {packed} of {len(o['sources'])} sources packed now, the others "
-                 f"found in the cache): {count(b['bins'], 'bin')} of {b['capacity']:,}, {b['tokens']:,} tokens",
+        lines = [f"{head}{o['seconds']:.2f} s; {_sources_packed(o['sources'])}): {count(b['bins'], 'bin')} of "
+                 f"{b['capacity']:,}, {b['tokens']:,} tokens",
                  *("  " + line for line in blend_table(b["sources"]))]
         return lines + _validation_lines(o)
     s, capacity = o["stats"], o["capacity"]
@@ -257,6 +323,14 @@ def summary_lines(o: dict) -> list[str]:
     if s.get("dp_balance"):
         lines.append("  " + dp_line(s["dp_balance"]))
     return lines + _validation_lines(o)
+
+
+def _sources_packed(sources: list[dict]) -> str:
+    """How many sources of a blend were packed now, how many found in the cache."""
+    packed, n = sum(not s["hit"] for s in sources), len(sources)
+    if packed in (0, n):
+        return f"{'all ' if n > 1 else ''}{count(n, 'source')} {'found in the cache' if packed == 0 else 'packed now'}"
+    return f"{packed:,} of {count(n, 'source')} packed now, {n - packed:,} found in the cache"
 
 
 def _validation_lines(o: dict) -> list[str]:
@@ -298,11 +372,6 @@ def _docs(n: int) -> str:
     return count(n, "document")
 
 
-def count(n: int, noun: str) -> str:
-    """``1 bin``, ``2 bins``, ``1,000 bins``."""
-    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
-
-
 def warning_lines(o: dict) -> list[str]:
     """What ``xprep pack`` prints on stderr: an empty pack, or more than 1 % of the tokens removed (for a
     blend: of each source, named)."""
@@ -331,26 +400,28 @@ def render_run(r: dict) -> str:
     lines = [f"run {r['path']}"]
     if r.get("pack"):
         p = r["pack"]
-        lines.append(f"  pack          {p['path']}  (key {p['key'][:16]}, {p['bins']:,} bins of {p['capacity']:,})")
+        lines += field("pack", f"{p['path']}  ({_key(p['path'], p['key'])}{count(p['bins'], 'bin')} of "
+                               f"{p['capacity']:,})")
     if r.get("validation"):
         v = r["validation"]
-        when = f"every {v['every']:,} steps and at the end" if v.get("every") else "at the end"
-        lines.append(f"  validation    {v['path']}  ({v['eval_bins']:,} of {v['bins']:,} bins, {when})")
+        when = f"every {count(v['every'], 'step')} and at the end" if v.get("every") else "at the end"
+        lines += field("validation", f"{v['path']}  ({v['eval_bins']:,} of {count(v['bins'], 'bin')}, {when})")
     if cfg:
-        lines.append(f"  model         {cfg.get('model')}   sampler {cfg.get('sampler')}   lr {cfg.get('lr')} "
-                     f"({cfg.get('schedule')}, warm-up {cfg.get('warmup')})")
+        lines += field("model", f"{cfg.get('model')}   sampler {cfg.get('sampler')}   lr {cfg.get('lr')} "
+                                f"({cfg.get('schedule')}, warm-up {cfg.get('warmup')})")
     total = (r.get("plan") or {}).get("steps")
     lines.append(f"  steps logged  {r['steps']:,}" + (f" / {total:,}" if total else "")
                  + (f"   tokens {r['tokens']:,}" if "tokens" in r else ""))
+    lines += _without_targets(r)
     if r.get("perf"):
-        lines.append(_perf_line(r["perf"]))
+        lines.append(_perf_line(r["perf"]))  # one line, wide as it may be: scripts find the figures on it
     ck = r["checkpoints"]
-    lines.append(f"  checkpoints   {', '.join(f'step-{s}' for s in ck['steps']) or 'none'}"
-                 + (f"   (latest {ck['latest']})" if ck["latest"] else "")
-                 + (f"   best {ck['best']} ({_BEST_BY[ck['best_by']]} {ck['best_loss']:.4f})"
-                    if ck.get("best") else ""))
+    lines += field("checkpoints", f"{', '.join(f'step-{s}' for s in ck['steps']) or 'none'}"
+                   + (f"   (latest {ck['latest']})" if ck["latest"] else "")
+                   + ("   " + _joined(f"best {ck['best']} ({_BEST_BY[ck['best_by']]} {ck['best_loss']:.4f})")
+                      if ck.get("best") else ""))
     if "loss" not in r:
-        lines.append("  no metrics yet")
+        lines.append("  no metrics yet" if not r["steps"] else "  no loss yet: no step logged had target tokens")
         return "\n".join(lines)
     lines.append("")
     lines += _loss_table("training loss", r["loss"], r["categories"], r.get("sources") or {})
@@ -366,6 +437,16 @@ def render_run(r: dict) -> str:
 
 
 _BEST_BY = {"eval_loss": "validation loss", "loss": "training loss"}
+
+
+def _without_targets(r: dict) -> list[str]:
+    """Steps and evaluations whose batch had no target token: they have no loss, and the figures leave them out."""
+    steps, evaluations = r.get("steps_without_targets") or 0, r.get("evaluations_without_targets") or 0
+    if not steps and not evaluations:
+        return []
+    what = " and ".join(part for part in (steps and count(steps, "step"), evaluations and count(evaluations,
+                                                                                                "evaluation")) if part)
+    return field("no targets", f"{what} without a target token: no loss, left out of the figures below")
 
 
 def _perf_line(p: dict) -> str:
@@ -392,7 +473,7 @@ def _loss_table(title: str, overall: dict, categories: dict, sources: dict) -> l
 
 
 def _row(name: str, s: dict) -> list:
-    return [name, s["points"], round(s["first"], 4), round(s["last"], 4), round(s["best"], 4), s["best_step"],
+    return [name, s["points"], f"{s['first']:.4f}", f"{s['last']:.4f}", f"{s['best']:.4f}", s["best_step"],
             f"{100 * s['trend']:+.1f}%"]
 
 
@@ -401,7 +482,7 @@ def render_lineage(r: dict) -> str:
     """``xprep inspect runs/NAME --seen``: what the model has trained on up to a step."""
     lines = [f"run {r['run']}: trained on up to step {r['step']:,} ({r['step_from']})",
              f"  pack          {r['pack']}  (key {r['key'][:16]})",
-             f"  sampler       {r['sampler']} (seed {r['seed']}), {r['consumed_samples']:,} bins consumed "
+             f"  sampler       {r['sampler']} (seed {r['seed']}), {count(r['consumed_samples'], 'bin')} consumed "
              f"({r['global_batch_size']} per step)",
              f"  documents     {len(r['documents']):,} distinct, {r['tokens']:,} tokens", ""]
     lines += table(["source", "tokens", "documents"], [[s["name"], s["tokens"], s["documents"]]
