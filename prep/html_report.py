@@ -566,7 +566,7 @@ def loss_chart(runs, dash, colours: Colours, channel: str, validation: bool, run
             continue
         x = Source(ptr(*root, "step"), curves["step"], i)
         run = f"{Path(r['path']).name}: " if len(runs) > 1 else ""  # hovering names the run of each value
-        if channel == "category_loss":
+        if channel == "category_loss" and "loss" in curves:  # absent: no step of the run had a target token
             series.append(Series(f"{run}all targets", Source(ptr(*root, "loss"), curves["loss"], i), x, ALL_COLOUR,
                                  dash[i], OVERALL, i, dots=validation))
             seen[OVERALL] = Key("all targets", ALL_COLOUR, series=OVERALL)

@@ -345,3 +345,19 @@ def test_counts_of_one_are_singular(chat_dataset, tmp_path):
     assert "1 bin (" in pack, pack
     for shown in (text, pack):
         assert not re.search(r"\b1 (source|document|dataset|bin|step|rank|entrie)s\b", shown), shown
+
+
+def test_a_run_with_steps_without_targets(run_dir, tmp_path):
+    """A step whose batch had no target token has no loss: the text says how many, and a run whose every step
+    is such still makes a page (no loss table, the count on a card)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows.append({"step": 4, "loss": None, "tokens": 100, "category_loss": {}})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = invoke("inspect", run_dir).stdout
+    assert "1 step without a target token" in text and "training loss" in text, text
+    (run_dir / "metrics.jsonl").write_text(json.dumps(rows[-1]) + "\n")
+    text = invoke("inspect", run_dir).stdout
+    assert "no loss yet" in text and "no metrics yet" not in text, text
+    result = invoke("inspect", run_dir, "--html", tmp_path / "page.html")
+    assert result.exit_code == 0, result.output
+    assert "steps without targets" in (tmp_path / "page.html").read_text()
