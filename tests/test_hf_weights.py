@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from prepkit import tokenize, write_jsonl
 from trainkit import category_pack, cp_pack
 
-from cli import xtrain
+from cli import xprep, xtrain
+from prep.dataset import TokenDataset
+from prep.templates import BUILTIN_TEMPLATES
 from train.checkpoint import CheckpointManager
 from train.config import ModelSection, OptimizerSection
 from train.data import PackedDataset
 from train.dist import ParallelDims
 from train.hf import HFCausalLM
+from train.hf_weights import _chat_template
 from train.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -176,3 +182,84 @@ def test_context_parallel_run_from_hf_weights_and_its_export(tmp_path):
     ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(a(input_ids=ids).logits, b(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ the export's tokenizer
+def trained_on_chat(root: Path, tokenizer: Path, chats: Path) -> tuple[Path, Path]:
+    """(dataset, run): ``chats`` tokenized with ``tokenizer``, packed, trained one step with the built-in model."""
+    tokenize(chats, root / "ds", tokenizer)
+    packed = CliRunner().invoke(xprep, ["pack", str(root / "ds"), "-o", str(root / "packed"), "--method",
+                                        "multipack", "--seq-len", "512", "--overlong", "split"])
+    assert packed.exit_code == 0, packed.output
+    run = root / "run"
+    trained = CliRunner().invoke(xtrain, ["run", str(root / "packed"), "--model", "tiny", "--steps", "1",
+                                          "--output", str(run), "--log-every", "100"])
+    assert trained.exit_code == 0, trained.output
+    return root / "ds", run
+
+
+def test_export_carries_the_tokenizer_the_data_was_tokenized_with(shared_data, tmp_path):
+    """Qwen3: the export's AutoTokenizer gives the tokenizer's ids and, with its chat template, rebuilds every
+    training document; gone or changed, the tokenizer is a warning and a model-only export; a copy kept in the
+    dataset is found (with a config built from the manifest)."""
+    tokenizer_dir = tmp_path / "qwen3"
+    shutil.copytree(shared_data / "tokenizers" / "qwen3", tokenizer_dir)
+    with open(shared_data / "chat" / "chitchat.jsonl", encoding="utf-8") as f:
+        head = [json.loads(next(f)) for _ in range(40)]
+    chats = [r for r in head if any(m["role"] == "assistant" for m in r["messages"])][:12]
+    dataset, run = trained_on_chat(tmp_path, tokenizer_dir, write_jsonl(tmp_path / "chat.jsonl", chats))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"))
+    text = "Hello world <|im_end|> naïve café — 日本語 😀\n  indented"
+
+    result = export(str(run), "-o", str(tmp_path / "out"), "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    assert "tokenizer: " in result.stderr and "the one the data was rendered with" in result.stderr
+    out = tmp_path / "out"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok(text)["input_ids"] == reference(text)["input_ids"]
+    assert tok.chat_template == json.loads((tokenizer_dir / "tokenizer_config.json").read_text())["chat_template"]
+    docs = TokenDataset(dataset)
+    for i, record in enumerate(chats):  # the export's tokenizer and template rebuild what was trained on
+        ids = tok.apply_chat_template(record["messages"], tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert list(ids) == docs.tokens[i].tolist(), i
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+
+    shutil.move(tokenizer_dir, tmp_path / "moved")  # the tokenizer the manifest names is gone: model only
+    result = export(str(run), "-o", str(tmp_path / "alone"), "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    warning = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and f"{tokenizer_dir / 'tokenizer.json'} is gone" in warning[0], result.stderr
+    assert sorted(p.name for p in (tmp_path / "alone").iterdir()) == ["config.json", "model.safetensors"]
+
+    kept = dataset / "tokenizer.json"  # a copy kept inside the dataset (as for converted tokenizers)
+    shutil.copyfile(tmp_path / "moved" / "tokenizer.json", kept)
+    result = export(str(run), "-o", str(tmp_path / "kept"), "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "kept" / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == "<|im_end|>" and config["pad_token"] == "<|endoftext|>"
+    assert "chat_template" not in config and "none: the one the data was rendered with" in result.stderr
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "kept")
+    assert tok(text)["input_ids"] == reference(text)["input_ids"] and tok.eos_token == "<|im_end|>"
+
+    kept.write_bytes(kept.read_bytes() + b"\n")  # not the tokenizer the data was made with: refused
+    result = export(str(run), "-o", str(tmp_path / "changed"), "--dtype", "bf16")
+    assert result.exit_code == 0 and "warning: " in result.stderr and "sha256 differs" in result.stderr
+    assert not (tmp_path / "changed" / "tokenizer.json").exists()
+
+
+def test_the_exported_chat_template_is_the_one_the_data_was_rendered_with(tmp_path):
+    def used(name: str, text: str) -> dict:
+        return {"chat_template": {"name": name, "sha256": hashlib.sha256(text.encode()).hexdigest()}}
+
+    own, chatml = "{{ messages }}", BUILTIN_TEMPLATES["chatml"]
+    assert _chat_template(own, [used("tokenizer", own)])[0] == own
+    assert _chat_template(own, [used("chatml", chatml)])[0] == chatml  # --chat-template chatml: not the own one
+    file = tmp_path / "t.jinja"
+    file.write_text("{{ 'x' }}")
+    assert _chat_template(own, [used(str(file), "{{ 'x' }}")])[0] == "{{ 'x' }}"
+    missing, said = _chat_template(own, [used(str(tmp_path / "gone.jinja"), "{{ 'y' }}")])
+    assert missing is None and "gone.jinja" in said  # never a template the model was not trained on
+    assert _chat_template(own, [{"chat_template": None}]) == (own, "the tokenizer's own (the data is text)")
+    assert _chat_template(own, [used("tokenizer", own), used("chatml", chatml)])[0] == own
+    assert _chat_template(None, [used("a", "1"), used("b", "2")])[0] is None

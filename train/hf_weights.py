@@ -4,6 +4,7 @@
 HF config.json           ─builtin_config─▶ ModelConfig      (None + the reason, for what it cannot express)
 HF *.safetensors         ─read_hf_weights─▶ built-in state dict (names mapped, fp32)
 run checkpoint (DCP)     ─export_run─▶ DIR/model.safetensors + config.json   (AutoModelForCausalLM loads it)
+run → pack → datasets    ─data_tokenizer─▶ DIR/tokenizer.json + tokenizer_config.json   (AutoTokenizer loads it)
 ```
 The built-in model rotates q/k by the half-split `rotate_half` convention, as Hugging Face does,
 so q/k weights map one to one (no Meta-style interleave permutation). Mistral without a sliding
@@ -13,15 +14,22 @@ window is Llama; Qwen2 is Llama with q/k/v biases. Exports are written as `Llama
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from prep.errors import XprepError
+from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
+from prep.io import file_sha256, read_json
+from prep.mixture import open_entry
+from prep.templates import BUILTIN_TEMPLATES
 from train.checkpoint import LATEST, TRAINER_JSON, CheckpointManager, _quiet_single_process
 from train.model import ModelConfig, Transformer
 
@@ -120,7 +128,7 @@ def read_hf_weights(directory: str | Path, cfg: ModelConfig) -> dict[str, Tensor
     Every tensor the model needs must be there and nothing else may be (a tied model may still carry
     ``lm_head.weight``: it is dropped), so an architecture the mapping misreads fails here, not silently.
     """
-    from safetensors.torch import load_file  # comes with transformers
+    from safetensors.torch import load_file  # deferred: only hf:DIR reads safetensors
 
     names = name_map(cfg.n_layers)
     expected = set(param_names(cfg))
@@ -208,17 +216,25 @@ def checkpoint_path(run: str | Path, step: int | None) -> Path:
 
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Copied from the hf:DIR a run started from, when it is still there: what a user of the export needs besides weights.
-_SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                 "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+_TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, "tokenizer.model", "vocab.json", "merges.txt",
+                    "chat_template.jinja")
+# Copied from the hf:DIR a run started from, when it is still there: what a user of the export needs besides weights
+# (its tokenizer files only when the data's tokenizer cannot be found: the data's is the one the model learned).
+_SOURCE_FILES = (*_TOKENIZER_FILES, "generation_config.json")
 
 
 def export_run(run: str | Path, step: int | None, output: str | Path, dtype: str = "fp32") -> Path:
-    """Write the model of ``run``'s checkpoint at ``step`` to ``output`` as model.safetensors + config.json.
+    """Write the model of ``run``'s checkpoint at ``step`` to ``output`` as model.safetensors + config.json, with
+    the tokenizer the run's data was encoded with (``data_tokenizer``), so ``AutoTokenizer`` loads it too.
 
     The DCP checkpoint is read on this one process (no process group), whatever layout saved it; the
     directory is built beside ``output`` and renamed into place, so a failed export leaves nothing.
-    A run started from hf:DIR also gets that directory's tokenizer and generation config, when it still exists.
+    A run started from hf:DIR also gets that directory's generation config (and its tokenizer files, when the
+    data's tokenizer cannot be found), when it still exists. With no tokenizer found anywhere, the model is
+    exported alone and a warning says why: the weights are the expensive part, and the tokenizer files can be
+    copied in afterwards.
     """
     import torch.distributed.checkpoint as dcp  # deferred: only export needs DCP and safetensors' writer
     from safetensors.torch import save_file
@@ -233,6 +249,10 @@ def export_run(run: str | Path, step: int | None, output: str | Path, dtype: str
     cfg = _checkpoint_model_config(trainer_state, path)
     source = Path(str((trainer_state.get("model") or {}).get("hf", "")))
     source_config = _read_json(source / "config.json") if str(source) not in ("", ".") else {}
+    try:
+        tokenizer, missing = data_tokenizer(run, trainer_state.get("pack_key")), ""
+    except XprepError as e:
+        tokenizer, missing = None, str(e)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
@@ -247,20 +267,173 @@ def export_run(run: str | Path, step: int | None, output: str | Path, dtype: str
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         config = hf_config_dict(cfg, source_config.get("max_position_embeddings", 8192))
         config["torch_dtype"] = str(EXPORT_DTYPES[dtype]).removeprefix("torch.")
+        for key, value in (tokenizer.token_ids if tokenizer else {}).items():
+            config[key] = value
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if key in source_config:
                 config[key] = source_config[key]
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in _SOURCE_FILES:
+        for name in _SOURCE_FILES if tokenizer is None else set(_SOURCE_FILES) - set(_TOKENIZER_FILES):
             if (source / name).is_file():
                 shutil.copy2(source / name, tmp / name)
+        said = tokenizer.write(tmp) if tokenizer else _without_tokenizer(tmp, output, missing)
         if output.exists():
             output.rmdir()
         os.replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    print(said, file=sys.stderr)
     return output
+
+
+def _without_tokenizer(tmp: Path, output: Path, why: str) -> str:
+    """The console line of an export without the data's tokenizer: hf:DIR's files, or a warning that it has none."""
+    if (tmp / TOKENIZER_JSON).is_file():
+        return f"note: no tokenizer of the data found ({why}); the tokenizer files are hf:DIR's"
+    return (f"warning: no tokenizer written to {output}: {why}. AutoTokenizer.from_pretrained({output}) fails until "
+            "the tokenizer.json and tokenizer_config.json the data was tokenized with are copied into it")
+
+
+# ------------------------------------------------------------------------------------------ tokenizer
+@dataclass(frozen=True)
+class DataTokenizer:
+    """The tokenizer a run's datasets were encoded with, as an export writes it."""
+
+    path: Path  # the tokenizer.json; its sha256 is the one the datasets' manifests record
+    sha256: str
+    config: dict  # the tokenizer_config.json to write (the one beside ``path``, or one built from the manifest)
+    copied: tuple[Path, ...]  # further files from beside ``path`` (special_tokens_map.json)
+    token_ids: dict[str, int]  # eos/bos/pad_token_id for config.json, from the manifest
+    said: str  # where it came from and which chat template it has, for the console
+
+    def write(self, out: Path) -> str:
+        """Copy the tokenizer into ``out``, checking the copy against the recorded sha256; the console line."""
+        shutil.copyfile(self.path, out / TOKENIZER_JSON)
+        if file_sha256(out / TOKENIZER_JSON, "check the disk") != self.sha256:
+            raise XprepError(f"{self.path}: changed while it was copied (its sha256 is no longer the one the data "
+                             "was tokenized with); run the export again once nothing writes it")
+        (out / TOKENIZER_CONFIG).write_text(json.dumps(self.config, indent=2, ensure_ascii=False) + "\n")
+        for path in self.copied:
+            shutil.copyfile(path, out / path.name)
+        return self.said
+
+
+def data_tokenizer(run: str | Path, pack_key: str | None = None) -> DataTokenizer:
+    """The tokenizer ``run``'s data was encoded with: run.json → the pack entry it trained on (the one with
+    ``pack_key``, the checkpoint's) → each dataset's manifest.json → the tokenizer.json it records (its
+    ``tokenizer.path``, relative to the dataset when not absolute, or a copy kept in the dataset as tokenizer.json),
+    taken only where its sha256 is the recorded one.
+
+    The tokenizer_config.json beside that file comes along, its chat template set to the one the chat data was
+    rendered with (the manifest's ``chat_template`` digest: the tokenizer's own, a built-in one, or a template
+    file); without a config beside it (a tokenizer converted from GPT-2, SentencePiece or tiktoken files) one
+    is written naming the special tokens the manifest records. XprepError saying why when there is none.
+    """
+    datasets = _pack_datasets(Path(run), pack_key)
+    manifests = [(d, read_json(d / MANIFEST, "dataset manifest", "re-create the dataset")) for d in datasets]
+    digests = {str((m.get("tokenizer") or {}).get("sha256")) for _, m in manifests}
+    if len(digests) != 1:
+        raise XprepError(f"the datasets of {run}'s pack record {len(digests)} different tokenizers")
+    sha = digests.pop()
+    path = _find_tokenizer_json(manifests, sha)
+    beside = path.parent / TOKENIZER_CONFIG
+    config = _read_json(beside) if beside.is_file() else {}
+    names = _added_tokens(path)
+    manifest = manifests[0][1]
+    ids = {"eos_token_id": (manifest.get("tokenizer") or {}).get("eod_id"),
+           "pad_token_id": (manifest.get("tokenizer") or {}).get("pad_id"),
+           "bos_token_id": ((manifest.get("special_tokens") or {}).get("bos") or {}).get("id")}
+    ids = {k: v for k, v in ids.items() if isinstance(v, int)}
+    if not config:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  "eos_token": names.get(ids.get("eos_token_id")), "bos_token": names.get(ids.get("bos_token_id")),
+                  "pad_token": names.get(ids.get("pad_token_id"))}
+    template, which = _chat_template(config.get("chat_template"), [m for _, m in manifests])
+    config = {k: v for k, v in config.items() if k != "chat_template"}
+    if template is not None:
+        config["chat_template"] = template
+    copied = tuple(p for p in [path.parent / SPECIAL_TOKENS_MAP] if p.is_file() and beside.is_file())
+    return DataTokenizer(path, sha, config, copied, ids, f"tokenizer: {path} (sha256 as the data's manifests "
+                                                         f"record); chat template: {which}")
+
+
+def _pack_datasets(run: Path, pack_key: str | None) -> list[Path]:
+    """The dataset directories of the pack entry ``run`` trained on (run.json names it; ``pack_key``, when given,
+    must be its key, else the entry with that key beside it is taken)."""
+    pack = _read_json(run / "run.json").get("pack") or {}
+    if not pack.get("path"):
+        raise XprepError(f"{run}/run.json names no pack (it is written when training starts)")
+    path, key = Path(pack["path"]), pack_key or pack.get("key")
+    if not path.is_dir():
+        where = "" if path.is_absolute() else f" (from {Path.cwd()}: run the export where the run was started)"
+        raise XprepError(f"the pack {path} that {run}/run.json names is not found{where}")
+    root = path.parent if (path / PACK_JSON).is_file() or (path / BLEND_JSON).is_file() else path
+    for candidate in [path, *sorted(root.glob(f"*-{str(key)[:16]}"))]:
+        entry = open_entry(candidate)
+        if not key or entry.key == key:
+            parts = getattr(entry, "sources", None) or [entry]
+            return [p for part in parts for p in part.dataset_paths]
+    raise XprepError(f"{root}: holds no pack entry {str(key)[:16]}, the one the checkpoint was trained on "
+                     "(the cache was cleared or rebuilt)")
+
+
+def _find_tokenizer_json(manifests: list[tuple[Path, dict]], sha: str) -> Path:
+    """The first tokenizer.json a dataset records (or keeps) whose sha256 is ``sha``, preferring one with a
+    tokenizer_config.json beside it; XprepError naming each recorded file and what is wrong with it."""
+    found, problems = [], []
+    for dataset, manifest in manifests:
+        recorded = str((manifest.get("tokenizer") or {}).get("path") or "")
+        kept = dataset / TOKENIZER_JSON
+        for path in dict.fromkeys([dataset / recorded, kept] if recorded else [kept]):
+            if path in found or (path == kept and not path.is_file() and path != dataset / recorded):
+                continue  # no copy kept in the dataset: only the recorded file is worth a word
+            if not path.is_file():
+                problems.append(f"{path} is gone")
+            elif file_sha256(path, "check the file") != sha:
+                problems.append(f"{path} is not the one the data was tokenized with (its sha256 differs)")
+            else:
+                found.append(path)
+    if not found:
+        raise XprepError("the tokenizer the data was tokenized with is not found ("
+                         + ("; ".join(dict.fromkeys(problems)) or "the datasets' manifests name none") + ")")
+    return next((p for p in found if (p.parent / TOKENIZER_CONFIG).is_file()), found[0])
+
+
+def _added_tokens(path: Path) -> dict[int, str]:
+    """Id → text of a tokenizer.json's added (special) tokens."""
+    added = _read_json(path).get("added_tokens") or []
+    return {t["id"]: t["content"] for t in added if isinstance(t, dict) and "id" in t and "content" in t}
+
+
+def _chat_template(own, manifests: list[dict]) -> tuple[str | list | None, str]:
+    """The chat template for the export and, in words, which it is: the one the chat data was rendered with,
+    found by its sha256 among the tokenizer's own, the built-in ones and a template file of that name; none
+    when that one is not found or the data used several (and the tokenizer's own with text data only)."""
+    used = {(t.get("name"), t.get("sha256")) for m in manifests if isinstance(t := m.get("chat_template"), dict)}
+    if not used:
+        return own, "the tokenizer's own (the data is text)" if own else "none (the data is text)"
+    own_text = own if isinstance(own, str) else next(
+        (t.get("template") for t in own or [] if isinstance(t, dict) and t.get("name") == "default"), None)
+    if len(used) > 1:
+        if own_text is not None and _sha(own_text) in {sha for _, sha in used}:
+            return own, "the tokenizer's own (one of several the data was rendered with)"
+        return None, f"none (the data was rendered with {len(used)} different templates)"
+    name, sha = used.pop()
+    if own_text is not None and _sha(own_text) == sha:
+        return own, f"{name!r}, the one the data was rendered with"
+    builtin = BUILTIN_TEMPLATES.get(str(name))
+    if builtin is not None and _sha(builtin) == sha:
+        return builtin, f"{name!r} (built in), the one the data was rendered with"
+    file = Path(str(name))
+    if file.is_file() and file_sha256(file, "check the file") == sha:
+        return file.read_text(encoding="utf-8"), f"{name!r}, the one the data was rendered with"
+    return None, (f"none: the one the data was rendered with ({name!r}, sha256 {str(sha)[:12]}…) is no longer "
+                  f"where it was; set chat_template in {TOKENIZER_CONFIG} yourself")
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _checkpoint_model_config(state: dict, path: Path) -> ModelConfig:
