@@ -1,8 +1,9 @@
 """Token datasets: aligned ``.bin/.idx`` streams plus ``manifest.json`` (DESIGN §1).
 
 ``DatasetWriter`` builds a dataset in a temporary sibling directory and publishes it with one
-rename, so a killed run never leaves something that opens as a dataset. ``TokenDataset`` opens
-one, checking that the streams agree with each other and with the manifest.
+rename, so a killed run never leaves something that opens as a dataset; one writer at a time holds
+an output (``prep.io.OutputLock``). ``TokenDataset`` opens one, checking that the streams agree with
+each other and with the manifest. ``dataset_tokenizer`` is where a dataset's tokenizer lives.
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ import numpy as np
 from prep.errors import XprepError
 from prep.formats import CATEGORY_IDS_STREAM, DATASET_FORMAT, LOSS_MASK_STREAM, MANIFEST, REJECTS, TOKENS_STREAM
 from prep.indexed import BinWriter, IndexedReader, bin_path
-from prep.io import check_output_dir, file_sha256, fsync_dir, fsync_tree, write_json_atomic
+from prep.io import OutputLock, check_output_dir, file_sha256, fsync_dir, fsync_tree, write_json_atomic
 
 FORMAT = DATASET_FORMAT  # the name prep.inspect imports it by
 WRITE_BEHIND_ITEMS = 64 << 20  # tokens appended between two write-behinds (256 MB of int32)
 FORMAT_VERSION = 1
 UNCATEGORIZED = "uncategorized"
 MAX_CATEGORY = 65_535  # category ids are stored as uint16 at most
+KEPT_TOKENIZER = "tokenizer.json"  # a converted tokenizer, kept inside the dataset (see dataset_tokenizer)
+# The shape of a chat dataset's conversations (counts.conversations): how many, their assistant turns, how many
+# begin with the assistant (after any system turn), assistant turns with a blank content (trained as little more
+# than the end-of-turn marker), and conversations whose last message is not the assistant's (a trailing turn
+# nothing is learnt from).
+CONVERSATION_COUNTS = ("count", "answers", "assistant_first", "empty_answers", "ends_without_answer")
 
 _REJECT_JSON = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(..., ensure_ascii=False), one encoder
 
@@ -36,6 +43,11 @@ _REJECT_JSON = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(..., en
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits with room for added tokens (vocab < 65,500), else int32."""
     return np.dtype(np.uint16) if vocab_size < 65_500 else np.dtype(np.int32)
+
+
+def count(n: int, noun: str) -> str:
+    """``1 document``, ``2 documents``, ``1,000 documents``."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
 def canonical_json(obj) -> bytes:
@@ -141,6 +153,15 @@ class Counts:
     tokens: int = 0
     loss_tokens: int = 0
     per_category: dict[int, list[int]] = field(default_factory=dict)  # id -> [tokens, targets]
+    # CONVERSATION_COUNTS, summed; None once a part of unknown shape was added (a dataset made before they were)
+    conversations: np.ndarray | None = field(default_factory=lambda: np.zeros(len(CONVERSATION_COUNTS), np.int64))
+
+    def add_conversations(self, counts: np.ndarray | None) -> None:
+        """Add the CONVERSATION_COUNTS of a batch (or a dataset: None where they are unknown, which they stay)."""
+        if counts is None or self.conversations is None:
+            self.conversations = None
+        else:
+            self.conversations += counts
 
     def add(self, lengths: np.ndarray, loss_mask: np.ndarray | None, cats: np.ndarray | None) -> None:
         """Count a batch. Targets are what training uses: a document's first token never counts,
@@ -188,17 +209,27 @@ class DatasetWriter:
     """Writes a token dataset into ``out`` atomically: a temp sibling dir renamed on ``finish``.
 
     Use as a context manager; on an exception the temporary directory is removed and nothing
-    at ``out`` changes.
+    at ``out`` changes. The output is locked from here to the end (``OutputLock``): a second writer of the
+    same ``out`` is refused at its start, naming this one. ``tokenizer``: a tokenizer.json to keep inside the
+    dataset (``KEPT_TOKENIZER``; see ``dataset_tokenizer``).
     """
 
-    def __init__(self, out: str | Path, vocab_size: int, dtype: np.dtype | None = None, durable: bool = True):
+    def __init__(self, out: str | Path, vocab_size: int, dtype: np.dtype | None = None, durable: bool = True,
+                 tokenizer: str | Path | None = None):
         self.durable = durable  # False: published without fsync (a Ray shard, verified by its digests on reuse)
         self.out = check_output_dir(out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(self.out)
-        self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir()
+        self._lock = OutputLock(self.out).acquire()
+        try:
+            check_output_dir(self.out)  # again, under the lock: a writer that held it may have published meanwhile
+            _remove_stale_temps(self.out)
+            self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir()
+        except BaseException:
+            self._lock.release()
+            raise
+        self.keep_tokenizer = Path(tokenizer) if tokenizer is not None else None
         self.dtype = np.dtype(dtype) if dtype is not None else token_dtype(vocab_size)
         self.vocab_size = vocab_size
         self.tokens = BinWriter(self.tmp / TOKENS_STREAM, self.dtype)
@@ -218,6 +249,7 @@ class DatasetWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+        self._lock.release()  # (finish released it already)
 
     def append(self, tokens: np.ndarray, lengths: np.ndarray, loss_mask: np.ndarray | None = None,
                category_ids: np.ndarray | None = None) -> None:
@@ -305,6 +337,10 @@ class DatasetWriter:
         self.reject_count += 1
         self.reject_reasons[kind] = self.reject_reasons.get(kind, 0) + 1
 
+    def add_conversations(self, counts: np.ndarray | None) -> None:
+        """Count conversations by shape (``CONVERSATION_COUNTS``; None: of unknown shape, see ``Counts``)."""
+        self.counts.add_conversations(counts)
+
     def finish(self, manifest: dict, categories: CategoryTable) -> dict:
         """Close every stream, write the manifest with counts and fingerprint, publish."""
         self._stop_writing_behind()
@@ -334,16 +370,32 @@ class DatasetWriter:
             rejects={"count": self.reject_count, "by_reason": dict(sorted(self.reject_reasons.items())),
                      "file": REJECTS if self.reject_count else None},
         )
+        if self.counts.conversations is not None and self.counts.conversations[0]:  # (see conversation_counts)
+            manifest["counts"]["conversations"] = dict(zip(CONVERSATION_COUNTS, self.counts.conversations.tolist(),
+                                                           strict=True))
+        if self.keep_tokenizer is not None:
+            shutil.copyfile(self.keep_tokenizer, self.tmp / KEPT_TOKENIZER)
         manifest["fingerprint"] = fingerprint(manifest)
         write_json_atomic(self.tmp / MANIFEST, manifest, durable=False)  # fsync_tree makes all of it durable
         if self.durable:
             fsync_tree(self.tmp)
-        if self.out.exists():
-            self.out.rmdir()  # empty (checked in __init__)
-        os.replace(self.tmp, self.out)
+        self._publish()
         if self.durable:
             fsync_dir(self.out.parent)
+        self._lock.release()
         return manifest
+
+    def _publish(self) -> None:
+        """Rename the finished dataset into ``out``: empty or absent, as checked under the lock. Something that wrote
+        into it meanwhile without the lock is left as it is, and this dataset is not published."""
+        try:
+            if self.out.exists():
+                self.out.rmdir()
+            os.replace(self.tmp, self.out)
+        except OSError as e:
+            raise XprepError(f"-o {self.out}: something wrote into it while this run was writing ({e.strerror}); "
+                             "this run's dataset was not published and what is there was left as it is: remove it "
+                             "or choose another -o, and run again") from None
 
     def abort(self) -> None:
         self._stop_writing_behind()
@@ -352,6 +404,7 @@ class DatasetWriter:
         if self._rejects is not None:
             self._rejects.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self._lock.release()
 
 
 def _default_loss_mask(lengths: np.ndarray) -> np.ndarray:
@@ -427,6 +480,40 @@ def stream_mismatch(path: str | Path, manifest: dict, part: Literal["idx", "bin"
     return None
 
 
+def conversation_counts(manifest: dict) -> np.ndarray | None:
+    """The dataset's ``CONVERSATION_COUNTS``; None where they are unknown (a dataset with a loss mask made before they
+    were counted). A dataset without conversations has none in its manifest: zeros."""
+    shape = manifest["counts"].get("conversations")
+    if shape is None:
+        return None if LOSS_MASK_STREAM in manifest["streams"] else np.zeros(len(CONVERSATION_COUNTS), np.int64)
+    if not all(isinstance(shape.get(k), int) for k in CONVERSATION_COUNTS):
+        return None
+    return np.array([shape[k] for k in CONVERSATION_COUNTS], np.int64)
+
+
+def dataset_tokenizer(path: str | Path, manifest: dict | None = None) -> Path:
+    """The tokenizer.json the dataset at ``path`` was made with, checked against the sha256 its manifest records.
+
+    The rule: the manifest's ``tokenizer.path``, relative to the dataset directory. A tokenizer converted from GPT-2,
+    SentencePiece or tiktoken files is kept inside the dataset (``KEPT_TOKENIZER``, its path relative), so the
+    dataset does not depend on the cache it was converted into; a tokenizer.json given as such is named where it
+    lay (an absolute path; its tokenizer_config.json, if any, beside it). A file that is gone or differs is an
+    XprepError saying so.
+    """
+    path = Path(path)
+    info = (manifest if manifest is not None else read_manifest(path)).get("tokenizer") or {}
+    recorded = path / MANIFEST
+    if not info.get("path"):
+        raise XprepError(f"{recorded}: names no tokenizer (tokenizer.path); re-create the dataset")
+    file = path / info["path"]
+    if not file.is_file():
+        raise XprepError(f"the tokenizer {file} recorded in {recorded} is gone; restore it at that path")
+    if info.get("sha256") and file_sha256(file, "restore it") != info["sha256"]:
+        raise XprepError(f"{file} is not the tokenizer {path} was made with (its sha256 differs from the one in "
+                         f"{recorded}); restore that tokenizer.json")
+    return file
+
+
 class TokenDataset:
     """An opened token dataset: manifest plus zero-copy streams, checked for consistency."""
 
@@ -456,8 +543,9 @@ class TokenDataset:
         counts = self.manifest["counts"]
         if len(self.tokens) != counts["documents"] or self.tokens.items.size != counts["tokens"]:
             raise XprepError(
-                f"{self.path}: tokens stream holds {len(self.tokens)} documents / {self.tokens.items.size} "
-                f"tokens but the manifest says {counts['documents']} / {counts['tokens']}; re-create it"
+                f"{self.path}: the tokens stream holds {count(len(self.tokens), 'document')} of "
+                f"{count(self.tokens.items.size, 'token')} in all, but the manifest says "
+                f"{count(counts['documents'], 'document')} of {count(counts['tokens'], 'token')}; re-create it"
             )
 
     @property

@@ -7,13 +7,12 @@ lengths (what packing at that capacity would cut).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from prep.dataset import TokenDataset
+from prep.dataset import CONVERSATION_COUNTS, TokenDataset, conversation_counts, dataset_tokenizer
 from prep.errors import XprepError
 from prep.inspect import InspectOptions
 from prep.stats import default_over, histogram, length_stats, over_counts
@@ -26,12 +25,16 @@ def dataset_report(path: str | Path, options: InspectOptions | None = None) -> d
     ds = TokenDataset(path)
     m = ds.manifest
     counts = m["counts"]
+    conversations = conversation_counts(m)  # None: unknown (made before they were counted)
     report = {
         "kind": "dataset",
         "path": str(path),
         "fingerprint": m["fingerprint"],
-        "tokenizer": m["tokenizer"],
-        "chat_template": m.get("chat_template"),
+        # the path where the tokenizer is (one kept inside the dataset is recorded relative to it)
+        "tokenizer": {**m["tokenizer"], "path": str(path / m["tokenizer"]["path"])},
+        # the template chat records were rendered with: none where the dataset holds no conversation
+        "chat_template": m.get("chat_template") if conversations is None or conversations[0] else None,
+        "conversations": conversation_shape(conversations),
         "dtype": m["streams"]["tokens"]["dtype"],
         "streams": sorted(m["streams"]),
         "documents": counts["documents"],
@@ -50,6 +53,18 @@ def dataset_report(path: str | Path, options: InspectOptions | None = None) -> d
     if options.sample:
         report["sample"] = sample_documents(ds, options.sample, options.seed)
     return report
+
+
+def conversation_shape(counts: np.ndarray | None) -> dict | None:
+    """The conversations' shape (``prep.dataset.CONVERSATION_COUNTS``) with each count's share: of the assistant turns
+    for empty answers, of the conversations for the others. None for a dataset without conversations, or made
+    before they were counted."""
+    if counts is None or not counts[0]:
+        return None
+    shape = dict(zip(CONVERSATION_COUNTS, counts.tolist(), strict=True))
+    shares = {k: share(v, shape["answers"] if k == "empty_answers" else shape["count"])
+              for k, v in shape.items() if k not in ("count", "answers")}
+    return {**shape, "shares": shares}
 
 
 def share(part: int, whole: int) -> float:
@@ -77,16 +92,11 @@ def sample_documents(ds, n: int, seed: int | None) -> dict:
 
 
 def load_decoder(ds):
-    """The ``tokenizers.Tokenizer`` recorded in the dataset's manifest (path and sha256 checked)."""
-    info = ds.manifest.get("tokenizer") or {}
-    path, manifest = info.get("path"), ds.path / "manifest.json"
-    if not path or not Path(path).is_file():
-        raise XprepError(f"--sample: the tokenizer {path} recorded in {manifest} is gone; restore it at that path "
-                         "to decode the documents")
-    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    if info.get("sha256") and digest != info["sha256"]:
-        raise XprepError(f"--sample: {path} is not the tokenizer {ds.path} was made with (its sha256 differs from "
-                         f"{manifest}); restore that tokenizer.json to decode the documents")
+    """The ``tokenizers.Tokenizer`` the dataset was made with (``dataset_tokenizer``: found and checked)."""
+    try:
+        path = dataset_tokenizer(ds.path, ds.manifest)
+    except XprepError as e:
+        raise XprepError(f"--sample: {e} to decode the documents") from None
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse

@@ -5,16 +5,22 @@
   directory, fsync, rename, fsync of the directory), so a crash never leaves half a file;
 - ``fsync_tree`` / ``fsync_dir``: make a directory built in a temp place durable before it is renamed;
 - ``read_json``: a JSON file, or one clear error naming the file, the problem and the fix;
-- ``file_sha256``: the digest of a file of any size, or one clear error naming it.
+- ``file_sha256``: the digest of a file of any size, or one clear error naming it;
+- ``OutputLock``: one writer at a time for an output path (a second is one clear error naming the first).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
+import socket
+import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -168,3 +174,91 @@ def file_sha256(path: str | Path, fix: str) -> str:
     except OSError as e:
         raise XprepError(f"{path}: cannot read ({e.strerror}); {fix}") from None
     return digest.hexdigest()
+
+
+class OutputLock:
+    """One writer at a time for an output path: an exclusive, non-blocking ``fcntl.flock`` on ``.NAME.lock`` beside it,
+    held from before anything is written until the output is published (or given up).
+
+    Two commands writing the same output would each build their own temporary directory, and the second to publish
+    would find the first's there (``OSError: Directory not empty``) after all its work. With the lock the second stops
+    at the start, with one error naming the first (pid, host, start time, command); nothing of the first's is touched.
+    The kernel drops a flock when its holder dies, however it dies, so a killed run never blocks the next. The file is
+    removed on release, while still locked; a process that opened it just before then finds, once it holds the lock,
+    that the name no longer leads to the file it locked, and starts again on the new one.
+    """
+
+    def __init__(self, out: str | Path, option: str = "-o"):
+        out = Path(out)
+        self.path = out.with_name(f".{out.name}.lock")
+        self.shown = f"{option} {out}"
+        self.option = option
+        self._fd: int | None = None
+
+    def acquire(self) -> OutputLock:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _describe_holder(_read_holder(fd))
+                os.close(fd)
+                raise XprepError(f"{self.shown}: another process is writing it ({holder}; lock file {self.path}); "
+                                 f"wait for it to end, or choose another {self.option}") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # released and removed by its holder between our open and our lock: the name is free again
+        os.ftruncate(fd, 0)  # a dead holder's record: replace it with ours
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                  "command": _command_line()}
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (the removal first, while this process still holds it)."""
+        if self._fd is None:
+            return
+        if _same_file(self._fd, self.path):
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)  # (closing drops the flock)
+        self._fd = None
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _command_line(limit: int = 160) -> str:
+    """This process's command line (the program by its name), cut to ``limit`` characters: to name it to another."""
+    line = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0).decode())
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe_holder(record: dict) -> str:
+    if not record.get("pid"):
+        return "its holder is not recorded yet"
+    command = f", command: {record['command']}" if record.get("command") else ""
+    return f"pid {record['pid']} on host {record.get('host', '?')}, started {record.get('started', '?')}{command}"

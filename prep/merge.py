@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
+from prep.dataset import CategoryTable, DatasetWriter, TokenDataset, conversation_counts, dataset_tokenizer
 from prep.errors import XprepError
 from prep.formats import REJECTS, TOKENS_STREAM
 from prep.io import check_output_dir
@@ -37,7 +37,9 @@ def merge_datasets(paths: list[str], output: str) -> dict:
     categories = CategoryTable()
     dtype = np.dtype(first["streams"][TOKENS_STREAM]["dtype"])
     sources: list[dict] = []
-    with DatasetWriter(output, first["tokenizer"]["vocab_size"], dtype) as writer:
+    # a tokenizer kept inside the datasets (one path for all: checked above) is kept inside the merged one
+    kept = dataset_tokenizer(datasets[0].path, first) if not Path(first["tokenizer"]["path"]).is_absolute() else None
+    with DatasetWriter(output, first["tokenizer"]["vocab_size"], dtype, tokenizer=kept) as writer:
         for ds in datasets:
             append_dataset(ds, writer, categories)
             for src in ds.manifest.get("sources", []):
@@ -71,6 +73,7 @@ def append_dataset(ds: TokenDataset, writer: DatasetWriter, categories: Category
     """
     _copy(ds, writer, _category_lut(ds, categories))
     _copy_rejects(ds, writer, line_shift or {})
+    writer.add_conversations(conversation_counts(ds.manifest))
 
 
 def _category_lut(ds: TokenDataset, categories: CategoryTable) -> np.ndarray:

@@ -352,15 +352,58 @@ def test_sigkill_at_random_moments_never_leaves_a_valid_looking_dataset(tmp_path
         _kill(proc)  # if it finished already, the dataset must be complete
         if _assert_absent_or_complete(out, reference):
             break
-        # A killed run leaves at most its own hidden temporary directory.
+        # A killed run leaves at most its own hidden temporary directory and lock file (whose lock died with it).
         for p in tmp_path.iterdir():
-            assert p.name == "reference" or p.name.startswith(".out.tmp-"), p.name
+            assert p.name in ("reference", ".out.lock") or p.name.startswith(".out.tmp-"), p.name
     if not out.exists():
         proc = _spawn(args)
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err.decode()
     _assert_absent_or_complete(out, reference)
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")], "stale temporaries are cleaned"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "stale temporaries are cleaned"
+
+
+def test_a_second_writer_of_the_same_output_stops_at_once_naming_the_first(tmp_path, tiny_tokenizer):
+    """Two ``xprep tokenize`` to one ``-o`` (issue 29): the second, started while the first holds the output, ends with
+    one line naming the first (its pid, its lock file), exit 2; the first goes on undisturbed and publishes its whole
+    dataset; nothing is left behind. The first reads a FIFO, so that it holds the output for as long as the test
+    needs (its input ends when the test writes it)."""
+    fifo = tmp_path / "slow.txt"
+    os.mkfifo(fifo)
+    out, lock = tmp_path / "out", tmp_path / ".out.lock"
+    first = _spawn(["tokenize", fifo, "-o", out, "--tokenizer", tiny_tokenizer, "--format", "text", "--workers", "1"])
+    try:
+        deadline = time.monotonic() + 120
+        while not (lock.is_file() and f'"pid": {first.pid}' in lock.read_text()):  # the first holds the output
+            assert first.poll() is None, first.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the first writer never took the output"
+            time.sleep(0.05)
+        other = write_jsonl(tmp_path / "other.jsonl", text_records(5))
+        code, out_text, err = xprep_cli("tokenize", other, "-o", out, "--tokenizer", tiny_tokenizer, "--workers", "1")
+        assert code == 2 and out_text == "" and err.count("\n") == 1 and err.startswith("error: "), err
+        assert f"-o {out}: another process is writing it" in err and f"pid {first.pid}" in err, err
+        assert str(lock) in err and f"command: -c tokenize {fifo} -o {out}" in err, err  # (-c: python -c, _spawn)
+        with open(fifo, "w") as f:  # the first one's input, at last
+            f.write("the first writer's only document\n")
+        _, first_err = first.communicate(timeout=300)
+    finally:
+        _kill(first)
+    assert first.returncode == 0, first_err.decode()
+    assert len(TokenDataset(out)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.jsonl", "out", "slow.txt"]  # no temporary, no lock
+
+
+def test_a_writer_that_finds_the_output_published_meanwhile_says_so(tmp_path, tiny_tokenizer, monkeypatch):
+    """A writer that checked ``-o`` before another published there (the lock free again) refuses under the lock, as
+    it would have at its start; what is there stays as it is."""
+    src = write_jsonl(tmp_path / "a.jsonl", text_records(5))
+    tokenize(src, tmp_path / "out", tiny_tokenizer)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    monkeypatch.setattr("prep.tokenize_run.check_output_dir", lambda path: None)  # as if it had checked earlier
+    with pytest.raises(XprepError, match="already exists and is not empty"):
+        tokenize(src, tmp_path / "out", tiny_tokenizer)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "out"]
 
 
 KILL_POINTS = {
