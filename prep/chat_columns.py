@@ -60,6 +60,7 @@ SYSTEM, USER, ASSISTANT, TOOL, THINKING = 0, 1, 2, 3, 4  # head codes; THINKING:
 TOOL_OPEN, TOOL_MID, TOOL_CLOSE = 5, 6, 7  # Qwen3's tool turns in a run of several (TOOL: a run of one)
 CODES = 8  # a code plus CODES: the same head after the BOS token (a conversation's first message, where it has one)
 OTHER, KEPT, NO_ANSWER = 0, 1, 2  # what became of each record of a batch
+SHAPE_COUNTS = 5  # prep.dataset.CONVERSATION_COUNTS (conversation_shape counts them per record)
 HEADER = "<|im_start|>assistant\n"  # ChatML's generation prompt: an assistant span begins after it
 END = "<|im_end|>"
 
@@ -152,8 +153,11 @@ class Rendered:
 
     def __init__(self, status: np.ndarray, data: np.ndarray | None = None, bounds: np.ndarray | None = None,
                  starts: np.ndarray | None = None, ends: np.ndarray | None = None, answers: np.ndarray | None = None,
-                 categories: list | None = None, span_categories: list | None = None, end: str = END):
+                 categories: list | None = None, span_categories: list | None = None, end: str = END,
+                 shape: np.ndarray | None = None):
         self.status, self.end = status, end  # end: the marker that ends each span
+        # the kept conversations' shape: prep.dataset.CONVERSATION_COUNTS, summed over them
+        self.shape = shape if shape is not None else np.zeros(SHAPE_COUNTS, np.int64)
         none = np.zeros(0, np.int64)
         self.data = data if data is not None else np.zeros(0, np.uint8)
         self.bounds = bounds if bounds is not None else np.zeros(1, np.int64)
@@ -340,6 +344,7 @@ class ColumnarChat:
         gathered = self._gather(kept, starts, counts, code, data, c_lo, c_hi)
         if gathered is None:
             return Rendered(status, end=self.shape.end)
+        shape = _shape(kept, starts, counts, code, row_of_msg, data, c_off)
         *rendered, answer_msgs = gathered
         categories = record_cat.to_pylist() if record_cat.null_count < n else None
         span_categories = None
@@ -350,7 +355,7 @@ class ColumnarChat:
                 span_categories = None  # categories on other messages only: nothing to a span
         if categories is not None:
             categories = [categories[r] for r in np.flatnonzero(kept).tolist()]
-        return Rendered(status, *rendered, categories, span_categories, self.shape.end)
+        return Rendered(status, *rendered, categories, span_categories, self.shape.end, shape)
 
     def agrees_with(self, template: ChatTemplate) -> bool:
         """Whether every probe this path renders comes out as ``template.render_with_spans`` renders it, every one
@@ -507,6 +512,42 @@ class ColumnarChat:
         row_at = msg_at[csr_offsets(k_counts)]  # each kept conversation's byte range
         answers = np.bincount(np.repeat(np.arange(len(rows)), k_counts)[answer], minlength=len(rows))
         return out, row_at, span_start, span_end, answers, msgs[answer]
+
+def _shape(kept, starts, counts, code, row_of_msg, data, c_off) -> np.ndarray:
+    """``conversation_shape`` summed over the kept records, column-wise: (conversations, assistant turns, those that
+    begin with the assistant after any system turn, assistant turns of blank content, those that end with another
+    turn than the assistant's)."""
+    rows = np.flatnonzero(kept)
+    answer = (code == ASSISTANT) | (code == THINKING)
+    in_kept = np.repeat(kept, counts)
+    answers = np.flatnonzero(answer & in_kept)
+    spoken = np.flatnonzero((code != SYSTEM) & in_kept)  # (messages come in order: a record's first is first)
+    first = spoken[np.flatnonzero(np.diff(row_of_msg[spoken], prepend=-1))]
+    last = starts[rows + 1] - 1  # (a kept record has a message)
+    return np.array([len(rows), len(answers), np.count_nonzero(answer[first]),
+                     np.count_nonzero(_blank(data, c_off[answers], c_off[answers + 1])),
+                     np.count_nonzero(~answer[last])], np.int64)
+
+
+def _blank(data: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per content ([lo, hi) in ``data``): whether ``str.strip()`` leaves nothing of it (``_strip``, and Python itself
+    where that says a content is beyond its ASCII work)."""
+    inner_lo, inner_hi, ok = _strip(data, lo, hi)
+    blank = ok & (inner_lo >= inner_hi)
+    for i in np.flatnonzero(~ok).tolist():
+        blank[i] = not data[lo[i] : hi[i]].tobytes().decode("utf-8").strip()
+    return blank
+
+
+def conversation_shape(messages: list[dict]) -> tuple[int, int, bool, int, bool]:
+    """One conversation's counts of ``prep.dataset.CONVERSATION_COUNTS`` (``normalize_messages``' messages): as
+    ``_shape`` counts them column-wise. An answer with a tool call or reasoning is not blank."""
+    answers = [m for m in messages if m["role"] == "assistant"]
+    first = next((m["role"] for m in messages if m["role"] != "system"), None)
+    blank = sum(1 for m in answers if not m["content"].strip() and not m.get("tool_calls")
+                and not m.get("reasoning_content"))
+    return 1, len(answers), first == "assistant", blank, messages[-1]["role"] != "assistant"
+
 
 def _canonical(raw: bytes, roles: dict[str, str]) -> str | None:
     """``normalize_messages``' role mapping, for a role's UTF-8 bytes (None where it knows no such role)."""

@@ -117,18 +117,21 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
     key_head = {**job.head, "on_error": config.on_error}
     keys = [s.key(job.sources, key_head) for s in shards]
     staging = Staging.beside(config.output)
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) > 1:
-        _check_shared(ray, nodes, staging, job, config)
-    staging.prune(set(keys))
-    results: dict[int, ShardDone] = {}
-    for k, key in enumerate(keys):
-        done = staging.reusable(key, len(shards[k].pieces))
-        if done is not None:
-            results[k] = done
-    reused = len(results)
-    t0 = time.perf_counter()
-    with DatasetWriter(out, job.info.vocab_size, job.dtype) as writer, tempfile.TemporaryDirectory() as tmp:
+    # the output is locked (DatasetWriter) before the staging area is touched: a second run of the same command
+    # stops there, before it prunes the scratch of the first one's tasks
+    with DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer) as writer, \
+            tempfile.TemporaryDirectory() as tmp:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if len(nodes) > 1:
+            _check_shared(ray, nodes, staging, job, config)
+        staging.prune(set(keys))
+        results: dict[int, ShardDone] = {}
+        for k, key in enumerate(keys):
+            done = staging.reusable(key, len(shards[k].pieces))
+            if done is not None:
+                results[k] = done
+        reused = len(results)
+        t0 = time.perf_counter()
         merge = Merge(job, shards, keys, results, staging, writer, tmp)
         retried = _run_shards(ray, config, job, shards, keys, staging, results, merge.advance)
         t1 = time.perf_counter()

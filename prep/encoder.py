@@ -45,6 +45,12 @@ BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 # dataset whose tokenizer config names no eos_token can end documents the way its template ends turns.
 END_OF_TURN_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>",
                           "<|endoftext|>")
+# Tokens that end a document (text) rather than a turn, in the order a suggestion prefers them: Llama 3's, GPT's
+# and Qwen's, SentencePiece's, Gemma's.
+DOCUMENT_END = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+# The built-in chat templates' markers besides their end of turn: looked up too, so that a template whose markers
+# the vocabulary lacks is told at no cost (tokenize's chat notes).
+CHAT_MARKER_CANDIDATES = ("<|im_start|>", "<|start_header_id|>", "<|end_header_id|>")
 MIN_SAMPLE_IDS = 8  # distinct ids the built-in sample must encode to: fewer means an (almost) empty vocabulary
 FACTS_VERSION = 3  # bump when _tokenizer_facts computes something new
 SELF_CHECK_VERSION = 2  # bump when _self_check checks something new (another sample, another comparison); 2: HF
@@ -144,7 +150,7 @@ def load_tokenizer_info(spec: str, eod_token: str | None = None, bos_token: str 
     pad = pad or named.get("pad_token")
     candidates = [t for t in (eod_token, bos_token, eos, bos, pad, *named.values()) if t]
     facts = _tokenizer_facts(path, sha, list(dict.fromkeys(
-        [*candidates, *EOD_CANDIDATES, *BOS_CANDIDATES, *END_OF_TURN_CANDIDATES])))
+        [*candidates, *EOD_CANDIDATES, *BOS_CANDIDATES, *END_OF_TURN_CANDIDATES, *CHAT_MARKER_CANDIDATES])))
     ids = facts["ids"]
     _check_encodes_text(path, facts)
     from_format = (named.get("eos_token"), converted.named_from) if converted else (None, "")
@@ -228,6 +234,22 @@ def _pick_special(ids: dict, flag_value: str | None, flag: str, configured: str 
     else:
         why = f"there is no {cfg_path.name} beside the tokenizer"
     return found, f"default ({why})"
+
+
+def marker_pieces(info: TokenizerInfo, markers: list[str]) -> dict[str, int]:
+    """Of ``markers``, those that are no single token of this vocabulary, with how many tokens each is encoded as
+    (memoized per content; the tokenizer is loaded only where a marker is not among the tokens looked up already)."""
+    unknown = [m for m in markers if m not in info.known_ids]
+    if not unknown and all(info.known_ids[m] is not None for m in markers):
+        return {}
+
+    def compute() -> dict:
+        hf = _load_hf(Path(info.path))
+        return {m: len(hf.encode(m, add_special_tokens=False).ids) for m in markers if hf.token_to_id(m) is None}
+
+    key = hashlib.sha256("\0".join([info.sha256, *markers]).encode()).hexdigest()[:40]
+    return _cached(f"markers-v1-{key}.json", compute,
+                   lambda v: isinstance(v, dict) and all(isinstance(n, int) for n in v.values()))
 
 
 def _check_encodes_text(path: Path, facts: dict) -> None:

@@ -20,9 +20,10 @@ import glob
 import gzip
 import io
 import json
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zstandard
@@ -115,14 +116,80 @@ def _kind_of(path: Path | str) -> tuple[str, str | None] | None:
     return None
 
 
-def resolve_inputs(inputs: list[str]) -> list[SourceFile]:
-    """Expand files, directories and globs into an ordered, de-duplicated list of sources."""
+# Text files named like notes about a corpus rather than part of it (by their name before the first dot)
+NOTES_LIKE = frozenset({"readme", "read_me", "notes", "note", "license", "licence", "copying", "changelog", "changes",
+                        "history", "authors", "contributors", "contributing", "todo", "install", "notice", "manifest"})
+
+
+@dataclass
+class Listing:
+    """What a directory input held (or the directories a glob matched): the files read and those left out, counted
+    by extension, so that ``xprep tokenize`` can say what it took and what it did not."""
+
+    spec: str
+    read: Counter = field(default_factory=Counter)
+    skipped: Counter = field(default_factory=Counter)  # files of no format read, by extension
+    hidden: int = 0  # under a hidden name, or inside an xprep dataset or pack cache: never corpus
+    notes_like: list[str] = field(default_factory=list)  # text files read whose name says README, NOTES, LICENSE...
+
+    def add(self, name: str, relative: str, kind: tuple[str, str | None] | None) -> None:
+        """Count a file (``relative`` to the directory) as read (``kind``) or skipped (None)."""
+        extension = _extension(name)
+        if kind is None:
+            self.skipped[extension] += 1
+            return
+        self.read[extension] += 1
+        if kind[0] == "text" and name.split(".", 1)[0].lower() in NOTES_LIKE:
+            self.notes_like.append(relative)
+
+    def lines(self) -> list[str]:
+        """What to say: the files read and skipped by extension, then a warning for notes read as documents."""
+        said = f"{self.spec}: reading {_by_extension(self.read, 'file')}"
+        if self.skipped:
+            said += f"; skipped {_by_extension(self.skipped, 'file')}: not a format read"
+        if self.hidden:
+            said += f"; left out {self.hidden:,} hidden or inside xprep outputs"
+        lines = [said]
+        if self.notes_like:
+            one = len(self.notes_like) == 1
+            names = ", ".join(self.notes_like[:5]) + ("" if len(self.notes_like) <= 5 else
+                                                      f" and {len(self.notes_like) - 5:,} more")
+            lines.append(f"warning: {self.spec}: {names} look{'s' if one else ''} like notes about the corpus rather "
+                         f"than part of it, and {'is read as a document' if one else 'each is read as a document'}; "
+                         f"move {'it' if one else 'them'} out, or name the files to read (a glob)")
+        return lines
+
+
+def _extension(name: str) -> str:
+    """``.txt``, ``.jsonl.gz``; ``no extension``."""
+    name = name.lower()
+    compression = next((c for c in COMPRESSIONS if name.endswith(c)), "")
+    stem = name[: len(name) - len(compression)]
+    dot = stem.rfind(".")
+    return (stem[dot:] if dot > 0 else "") + compression or "no extension"
+
+
+def _by_extension(counts: Counter, noun: str) -> str:
+    """``12 files (10 .txt, 2 .jsonl)``: most first."""
+    total = sum(counts.values())
+    parts = ", ".join(f"{n:,} {ext}" for ext, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{total:,} {noun}{'' if total == 1 else 's'} ({parts})"
+
+
+def resolve_inputs(inputs: list[str], listings: list[Listing] | None = None) -> list[SourceFile]:
+    """Expand files, directories and globs into an ordered, de-duplicated list of sources.
+
+    ``listings``, when given, gets a ``Listing`` of each directory input (and of the directories a glob matched)."""
     files: list[SourceFile] = []
     seen: set[str] = set()
     for spec in inputs:
         spec = local_path(spec)
         remote = is_url(spec)
-        for path in _expand_url(spec) if remote else _expand(spec):
+        listing = Listing(spec)
+        expanded = _expand_url(spec, listing) if remote else _expand(spec, listing)
+        if listings is not None and (listing.read or listing.skipped or listing.hidden):
+            listings.append(listing)
+        for path in expanded:
             key = path if remote else str(Path(path).resolve())
             if key in seen:
                 continue
@@ -133,19 +200,20 @@ def resolve_inputs(inputs: list[str]) -> list[SourceFile]:
     return files
 
 
-def _expand(spec: str) -> list[Path]:
+def _expand(spec: str, listing: Listing) -> list[Path]:
     path = Path(spec)
     if any(ch in spec for ch in "*?["):
         matches = sorted(Path(p) for p in glob.glob(spec, recursive=True))
         if not matches:
             raise XprepError(f"{spec}: the pattern matches no file")
-        return [p for m in matches for p in (_dir_files(m) if m.is_dir() else [m])]
+        return [p for m in matches for p in (_dir_files(m, listing) if m.is_dir() else [m])]
     if not path.exists():
         raise XprepError(f"{spec}: no such file or directory")
     if path.is_dir():
-        found = _dir_files(path)
+        found = _dir_files(path, listing)
         if not found:
-            raise XprepError(f"{spec}: directory holds no .jsonl/.json/.parquet/.arrow/.txt file")
+            held = f" (it holds {_by_extension(listing.skipped, 'file')})" if listing.skipped else ""
+            raise XprepError(f"{spec}: directory holds no .jsonl/.json/.parquet/.arrow/.txt file{held}")
         return found
     if _kind_of(path) is None:
         raise XprepError(
@@ -154,7 +222,7 @@ def _expand(spec: str) -> list[Path]:
     return [path]
 
 
-def _expand_url(spec: str) -> list[str]:
+def _expand_url(spec: str, listing: Listing) -> list[str]:
     """Files, directories and globs at a URL, as URLs, in sorted order (as ``_expand`` does locally)."""
     fs, inner = filesystem(spec)
     try:
@@ -173,9 +241,17 @@ def _expand_url(spec: str) -> list[str]:
             raise XprepError(f"{spec}: no such file or directory")
         found = []
         for m in matches:
-            children = sorted(fs.find(m)) if fs.isdir(m) else [m]
-            found += [url_of(fs, c) for c in children if _kind_of(c) is not None
-                      and not any(part.startswith(".") for part in c[len(m):].split("/") if part)]
+            if not fs.isdir(m):
+                found += [url_of(fs, m)] if _kind_of(m) is not None else []
+                continue
+            for c in sorted(fs.find(m)):
+                parts = [part for part in c[len(m):].split("/") if part]
+                if any(part.startswith(".") for part in parts):
+                    listing.hidden += 1
+                    continue
+                listing.add(parts[-1] if parts else c, "/".join(parts), _kind_of(c))
+                if _kind_of(c) is not None:
+                    found.append(url_of(fs, c))
     except OSError as e:
         raise XprepError(f"{spec}: cannot list it ({e})") from None
     if not found:
@@ -183,7 +259,9 @@ def _expand_url(spec: str) -> list[str]:
     return found
 
 
-def _dir_files(directory: Path) -> list[Path]:
+def _dir_files(directory: Path, listing: Listing) -> list[Path]:
+    """The files of a directory input, in order (a ``datasets.save_to_disk`` directory's shards, or every file of a
+    format read below it, but hidden ones and xprep outputs), each counted in ``listing``."""
     state = directory / "state.json"
     if state.is_file() and (directory / "dataset_info.json").is_file():
         return _hf_disk_files(directory, state)
@@ -194,9 +272,19 @@ def _dir_files(directory: Path) -> list[Path]:
             f"e.g. {directory / (splits[0] if splits else 'train')}"
         )
     outputs = {m.parent for m in directory.rglob(MANIFEST) if _is_xprep_output(m)}
-    return sorted(p for p in directory.rglob("*") if p.is_file() and _kind_of(p) is not None
-                  and not any(part.startswith(".") for part in p.relative_to(directory).parts)
-                  and not any(parent in outputs for parent in p.parents))
+    found = []
+    for p in sorted(directory.rglob("*")):
+        if not p.is_file():
+            continue
+        parts = p.relative_to(directory).parts
+        if any(part.startswith(".") for part in parts) or any(parent in outputs for parent in p.parents):
+            listing.hidden += 1
+            continue
+        kind = _kind_of(p)
+        listing.add(p.name, str(p.relative_to(directory)), kind)
+        if kind is not None:
+            found.append(p)
+    return found
 
 
 def _is_xprep_output(manifest: Path) -> bool:

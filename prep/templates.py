@@ -56,6 +56,7 @@ MESSAGE_EXTRAS = ("category", "tool_calls", "name", "reasoning_content", "tool_c
 RENDER_ENV = "XPREP_CHAT_RENDER"  # "jinja" forces the general path (what bench/tokenize.py compares against)
 TEMPLATE_DATE = datetime(2024, 7, 26)  # what `strftime_now` renders: Llama 3.1's own default date_string
 _SPACES = re.compile(r"[ \t\r\n]*")  # what _after_marker skips before an end-of-turn marker
+_MARKER = re.compile(r"<\|[^<>|\s]+\|>|</?[A-Za-z_][\w.-]*>")  # what ChatTemplate.markers takes for a marker
 MAX_RENDERED = 1 << 26  # characters a single template operation may produce (untrusted templates)
 # What an untrusted template may keep from one loop iteration to the next (in a namespace: the only place a value
 # outlives its iteration) and how long it may render one conversation: without these, a template can loop for
@@ -470,6 +471,18 @@ class ChatTemplate:
         _, found, after = text.partition("\ue001")
         after = after.lstrip(" \t\r\n")
         return next((m for m in self._markers if found and after.startswith(m)), None)
+
+    def markers(self) -> list[str]:
+        """The special-looking strings (``<|im_start|>``, ``<start_of_turn>``, ``</s>``) this template writes around
+        the contents of a probe conversation (a system turn, where the template takes one, then two exchanges)."""
+        turns = [{"role": role, "content": "\ue000"} for role in ("user", "assistant", "user", "assistant")]
+        for probe in ([{"role": "system", "content": "\ue000"}, *turns], turns):
+            try:
+                text = self.render(probe)
+            except TemplateError:
+                continue
+            return list(dict.fromkeys(_MARKER.findall(text.replace("\ue000", " "))))
+        return []
 
     @property
     def has_fast_path(self) -> bool:

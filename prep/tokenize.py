@@ -29,13 +29,33 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prep import chat_columns
-from prep.dataset import CategoryTable, DatasetWriter, token_dtype
-from prep.encoder import Encoder, TokenizerInfo, add_around, choose_backend, csr_offsets, load_tokenizer_info
+from prep.dataset import KEPT_TOKENIZER, CategoryTable, DatasetWriter, count, token_dtype
+from prep.encoder import (
+    DOCUMENT_END,
+    Encoder,
+    TokenizerInfo,
+    add_around,
+    choose_backend,
+    csr_offsets,
+    load_tokenizer_info,
+    marker_pieces,
+)
 from prep.errors import XprepError
 from prep.formats import AUTO, CHAT, RECORD_FORMATS, REJECTS, TEXT, TOKENS
 from prep.progress import Progress
-from prep.sources import LINES, ROWS, TEXT_FILE, RawBatch, Unreadable, plan_shard, read_batches, resolve_inputs
+from prep.sources import (
+    LINES,
+    ROWS,
+    TEXT_FILE,
+    Listing,
+    RawBatch,
+    Unreadable,
+    plan_shard,
+    read_batches,
+    resolve_inputs,
+)
 from prep.templates import (
+    END_OF_TURN,
     RENDER_ENV,
     ChatTemplate,
     TemplateError,
@@ -165,6 +185,8 @@ class Encoded:
     cat_keys: list
     rejects: list[Rejected] = field(default_factory=list)
     bytes_in: int = 0
+    # the batch's conversations by shape: prep.dataset.CONVERSATION_COUNTS
+    conversations: np.ndarray = field(default_factory=lambda: np.zeros(chat_columns.SHAPE_COUNTS, np.int64))
 
 
 class BadRecord(ValueError):
@@ -196,6 +218,7 @@ class Processor:
         self._columns_for = ((self.template, options.train_on == "all", options.category_field, options.role_map)
                              if plain and self.template else None)
         self._columns = None
+        self._shape = np.zeros(chat_columns.SHAPE_COUNTS, np.int64)  # the batch's conversations by shape (__call__)
         # ids leave a worker process in the narrowest type that holds the vocabulary (the writer's own, as a rule):
         # int64 would double what crosses the pipe (50 MB of chat: 77 MB of ids)
         self._token_dtype = token_dtype(options.vocab_size)
@@ -220,6 +243,8 @@ class Processor:
         chat = batch.kind == LINES and batch.items and chat_columns.chat_field(batch.items[0]) is not None
         rendered = self.columns.render(batch.items) if chat and self.columns is not None else None
         parse = self._parse if rendered is None else self._rendered_parser(rendered)
+        # the conversations' shape: those rendered column-wise counted so, the others by _parse, one by one
+        self._shape = rendered.shape.copy() if rendered is not None else np.zeros(chat_columns.SHAPE_COUNTS, np.int64)
         for item, line in zip(batch.items, batch.lines, strict=True):
             try:
                 docs.append(parse(item, batch.kind))
@@ -229,6 +254,7 @@ class Processor:
         out.tokens = out.tokens.astype(self._token_dtype, copy=False)
         out.rejects = rejects
         out.bytes_in = sum(len(i) for i in batch.items) if batch.kind != ROWS else 0
+        out.conversations = self._shape
         return out
 
     # -- parsing -------------------------------------------------------------------------------
@@ -268,6 +294,7 @@ class Processor:
                 raise Unusable(NO_ANSWER, "no assistant message")
             text, spans = self.template.render_with_spans(messages)  # a template error rejects this record
             _check_text(text)  # what a template renders besides the contents (tool calls, reasoning, names) too
+            self._shape += chat_columns.conversation_shape(messages)
             return CHAT, (text, [(a, b, messages[i].get("category")) for a, b, i in spans]), category
         return TOKENS, self._tokens(record), category
 
@@ -901,15 +928,23 @@ class Job:
     backend_reason: str
     chat: bool  # the data is (or starts as) chat: sizes the worker pool and says which defaults matter
     head: dict  # tokenizer, special_tokens, chat_template, options: the manifest before sources and counts
+    notes: tuple[str, ...] = ()  # what the choices above may have got wrong, said after the run (prepare)
+    inputs_read: tuple[str, ...] = ()  # what directory inputs held, read and skipped (sources.Listing), said first
 
     @property
     def processor_args(self) -> tuple:
         return self.info, self.backend, self.template, self.options
 
+    @property
+    def kept_tokenizer(self) -> str | None:
+        """The tokenizer.json the dataset keeps inside it: one converted from other files (see ``prepare``)."""
+        return self.info.path if self.info.source is not None else None
+
 
 def prepare(config: TokenizeConfig) -> Job:
     """Resolve inputs, tokenizer, template and options: everything but the records."""
-    sources = resolve_inputs(config.inputs)
+    listings: list[Listing] = []
+    sources = resolve_inputs(config.inputs, listings)
     info = load_tokenizer_info(config.tokenizer, config.eod_token, config.bos_token)
     dtype = _dtype(config.dtype, info.vocab_size)
     plan = plan_shard(sources, config.num_shards, config.shard_index)
@@ -931,13 +966,20 @@ def prepare(config: TokenizeConfig) -> Job:
     backend, reason = choose_backend(info, config.backend)
     if template is not None and chat:  # which chat path runs: said on the final line, after the encoder's
         reason = f"{reason}; chat template: {compiled.path}"
+    tokenizer = info.describe()
+    if info.source is not None:  # converted from other files: kept inside the dataset (prep.dataset.dataset_tokenizer)
+        tokenizer["path"] = KEPT_TOKENIZER
     head = {
-        "tokenizer": info.describe(),
+        "tokenizer": tokenizer,
         "special_tokens": info.special_tokens(),
         "chat_template": template.describe() if template is not None else None,
         "options": {**options.describe(), "dtype": dtype.name, "limit": config.limit},
     }
-    return Job(sources, info, dtype, template, options, backend, reason, chat, head)
+    notes = _marker_notes(info, compiled) if template is not None and chat else []
+    if not chat and (append_eod or (append_eod is None and config.format in (AUTO, TEXT))):
+        notes += _eod_notes(info, compiled.end_of_turn() if template is not None else None)
+    return Job(sources, info, dtype, template, options, backend, reason, chat, head, tuple(notes),
+               tuple(line for listing in listings for line in listing.lines()))
 
 
 def write_all(config: TokenizeConfig, sources, plan, writer: DatasetWriter, pipeline: Pipeline,
@@ -960,6 +1002,7 @@ def write_all(config: TokenizeConfig, sources, plan, writer: DatasetWriter, pipe
             lut = _category_lut(categories, result.cat_keys, result.cat_codes)
             cats = lut[result.cat_codes] if result.cat_codes is not None else None
             writer.append(result.tokens, result.lengths, result.loss_mask, cats)
+            writer.add_conversations(result.conversations)
             progress.update(len(result.lengths), len(result.tokens), result.bytes_in)
         ok = True
     finally:
@@ -988,6 +1031,35 @@ def _chat_eod(info: TokenizerInfo, template: ChatTemplate) -> TokenizerInfo:
     if marker is None or info.known_ids.get(marker) is None or marker == info.eos_token:
         return info
     return info.with_eod(marker, f"{info.eod_from[:-1]}; the chat template ends turns with it)")
+
+
+def _eod_notes(info: TokenizerInfo, turn_end: str | None) -> list[str]:
+    """Text documents ending with a chat end-of-turn marker (the template's, ``turn_end``, or a usual one: an Instruct
+    tokenizer's eos_token, as Llama 3's ``<|eot_id|>`` or Qwen's ``<|im_end|>``) where a pretraining corpus ends
+    documents with the end-of-text token: what to pass instead, where the vocabulary has one. Nothing where
+    ``--eod-token`` chose it."""
+    turn_ends = {*END_OF_TURN, turn_end} - set(DOCUMENT_END)
+    if info.eod_from == "--eod-token" or info.eos_token not in turn_ends:
+        return []
+    end = next((t for t in DOCUMENT_END if info.known_ids.get(t) is not None), None)
+    fix = (f"pass --eod-token '{end}' (id {info.known_ids[end]}), this vocabulary's end-of-text token" if end else
+           "pass --eod-token with this vocabulary's end-of-text token")
+    return [f"text documents end with {info.eos_token!r} (id {info.eod_id}, from {info.eod_from}), which ends a "
+            f"chat turn rather than a document; for pretraining text {fix}"]
+
+
+def _marker_notes(info: TokenizerInfo, template: ChatTemplate) -> list[str]:
+    """A chat template (not the tokenizer's own) whose markers the vocabulary has no token for: each is encoded as
+    several text tokens, which the model must learn as text."""
+    if template.spec.name == "tokenizer":
+        return []
+    pieces = marker_pieces(info, template.markers())
+    if not pieces:
+        return []
+    listed = ", ".join(f"{m} ({count(n, 'token')})" for m, n in pieces.items())
+    own = " (its own: --chat-template auto)" if info.chat_template else ""
+    return [f"the chat template {template.spec.name} writes markers that are no token of this vocabulary, each "
+            f"encoded as text: {listed}; use a template made for this tokenizer{own}"]
 
 
 def auto_workers(chat: bool, planned_bytes: int | None) -> int:
@@ -1026,11 +1098,12 @@ def check_not_empty(config: TokenizeConfig, writer: DatasetWriter) -> None:
         where += f" (shard {config.shard_index} of {config.num_shards})"
     if counts.documents == 0:
         kinds = ", ".join(f"{n:,} × {kind}" for kind, n in sorted(writer.reject_reasons.items(), key=lambda kv: -kv[1]))
-        rejected = f"; all {writer.reject_count:,} records were rejected ({kinds})" if writer.reject_count else ""
+        rejected = ("" if not writer.reject_count else f"; the one record was rejected ({kinds})"
+                    if writer.reject_count == 1 else f"; all {writer.reject_count:,} records were rejected ({kinds})")
         raise XprepError(f"{where}: no document to write{rejected}; nothing was published "
                          "(pass --allow-empty to write an empty dataset anyway)")
     if counts.loss_tokens == 0:
-        raise XprepError(f"{where}: {counts.documents:,} documents but not one target token (each document's "
+        raise XprepError(f"{where}: {count(counts.documents, 'document')} but not one target token (each document's "
                          "first token is never a target, chat targets only assistant turns); nothing was published "
                          "(check --tokenizer and --train-on, or pass --allow-empty)")
 

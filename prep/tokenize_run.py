@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from prep.cluster import join_cluster, tokenize_on_ray
-from prep.dataset import DatasetWriter
+from prep.dataset import DatasetWriter, count
 from prep.io import check_output_dir
 from prep.remote import check_output_url, is_url, upload_dataset
 from prep.sources import plan_shard
@@ -43,15 +43,22 @@ def run_tokenize(config: TokenizeConfig) -> dict:
         manifest, job, how = _tokenize_on_ray(config)
     else:
         job = prepare(config)
+        say_inputs(job)
         with local_output(config.output) as out:
             manifest, how = _tokenize_here(config, job, out)
-    for line in job.info.defaults_used(chat=job.template is not None and job.chat):  # after the work
+    for line in [*job.info.defaults_used(chat=job.template is not None and job.chat), *job.notes]:  # after the work
         print(f"xprep tokenize: note: {line}", file=sys.stderr)
     c = manifest["counts"]
-    print(f"xprep tokenize: {c['documents']:,} documents, {c['tokens']:,} tokens "
-          f"({c['loss_tokens']:,} targets), {manifest['rejects']['count']:,} rejected → {config.output} "
+    print(f"xprep tokenize: {count(c['documents'], 'document')}, {count(c['tokens'], 'token')} "
+          f"({count(c['loss_tokens'], 'target')}), {manifest['rejects']['count']:,} rejected → {config.output} "
           f"[{job.backend}: {job.backend_reason}, {how}]", file=sys.stderr)
     return manifest
+
+
+def say_inputs(job: Job) -> None:
+    """What directory inputs hold, read and skipped by extension (before the work: a wrong input is seen at once)."""
+    for line in job.inputs_read:
+        print(f"xprep tokenize: {line}", file=sys.stderr)
 
 
 def _tokenize_on_ray(config: TokenizeConfig) -> tuple[dict, Job, str]:
@@ -67,6 +74,7 @@ def _tokenize_on_ray(config: TokenizeConfig) -> tuple[dict, Job, str]:
             raise
         try:
             job = preparing.result()
+            say_inputs(job)
             with local_output(config.output) as out:
                 manifest, how = tokenize_on_ray(config, job, out, cluster)
             Staging.beside(config.output).remove()  # the dataset is published (uploaded): the shards can go
@@ -97,7 +105,7 @@ def _tokenize_here(config: TokenizeConfig, job: Job, out: str) -> tuple[dict, st
     plan = plan_shard(sources, config.num_shards, config.shard_index)
     workers = config.workers or auto_workers(job.chat, planned_bytes(sources, plan))
     manifest = dict(job.head)
-    with DatasetWriter(out, job.info.vocab_size, job.dtype) as writer:
+    with DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer) as writer:
         categories = write_all(config, sources, plan, writer, Pipeline(job.processor_args, workers))
         manifest["sources"] = [sources[p.source].describe() for p in plan]
         if config.num_shards > 1:

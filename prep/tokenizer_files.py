@@ -6,7 +6,9 @@ SentencePiece ``.model`` or a tiktoken rank file; the rest of xprep knows only H
 own ids, and where tokenizers cannot express a feature exactly the conversion is refused rather than made
 approximate. A conversion is checked on a built-in sample against the format's reference library where it is
 installed (``sentencepiece``, ``tiktoken``; GPT-2 files against ``tokenizers``' own BPE built from the files),
-and is cached by content (``<cache>/converted-v<N>-<key>/``, the cache of prep/encoder.py) so it runs once.
+and is cached by content (``<cache>/converted-v<N>-<key>/``, the cache of prep/encoder.py) so it runs once. A
+dataset keeps the converted tokenizer.json inside it (``prep.dataset.dataset_tokenizer``): clearing the cache costs
+a conversion, never a dataset's tokenizer.
 
 Conventions of the converted tokenizers (the HF convention for every tokenizer.json): a special token's text
 inside a document becomes that special token, and the text on each side of it is encoded on its own.
@@ -132,8 +134,17 @@ def _search_directory(d: Path) -> TokenizerFiles:
                      "the directory holding it")
 
 
+# The other JSON files of a tokenizer (or model) directory: given as --tokenizer, the directory was meant
+CONFIG_NAMES = ("tokenizer_config.json", "special_tokens_map.json", "config.json", "generation_config.json",
+                "added_tokens.json")
+
+
 def _classify_file(path: Path) -> TokenizerFiles:
     name = path.name
+    if name in CONFIG_NAMES:
+        raise XprepError(f"--tokenizer {path}: a {name}, not a tokenizer; pass the directory holding it "
+                         f"(--tokenizer {path.parent}): xprep finds the tokenizer there and reads the "
+                         "tokenizer_config.json beside it")
     if name.endswith(("vocab.json", "encoder.json")):
         return TokenizerFiles(GPT2, (path, _gpt2_partner(path, GPT2_MERGES_NAMES, "merges")))
     if name.endswith(("merges.txt", "vocab.bpe")):
@@ -296,8 +307,8 @@ def _warn(entry: Path, problem: str) -> None:
 def _publish(entry: Path, build: Callable[[Path], dict]) -> tuple[Path, dict]:
     """Build an entry in a temporary directory and rename it into place; returns (its directory, its metadata).
 
-    An unwritable cache directory gets a temporary directory instead (said: the manifest then names a file that
-    does not last, and the conversion runs every time).
+    An unwritable cache directory gets a temporary directory instead (said: the conversion runs every time; a
+    dataset keeps its converted tokenizer.json inside it anyway, see prep.dataset.dataset_tokenizer).
     """
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)

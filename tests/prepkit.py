@@ -116,3 +116,37 @@ def one_line_error(result) -> str:
     lines = result.stderr.strip().splitlines()
     assert result.stdout == "" and len(lines) == 1 and lines[0].startswith("error: "), result.output
     return lines[0]
+
+
+def shaped_conversations(records: list[dict]) -> list[dict]:
+    """Conversations (OpenAI style, a user first) reshaped as raw dumps come: some begin with the assistant (the
+    opening question lost; after a system turn, too), some end with a user turn, some assistant turns are empty or
+    blank (ASCII whitespace, or a wide space), and some have no assistant turn at all (rejected, not counted)."""
+    out = []
+    for i, record in enumerate(records):
+        messages = [dict(m) for m in record["messages"]]
+        if i % 5 == 0 and len(messages) > 2:
+            messages = messages[1:]
+        if i % 6 == 0:
+            messages.insert(0, {"role": "system", "content": "Be kind."})
+        if i % 7 == 0:
+            messages.append({"role": "user", "content": "One more thing?"})
+        answers = [m for m in messages if m["role"] == "assistant"]
+        blank = {1: "", 3: " \n\t", 2: "\u3000", 4: "\n"}.get(i % 8)
+        if blank is not None and answers:
+            answers[i % len(answers)]["content"] = blank
+        if i % 13 == 0:
+            messages = [{"role": "user", "content": m["content"] or "?"} for m in messages]
+        out.append({**record, "messages": messages})
+    return out
+
+
+def conversation_counts(records: list[dict]) -> dict:
+    """What ``counts.conversations`` of a dataset made from ``records`` (--train-on assistant) must say, counted here
+    the obvious way."""
+    kept = [r["messages"] for r in records if any(m["role"] == "assistant" for m in r["messages"])]
+    answers = [m for messages in kept for m in messages if m["role"] == "assistant"]
+    first = [next(m["role"] for m in messages if m["role"] != "system") for messages in kept]
+    return {"count": len(kept), "answers": len(answers), "assistant_first": first.count("assistant"),
+            "empty_answers": sum(not m["content"].strip() for m in answers),
+            "ends_without_answer": sum(messages[-1]["role"] != "assistant" for messages in kept)}

@@ -13,9 +13,10 @@ import json
 import numpy as np
 import pytest
 from conftest import META_TEMPLATES, SHARED, requires_shared_data
-from prepkit import assert_same_files, tokenize
+from prepkit import assert_same_files, conversation_counts, shaped_conversations, tokenize
 
 from prep import chat_columns, chat_fast, templates
+from prep.dataset import CONVERSATION_COUNTS
 from prep.encoder import choose_backend, load_tokenizer_info
 from prep.formats import AUTO, CHAT
 from prep.sources import LINES, RawBatch
@@ -73,6 +74,7 @@ def _assert_same(a, b, name: str) -> None:
     assert a.cat_keys == b.cat_keys, name
     assert (a.cat_codes is None) == (b.cat_codes is None) and np.array_equal(a.cat_codes, b.cat_codes), name
     assert a.bytes_in == b.bytes_in, name
+    assert np.array_equal(a.conversations, b.conversations), name  # the conversations' shape, counted either way
 
 
 @requires_shared_data
@@ -514,3 +516,27 @@ def test_a_warmed_processor_leaves_a_forked_worker_nothing_to_build_and_returns_
                      Options(AUTO, "text", "assistant", None, None, None, info.eod_id, info.vocab_size))
     small = text(RawBatch(0, [b'{"text": "Four score and seven years ago"}'], [1], LINES))
     assert small.tokens.dtype == np.uint16 and len(small.tokens) > 5
+
+
+@requires_shared_data
+@pytest.mark.parametrize("template,train_on", [*((t, "assistant") for t in [*SPECS, *VARIANTS]),
+                                               ("qwen3", "all"), ("mistral", "all")])
+def test_the_conversations_shape_column_wise_equals_per_record(template, train_on, monkeypatch):
+    """Issue 29: the shape of the conversations (assistant first, blank answers, a trailing turn) is counted
+    column-wise as the per-record path counts it, on chitchat reshaped so that every case occurs; and the counts are
+    the obvious ones (``conversation_counts``) where no record is rejected for its template's sake."""
+    records = shaped_conversations([json.loads(line) for line in _chitchat(1024)])
+    lines = [json.dumps(r, ensure_ascii=False).encode() for r in records]
+    columns, records_way = _pair(monkeypatch, {**SPECS, **VARIANTS}[template], train_on=train_on)
+    total = np.zeros(len(CONVERSATION_COUNTS), np.int64)
+    for batch in _batches(lines, 512):
+        rendered = columns.columns.render(batch.items)
+        assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 100
+        out = columns(batch)
+        _assert_same(out, records_way(batch), f"{template} lines {batch.lines[0]}..")
+        total += out.conversations
+    assert total[0] > 0
+    if not columns.columns.shape.alternate:  # (those reject a conversation that begins with the assistant)
+        assert total[2:].min() > 0
+        if train_on == "assistant":
+            assert dict(zip(CONVERSATION_COUNTS, total.tolist(), strict=True)) == conversation_counts(records)

@@ -8,7 +8,15 @@ import shutil
 import numpy as np
 import pytest
 from conftest import SHARED, requires_shared_data
-from prepkit import chat_records, text_records, tokenize, write_jsonl
+from prepkit import (
+    chat_records,
+    conversation_counts,
+    read_jsonl,
+    shaped_conversations,
+    text_records,
+    tokenize,
+    write_jsonl,
+)
 
 from prep.dataset import TokenDataset
 from prep.dataset_report import dataset_report
@@ -217,3 +225,32 @@ def test_manifest_missing_fields_is_a_clear_error(copy, run_cli, edit):
         TokenDataset(copy)
     code, out, err = run_cli("inspect", copy)
     assert code == 2 and "Traceback" not in err and "manifest.json" in err, err
+
+
+# -- issue 29 --------------------------------------------------------------------------------------------------------
+def test_a_text_only_dataset_names_no_chat_template(tmp_path, tiny_tokenizer, run_cli):
+    """The tiny tokenizer has a chat template, which ``--format auto`` resolves (and the manifest records); a dataset
+    of text alone was still shown with "chat template tokenizer"."""
+    tokenize(write_jsonl(tmp_path / "t.jsonl", text_records(5)), tmp_path / "ds", tiny_tokenizer)
+    assert TokenDataset(tmp_path / "ds").manifest["chat_template"]["name"] == "tokenizer"
+    r = dataset_report(tmp_path / "ds")
+    assert r["chat_template"] is None and r["conversations"] is None
+    code, out, err = run_cli("inspect", tmp_path / "ds")
+    assert code == 0 and "chat template" not in out, err
+
+
+@requires_shared_data
+def test_the_report_counts_the_conversations_shape(tmp_path):
+    """Issue 29: how many conversations begin with the assistant, end with another turn, and how many answers are
+    blank, with their shares (of the conversations; of the answers for the blank ones), from the manifest."""
+    records = shaped_conversations(read_jsonl(SHARED / "chat/chitchat.jsonl")[:120])
+    tokenize(write_jsonl(tmp_path / "c.jsonl", records), tmp_path / "ds", SHARED / "tokenizers/qwen3",
+             on_error="skip")
+    want = conversation_counts(records)
+    r = dataset_report(tmp_path / "ds")
+    assert r["chat_template"]["name"] == "tokenizer"
+    shares = r["conversations"].pop("shares")
+    assert r["conversations"] == want
+    assert shares == {"assistant_first": want["assistant_first"] / want["count"],
+                      "empty_answers": want["empty_answers"] / want["answers"],
+                      "ends_without_answer": want["ends_without_answer"] / want["count"]}

@@ -288,7 +288,7 @@ def test_the_staging_area_outlives_a_failed_upload(tmp_path, monkeypatch):
 
     out = "s3://bucket/ds"
     staging = Staging.beside(str(tmp_path / "ds"))
-    monkeypatch.setattr(tokenize_run, "prepare", lambda config: SimpleNamespace())
+    monkeypatch.setattr(tokenize_run, "prepare", lambda config: SimpleNamespace(inputs_read=()))
     monkeypatch.setattr(tokenize_run, "join_cluster", lambda address: SimpleNamespace(leave=lambda: None))
     monkeypatch.setattr(tokenize_run.Staging, "beside", classmethod(lambda cls, output: staging))
 

@@ -9,11 +9,13 @@ import json
 
 import numpy as np
 import pytest
-from conftest import SHARED
+from conftest import SHARED, requires_shared_data
 from prepkit import (
     assert_same_files,
     chat_records,
+    conversation_counts,
     read_jsonl,
+    shaped_conversations,
     target_runs,
     text_records,
     tokenize,
@@ -374,3 +376,27 @@ def test_megatron_opens_every_stream(chitchat, tmp_path, tiny_tokenizer):
             for i in range(0, len(ours), 7):
                 assert np.array_equal(meg[i], reader[i])
     assert (tmp_path / "cat" / "category_ids.idx").exists() and (path / "loss_mask.idx").exists()
+
+
+@requires_shared_data
+@pytest.mark.parametrize("template", ["auto", "chatml"])
+def test_the_shape_of_the_conversations_is_counted_the_same_by_every_path(template, tmp_path, monkeypatch):
+    """Issue 29: chitchat conversations reshaped as raw dumps come (assistant first, a trailing user turn, empty
+    and blank answers, some without any) are counted into the manifest, the same whichever path renders them
+    (column-wise, per record, Jinja; one worker or two), with the same bytes."""
+    records = shaped_conversations(read_jsonl(SHARED / "chat/chitchat.jsonl")[:300])
+    src = write_jsonl(tmp_path / "shaped.jsonl", records)
+    want = conversation_counts(records)
+    assert min(want.values()) > 10 and want["count"] < len(records)  # every case occurs, and some are rejected
+    qwen = SHARED / "tokenizers/qwen3"
+    runs = {"columns": ({}, 1), "records": ({"XPREP_CHAT_RENDER": "records"}, 1),
+            "jinja": ({"XPREP_CHAT_RENDER": "jinja"}, 1), "two workers": ({}, 2)}
+    for name, (env, workers) in runs.items():
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        m = tokenize(src, tmp_path / name, qwen, chat_template=template, on_error="skip", workers=workers)
+        for key in env:
+            monkeypatch.delenv(key)
+        assert m["counts"]["conversations"] == want, name
+        validate(m, "dataset")
+        assert_same_files(tmp_path / name, tmp_path / "columns")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, SHARED, TINY_CHAT_TEMPLATE, _training_corpus, requires_shared_data, xprep_cli
-from prepkit import chat_records, read_jsonl, text_records, write_jsonl
+from prepkit import chat_records, read_jsonl, text_records, write_jsonl, xprep_invoke
 
 from prep.dataset import TokenDataset
 
@@ -424,3 +424,114 @@ def test_sigterm_removes_the_temporary_output_and_stops_the_workers(how, start, 
     alive = [pid for pid in workers if Path(f"/proc/{pid}/stat").exists()
              and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"]
     assert not alive, f"workers still running: {alive}"
+
+
+# -- issue 29: what a new user building an SFT + continued-pretraining mix was not told ----------------------------
+def _run(*args) -> tuple[int, str]:
+    """``xprep ARGS`` in this process: (exit code, stderr)."""
+    result = xprep_invoke(*args)
+    return result.exit_code, result.stderr
+
+
+@requires_shared_data
+def test_text_ending_with_a_chat_end_of_turn_marker_gets_a_note(tmp_path):
+    """Qwen3's config names ``<|im_end|>`` (ChatML's end of turn) as its eos_token: text documents ended with it, said
+    nowhere; now a note says so and names the vocabulary's end-of-text token. Not said where --eod-token chose it, nor
+    for chat data (whose turns it does end)."""
+    qwen = SHARED / "tokenizers/qwen3"
+    corpus = sorted((SHARED / "corpora/sotu").glob("*.txt"))[:3]
+    code, err = _run("tokenize", *corpus, "-o", tmp_path / "text", "--tokenizer", qwen)
+    assert code == 0, err
+    assert ("note: text documents end with '<|im_end|>' (id 151645, from tokenizer_config.json), which ends a chat "
+            "turn rather than a document; for pretraining text pass --eod-token '<|endoftext|>' (id 151643)") in err
+    assert TokenDataset(tmp_path / "text").document(0)["input_ids"][-1] == 151645
+    code, err = _run("tokenize", *corpus, "-o", tmp_path / "chosen", "--tokenizer", qwen, "--eod-token",
+                     "<|endoftext|>")
+    assert code == 0 and "note:" not in err, err
+    assert TokenDataset(tmp_path / "chosen").document(0)["input_ids"][-1] == 151643
+    chat = write_jsonl(tmp_path / "chat.jsonl", chat_records(4))
+    code, err = _run("tokenize", chat, "-o", tmp_path / "chat", "--tokenizer", qwen)
+    assert code == 0 and "note:" not in err, err
+
+
+def test_llama3_instruct_eos_on_text_names_end_of_text(tmp_path):
+    """The issue's own case: a Llama 3 Instruct config names ``<|eot_id|>``; continued pretraining wants
+    ``<|end_of_text|>``, which the note names with its id."""
+    tok = tokenizer_dir(tmp_path, "llama", {"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"},
+                        LLAMA3_SPECIALS)
+    id_of = {t["content"]: t["id"] for t in json.loads((tok / "tokenizer.json").read_text())["added_tokens"]}
+    src = write_jsonl(tmp_path / "a.jsonl", text_records(3))
+    code, err = _run("tokenize", src, "-o", tmp_path / "out", "--tokenizer", tok, "--format", "text")
+    assert code == 0, err
+    assert (f"note: text documents end with '<|eot_id|>' (id {id_of['<|eot_id|>']}, from tokenizer_config.json)"
+            in err and f"pass --eod-token '<|end_of_text|>' (id {id_of['<|end_of_text|>']})" in err), err
+
+
+@requires_shared_data
+def test_chatml_over_a_vocabulary_without_its_markers_gets_a_note(tmp_path):
+    """``--chat-template chatml`` over Mistral's vocabulary, which has no ``<|im_start|>``/``<|im_end|>``: each marker
+    is encoded as several text tokens, now said with how many; nothing said over Qwen3's, which has them."""
+    from tokenizers import Tokenizer
+
+    mistral = SHARED / "tokenizers/mistral"
+    hf = Tokenizer.from_file(str(mistral / "tokenizer.json"))
+    pieces = {m: len(hf.encode(m, add_special_tokens=False).ids) for m in ("<|im_start|>", "<|im_end|>")}
+    assert min(pieces.values()) > 1
+    chat = write_jsonl(tmp_path / "chat.jsonl", read_jsonl(SHARED / "chat/chitchat.jsonl")[:20])
+    code, err = _run("tokenize", chat, "-o", tmp_path / "mistral", "--tokenizer", mistral, "--chat-template", "chatml")
+    assert code == 0, err
+    assert ("note: the chat template chatml writes markers that are no token of this vocabulary, each encoded as "
+            f"text: <|im_start|> ({pieces['<|im_start|>']} tokens), <|im_end|> ({pieces['<|im_end|>']} tokens)"
+            in err), err
+    code, err = _run("tokenize", chat, "-o", tmp_path / "qwen", "--tokenizer", SHARED / "tokenizers/qwen3",
+                     "--chat-template", "chatml")
+    assert code == 0 and "note:" not in err, err
+
+
+@requires_shared_data
+def test_a_directory_input_says_what_it_read_and_skipped(tmp_path):
+    """A directory took every .txt as a document (a NOTES.txt became document 0) and skipped the rest in silence: now
+    what is read and skipped is said by extension, hidden files are counted, and notes read as documents warned of."""
+    corpus = tmp_path / "corpus"
+    (corpus / "more").mkdir(parents=True)
+    (corpus / ".git").mkdir()
+    for f in sorted((SHARED / "corpora/sotu").glob("*.txt"))[:3]:
+        (corpus / f.name).write_bytes(f.read_bytes())
+    (corpus / "NOTES.txt").write_text("where these speeches come from\n")
+    write_jsonl(corpus / "more" / "extra.jsonl", text_records(2))
+    for name in ("README.md", "fetch.py", "more/LICENSE", "more/index.html", "more/other.html", ".git/HEAD"):
+        (corpus / name).write_text("not corpus\n")
+    code, err = _run("tokenize", corpus, "-o", tmp_path / "out", "--tokenizer", SHARED / "tokenizers/qwen3")
+    assert code == 0, err
+    assert (f"xprep tokenize: {corpus}: reading 5 files (4 .txt, 1 .jsonl); skipped 5 files (2 .html, 1 .md, 1 .py, "
+            "1 no extension): not a format read; left out 1 hidden or inside xprep outputs\n") in err, err
+    assert (f"xprep tokenize: warning: {corpus}: NOTES.txt looks like notes about the corpus rather than part of it, "
+            "and is read as a document") in err, err
+    assert len(TokenDataset(tmp_path / "out")) == 6
+    # a file named on the command line is no directory listing: nothing said
+    code, err = _run("tokenize", corpus / "NOTES.txt", "-o", tmp_path / "one", "--tokenizer",
+                     SHARED / "tokenizers/qwen3", "--eod-token", "<|endoftext|>")
+    assert code == 0 and "reading" not in err and "warning" not in err, err
+    # a directory holding nothing to read says what it holds
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.rst").write_text("x\n")
+    code, err = _run("tokenize", tmp_path / "docs", "-o", tmp_path / "none", "--tokenizer", SHARED / "tokenizers/qwen3")
+    assert code == 2 and "holds no .jsonl/.json/.parquet/.arrow/.txt file (it holds 1 file (1 .rst))" in err, err
+
+
+@requires_shared_data
+def test_tokenizer_config_json_as_the_tokenizer_says_pass_the_directory(tmp_path):
+    """``--tokenizer …/tokenizer_config.json`` was read as a tokenizer.json: a JSON parse error. Now: pass the
+    directory."""
+    qwen = SHARED / "tokenizers/qwen3"
+    src = write_jsonl(tmp_path / "a.jsonl", text_records(2))
+    code, _, err = xprep_cli("tokenize", src, "-o", tmp_path / "out", "--tokenizer", qwen / "tokenizer_config.json",
+                             timeout=60)
+    one_line_error(code, err, f"--tokenizer {qwen / 'tokenizer_config.json'}: a tokenizer_config.json, not a "
+                   f"tokenizer; pass the directory holding it (--tokenizer {qwen})")
+
+
+def test_one_document_is_not_called_documents(tmp_path, tiny_tokenizer):
+    src = write_jsonl(tmp_path / "a.jsonl", text_records(1))
+    code, err = _run("tokenize", src, "-o", tmp_path / "out", "--tokenizer", tiny_tokenizer)
+    assert code == 0 and "xprep tokenize: 1 document, " in err, err

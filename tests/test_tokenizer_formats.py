@@ -22,7 +22,7 @@ from conftest import SHARED, requires_shared_data
 from prepkit import one_line_error, validate, write_jsonl, xprep_invoke
 
 from prep import encoder, tokenizer_files
-from prep.dataset import TokenDataset
+from prep.dataset import KEPT_TOKENIZER, TokenDataset, dataset_tokenizer
 from prep.errors import XprepError
 from prep.tokenizer_files import BYTE_CHARS, TIKTOKEN_ENCODINGS, read_sentencepiece
 
@@ -426,7 +426,7 @@ def test_each_format_end_to_end(tmp_path, ranks, gpt2_dir, texts):
         if fmt == "sentencepiece":
             want = spm.SentencePieceProcessor(model_file=str(sp_path)).encode(sample)
         else:
-            want = _ids(manifest["tokenizer"]["path"], sample)
+            want = _ids(dataset_tokenizer(tmp_path / f"o{i}"), sample)
         assert tokens == [w + [eod] for w in want], fmt
         assert manifest["tokenizer"]["source"]["format"] == fmt and manifest["tokenizer"]["eod_id"] == eod
         assert "converted to a tokenizer.json" in result.stderr
@@ -447,7 +447,41 @@ def test_manifest_digest_follows_the_files(tmp_path, bpe, texts):
     _, c = _dataset(tmp_path / "c")
     assert c["tokenizer"]["sha256"] != a["tokenizer"]["sha256"] and c["fingerprint"] != a["fingerprint"]
     assert c["tokenizer"]["source"]["files"][1]["sha256"] != a["tokenizer"]["source"]["files"][1]["sha256"]
-    assert c["tokenizer"]["sha256"] == encoder.file_sha256(Path(c["tokenizer"]["path"]), "")
+    assert c["tokenizer"]["sha256"] == encoder.file_sha256(dataset_tokenizer(tmp_path / "c"), "")
+
+
+def test_a_converted_tokenizer_is_kept_inside_the_dataset(tmp_path, bpe, texts, monkeypatch):
+    """GPT-2 files are converted into the cache; the dataset keeps the converted tokenizer.json inside it (issue 29:
+    with the cache cleared, the dataset could no longer be inspected). The manifest names it relative to the
+    dataset, its sha256 is the kept file's, the fingerprint is the one a dataset from the cache would have (the
+    path is not part of it); ``inspect --sample`` decodes with it after the cache is gone, shards merged keep it."""
+    monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "cache"))
+    d = write_gpt2(bpe, tmp_path / "tok")
+    assert _tokenize(tmp_path, d, texts[:40], out="ds").exit_code == 0
+    ds = tmp_path / "ds"
+    manifest = json.loads((ds / "manifest.json").read_text())
+    assert manifest["tokenizer"]["path"] == KEPT_TOKENIZER and dataset_tokenizer(ds) == ds / KEPT_TOKENIZER
+    assert encoder.file_sha256(ds / KEPT_TOKENIZER, "") == manifest["tokenizer"]["sha256"]
+    converted = next((tmp_path / "cache").glob("converted-*/tokenizer.json"))
+    assert (ds / KEPT_TOKENIZER).read_bytes() == converted.read_bytes()
+    validate(manifest, "dataset")
+    shutil.rmtree(tmp_path / "cache")
+    result = xprep_invoke("inspect", ds, "--sample", 2, "--json")
+    assert result.exit_code == 0, result.output
+    sample = json.loads(result.stdout)["sample"]["documents"]
+    assert "".join(s["text"] for s in sample[0]["spans"]).startswith(texts[0][:20])
+    assert json.loads(xprep_invoke("inspect", ds, "--json").stdout)["tokenizer"]["path"] == str(ds / KEPT_TOKENIZER)
+    # shards of one run, merged: the tokenizer stays inside, and the merged dataset is the single run's
+    for i in range(2):
+        assert _tokenize(tmp_path, d, texts[:40], "--num-shards", 2, "--shard-index", i, out=f"s{i}").exit_code == 0
+    assert xprep_invoke("merge", tmp_path / "s0", tmp_path / "s1", "-o", tmp_path / "merged").exit_code == 0
+    merged = json.loads((tmp_path / "merged" / "manifest.json").read_text())
+    assert merged["fingerprint"] == manifest["fingerprint"] and dataset_tokenizer(tmp_path / "merged")
+    assert (tmp_path / "merged" / KEPT_TOKENIZER).read_bytes() == (ds / KEPT_TOKENIZER).read_bytes()
+    # a kept tokenizer changed in place is refused, not used
+    (ds / KEPT_TOKENIZER).write_text((ds / KEPT_TOKENIZER).read_text().replace('"ByteLevel"', '"ByteLevel" ', 1))
+    with pytest.raises(XprepError, match="is not the tokenizer .* was made with"):
+        dataset_tokenizer(ds)
 
 
 @pytest.mark.parametrize("fmt", ["tiktoken", "sentencepiece"])
