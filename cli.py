@@ -5,9 +5,12 @@ Every user mistake surfaces as an ``XprepError``; ``main`` prints it as one line
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from functools import wraps
+from importlib import metadata
+from pathlib import Path
 
 import click
 
@@ -32,7 +35,29 @@ def _user_errors(fn):
     return wrapper
 
 
+def package_version() -> str:
+    """The installed distribution's version; in a source tree that is not installed, pyproject.toml's."""
+    try:
+        return metadata.version("xprep")
+    except metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent / "pyproject.toml"
+        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        return found.group(1) if found else "unknown"
+
+
+def _version_option(prog: str):
+    """``--version``: print ``PROG VERSION`` and exit (before any command runs)."""
+    def show(ctx: click.Context, _param, value: bool) -> None:
+        if value and not ctx.resilient_parsing:
+            click.echo(f"{prog} {package_version()}")
+            ctx.exit()
+
+    return click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=show,
+                        help="Print the version and exit.")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@_version_option("xprep")
 def xprep():
     """Offline data preparation: tokenize corpora, pack documents, inspect what is there."""
     # SIGTERM (Slurm and Kubernetes preemption) unwinds like Ctrl-C: temporary outputs are removed and worker
@@ -295,6 +320,7 @@ def _report(kind: str, path: str, options, seen: bool = False, step: int | None 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def xtrain():
     """Train on packs written by `xprep pack`."""
+@_version_option("xtrain")
 
 
 @xtrain.command()
@@ -332,20 +358,26 @@ def xtrain():
                    "auto: bf16 on CUDA, fp32 on CPU [default: auto].")
 @click.option("--loss-chunk", type=int, default=None, metavar="N",
               help="Compute the output layer and the loss N tokens at a time, recomputing each chunk's logits in "
-                   "the backward: no whole tokens × vocab logits, same loss; 0 = all at once [default: 0].")
+                   "the backward: no whole tokens × vocab logits, same loss; 0 = all at once [default: auto: 0 "
+                   "while a micro-batch's fp32 logits (tokens × vocab × 4 bytes) take at most 1 GiB, else chunks "
+                   "whose logits take at most 256 MiB (512 tokens for a 128k vocabulary), said on the console].")
 @click.option("--compile/--no-compile", default=None,
               help="torch.compile each decoder block (attention stays outside the graphs) [default: off].")
-@click.option("--output", "-o", default=None, help="Run directory [default: runs/<pack directory name>].")
+@click.option("--output", "-o", default=None,
+              help="Run directory [default: runs/<pack directory name>]. An existing run's config.json gives the "
+                   "defaults: `xtrain run -o RUN` alone resumes it; flags given override it (said on the console).")
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps; 0 = at the end only.")
 @click.option("--keep", type=int, default=None,
               help="Newest checkpoints kept, plus the best (by validation loss when the run evaluates, else by "
                    "training loss) [default: 2].")
 @click.option("--resume", default=None, help="auto (latest checkpoint, if any), never, or a checkpoint path "
-              "[default: auto].")
+              "[default: auto]. A checkpoint resumes on the pack entry it was trained on while the cache holds it.")
 @click.option("--eval-every", type=int, default=None,
               help="Evaluate on the pack's validation entry (`xprep pack --split`) every N steps and after the "
                    "last [default: after the last step only, when the pack has a validation entry].")
-@click.option("--eval-bins", type=int, default=None, help="Evaluate on the first M validation bins [default: all].")
+@click.option("--eval-bins", default=None, metavar="M|all",
+              help="Evaluate on M validation bins evenly spaced over the entry, or all of them [default: 256, or all "
+                   "when fewer]. A long evaluation shows its progress.")
 @click.option("--log-every", type=int, default=None, help="Console line every N steps [default: 10].")
 @click.option("--log", default=None, metavar="tensorboard,wandb",
               help="Also log every step's metrics to TensorBoard (RUN/tensorboard/) and/or Weights & Biases "
@@ -379,14 +411,19 @@ def xtrain():
               help="Write checkpoints in a background thread [default: off].")
 @_user_errors
 def run(packed, config_file, **options):
-    """Train on the current entry of the pack cache PACKED (works under torchrun too)."""
+    """Train on the current entry of the pack cache PACKED (works under torchrun too); resume RUN with
+    `xtrain run -o RUN` alone."""
     from train.config import resolve_config  # the trainer and torch: deferred, `xprep` never needs them
     from train.launch import RanksFailed, launch, should_launch
     from train.trainer import run as run_training
 
-    config = resolve_config(config_file, {"packed": packed, **options})
+    notes: list[str] = []  # said once the run has passed its checks (an error is one line)
+    config = resolve_config(config_file, {"packed": packed, **options}, log=notes.append)
     try:  # start the ranks here (--nproc-per-node), or train in this process (alone, or as a torchrun rank)
-        run_dir = launch(config) if should_launch(config.parallel.nproc_per_node) else run_training(config)
+        if should_launch(config.parallel.nproc_per_node):
+            run_dir = launch(config, notes)
+        else:
+            run_dir = run_training(config, notes=notes)
     except RanksFailed as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)

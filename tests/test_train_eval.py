@@ -13,6 +13,7 @@ here a second entry, packed from another dataset into the same cache, named ther
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import subprocess
@@ -29,12 +30,13 @@ from trainkit import category_pack, cp_pack, make_dataset, make_trainer, random_
 
 from cli import xprep, xtrain
 from prep.cache import PackConfig, pack
+from prep.errors import XprepError
 from prep.packfile import MANIFEST, open_packed
 from train.checkpoint import TRAINER_JSON, CheckpointManager
-from train.config import ModelSection, OptimizerSection
+from train.config import DataSection, EvalSection, ModelSection, OptimizerSection, TrainConfig, validate_against_schema
 from train.data import IGNORE, PackedDataset
 from train.dist import ParallelDims
-from train.evaluate import eval_rounds, validation_entry
+from train.evaluate import DEFAULT_EVAL_BINS, EvalProgress, eval_rounds, spaced_bins, validation_entry
 from train.loss import Channels
 from train.samplers import build_sampler
 from train.trainer import Trainer
@@ -72,15 +74,15 @@ def xtrain_proc(*args: str) -> subprocess.CompletedProcess:
 
 
 def direct_eval(packed: Path, checkpoint: Path, n_bins: int) -> tuple[float, dict[str, float]]:
-    """A plain loop over the first ``n_bins`` validation bins with the checkpoint's weights, one process:
-    (Σ CE / Σ targets, the same per category)."""
+    """A plain loop over ``n_bins`` validation bins evenly spaced over the entry (bin ⌊i·N/n_bins⌋) with the
+    checkpoint's weights, one process: (Σ CE / Σ targets, the same per category)."""
     trainer = make_trainer(packed, 1, 1)
     CheckpointManager(checkpoint.parent.parent, ParallelDims()).load(checkpoint, trainer.model, trainer.optimizer,
                                                                      trainer.dataset.key)
     valid = PackedDataset(validation_entry(packed))
     ce, cats = [], []
     with torch.no_grad():
-        for b in range(n_bins):
+        for b in (i * len(valid) // n_bins for i in range(n_bins)):
             batch = valid[b]
             logits = trainer.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])[0]
             sel = batch["labels"][0] != IGNORE
@@ -121,11 +123,14 @@ def test_eval_loss_equals_direct_computation(packed, tmp_path, layout):
 
 
 def test_ranks_evaluate_every_bin_once_in_as_many_forwards():
-    for n_bins, dp, micro in ((5, 2, 2), (7, 3, 1), (4, 4, 2), (1, 2, 1)):
-        rounds = [eval_rounds(n_bins, r, dp, micro) for r in range(dp)]
+    for n_total, n_bins, dp, micro in ((5, 5, 2, 2), (7, 7, 3, 1), (4, 4, 4, 2), (1, 1, 2, 1), (1000, 7, 2, 2)):
+        chosen = spaced_bins(n_total, n_bins)
+        assert len(set(chosen)) == n_bins and chosen[0] == 0 and chosen == sorted(chosen)
+        rounds = [eval_rounds(chosen, r, dp, micro) for r in range(dp)]
         assert len({len(r) for r in rounds}) == 1
-        assert sorted(b for r in rounds for batch in r for b in batch) == list(range(n_bins))
+        assert sorted(b for r in rounds for batch in r for b in batch) == chosen
         assert all(len(batch) <= micro for r in rounds for batch in r)
+    assert spaced_bins(1000, 4) == [0, 250, 500, 750] and spaced_bins(3, 10) == [0, 1, 2]
 
 
 # ------------------------------------------------------------------------------------- per source (4)
@@ -258,3 +263,66 @@ def test_a_pack_split_by_xprep_is_evaluated(tmp_path):
     result = run_in_process(tmp_path / "p", tmp_path / "run", "--steps", "2")
     assert "eval step 2/2  loss" in result.stderr
     assert [r["step"] for r in metrics(tmp_path / "run") if "eval_loss" in r] == [2]
+
+
+# ------------------------------------------------------------------------------------- how many bins (issue 29, 9)
+@pytest.fixture(scope="module")
+def many_bins(tmp_path_factory) -> Path:
+    """A --split pack whose validation entry has more bins than an evaluation reads by default."""
+    root = tmp_path_factory.mktemp("many")
+    make_dataset(root / "ds", random_docs(1600, 2, 6, vocab=128), vocab_size=128)
+    pack([root / "ds"], root / "p", PackConfig(method="multipack", seq_len=8, split=(50, 50)))
+    return root / "p"
+
+
+def test_an_evaluation_reads_256_spaced_bins_unless_told(many_bins):
+    """Every bin by default took 12 silent minutes after 4 CPU steps: 256, evenly spaced over the entry (a multipack
+    entry is ordered longest first), unless --eval-bins says a number or all."""
+    data, dims = DataSection(str(many_bins)), ParallelDims()
+    train = data.build(1)
+    total = len(PackedDataset(validation_entry(many_bins)))
+    assert total > DEFAULT_EVAL_BINS == 256
+
+    def chosen(section: EvalSection) -> list[int]:
+        validation = section.build(data, train, dims, 2)
+        bins = [b for batch in validation.rounds for b in batch]
+        assert len(bins) == validation.bins
+        return bins
+
+    assert chosen(EvalSection()) == [i * total // 256 for i in range(256)]
+    assert chosen(EvalSection(bins="all")) == list(range(total))
+    assert chosen(EvalSection(bins="10")) == [i * total // 10 for i in range(10)]  # from the command line: a string
+    for bad, said in (("ten", "neither a number of bins nor 'all'"), ("0", "must be ≥ 1")):
+        with pytest.raises(XprepError, match=said):
+            EvalSection(bins=bad)
+    cfg = TrainConfig.from_dict({"packed": "p", "eval_bins": "all"})
+    validate_against_schema(cfg.to_dict())
+
+
+def test_a_long_evaluation_shows_progress(many_bins):
+    """Off a terminal a line every PROGRESS_EVERY seconds (here: at every micro-batch), on one a line redrawn in
+    place and cleared for the result's."""
+    trainer = make_trainer(many_bins, 2, 1)
+    validation = EvalSection(bins=12).build(DataSection(str(many_bins)), trainer.dataset, trainer.dims, 2)
+    log = io.StringIO()
+    plain = trainer.evaluate(validation, EvalProgress(4, len(validation.rounds), validation.bins, log, interval=1e-9))
+    lines = log.getvalue().splitlines()
+    assert len(lines) == len(validation.rounds) - 1 == 5, lines  # the last one is the result's line
+    assert lines[0].startswith("evaluating after step 4: 2/12 bins (17%)") and "ETA" in lines[0]
+    assert lines[-1].startswith("evaluating after step 4: 10/12 bins (83%)")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    progress = EvalProgress(4, len(validation.rounds), validation.bins, term)
+    progress.interval = 1e-9
+    assert trainer.evaluate(validation, progress).loss == plain.loss
+    out = term.getvalue()
+    drawn = out.split("\r")
+    assert len(drawn) == 1 + 5 + 2 and "\n" not in out  # five lines drawn in place, then blanked out
+    assert drawn[5].startswith("evaluating after step 4: 10/12") and drawn[6] == " " * max(map(len, drawn)) and not drawn[7]
+    quiet = io.StringIO()
+    trainer.evaluate(validation, EvalProgress(4, len(validation.rounds), validation.bins, quiet))
+    assert quiet.getvalue() == ""  # a short evaluation off a terminal says nothing

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
 import torch.nn.functional as F
+from click.testing import CliRunner
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from trainkit import category_pack, grads, make_trainer, max_rel_diff
 
+from cli import xtrain
+from train import loss as loss_module
 from train.data import IGNORE, collate
-from train.loss import LossSums, chunked_token_ce, step_losses, token_ce
+from train.loss import (
+    AUTO_CHUNK_ABOVE,
+    LossSums,
+    auto_loss_chunk,
+    chunked_token_ce,
+    logits_bytes,
+    step_losses,
+    token_ce,
+)
 
 
 def test_gradient_same_for_any_accumulation_split(tmp_path):
@@ -151,3 +163,43 @@ def test_trainer_with_loss_chunk_gives_the_same_step(tmp_path):
         plain = token_ce(ref.model(*args), batch["labels"])
         torch.testing.assert_close(ref.model(*args, labels=batch["labels"]), plain, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(chunked.token_losses(batch), plain, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ --loss-chunk auto
+def test_auto_loss_chunk_rule():
+    """Issue 29, point 10: whole logits up to 1 GiB of fp32 (tokens × vocab × 4 bytes), else chunks of the largest
+    power of two of tokens whose logits take at most 256 MiB."""
+    assert auto_loss_chunk(8192, 128_256) == 512  # 3.9 GiB of logits: Llama 3's vocabulary
+    assert auto_loss_chunk(4096, 151_936) == 256  # Qwen3's
+    assert auto_loss_chunk(16_384, 32_000) == 2048
+    assert auto_loss_chunk(8192, 32_768) == 0  # exactly 1 GiB: whole
+    assert auto_loss_chunk(8193, 32_768) == 2048
+    assert auto_loss_chunk(2048, 128_256) == 0 and auto_loss_chunk(64, 128) == 0
+    assert logits_bytes(8192, 32_768) == AUTO_CHUNK_ABOVE
+
+
+def test_auto_loss_chunk_in_a_run_changes_nothing_but_memory(tmp_path, monkeypatch):
+    """A run whose logits are 'large' (the threshold lowered to this tiny pack's 64 tokens × 128 vocabulary) chunks
+    its loss by itself, says so, records it in run.json, and logs the same losses and gradient norms as the run
+    that computes whole logits (--loss-chunk 0)."""
+    monkeypatch.setattr(loss_module, "AUTO_CHUNK_ABOVE", 64 * 128 * 4 - 1)
+    monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 16 * 128 * 4)
+    packed = category_pack(tmp_path)
+    runs = {}
+    for name, flags in (("auto", []), ("whole", ["--loss-chunk", "0"])):
+        result = CliRunner().invoke(xtrain, ["run", str(packed), "--steps", "3", "--lr", "1e-2", *flags,
+                                             "--output", str(tmp_path / name)])
+        assert result.exit_code == 0, (result.output, result.exception)
+        info = json.loads((tmp_path / name / "run.json").read_text())
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = (result.stderr, info["loss_chunk"], rows)
+    said, chunk, auto = runs["auto"]
+    assert chunk == 16 and "loss computed in chunks of 16 tokens (--loss-chunk auto)" in said, said
+    assert "64 tokens × 128 vocabulary × 4 bytes" in said and "--loss-chunk 0 computes them whole" in said
+    said, chunk, whole = runs["whole"]
+    assert chunk == 0 and "loss computed in chunks" not in said
+    for a, b in zip(auto, whole, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"] and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b[
+            "grad_norm"], (a, b)
+    config = json.loads((tmp_path / "auto" / "config.json").read_text())
+    assert config["model"]["loss_chunk"] is None  # auto stays auto on resume: the chunk follows the layout

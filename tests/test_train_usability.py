@@ -1,10 +1,11 @@
 """`xtrain run` for a new user (issue 9): an unusable --output, a token dataset given as the pack, which pack
-entry a run trains on, and a resume that changes the length of the learning-rate schedule."""
+entry a run trains on, and a resume that changes the length of the learning-rate schedule; --version."""
 
 from __future__ import annotations
 
 import json
 import re
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from click.testing import CliRunner
 from test_train_run import metrics, user_error
 from trainkit import category_pack
 
-from cli import xtrain
+import cli
+from cli import xprep, xtrain
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +94,20 @@ def test_resume_with_other_steps_says_the_schedule_changes(packed, tmp_path):
     older = train(*base, "--steps", "14")
     assert "resuming at step 12" in older.stderr and "other hyperparameters" not in older.stderr
     assert [r["step"] for r in metrics(run)] == list(range(1, 15))
+
+
+def test_version(monkeypatch):
+    """Issue 29, point 23: `xprep --version` and `xtrain --version` print the installed distribution's version; a
+    source tree that is not installed gives pyproject.toml's."""
+    installed = metadata.version("xprep")
+    for group, prog in ((xprep, "xprep"), (xtrain, "xtrain")):
+        result = CliRunner().invoke(group, ["--version"])
+        assert result.exit_code == 0 and result.output == f"{prog} {installed}\n", result.output
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(cli.metadata, "version", not_installed)
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = tomllib.loads((Path(cli.__file__).parent / "pyproject.toml").read_text())["project"]["version"]
+    assert CliRunner().invoke(xtrain, ["--version"]).output == f"xtrain {declared}\n"

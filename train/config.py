@@ -10,7 +10,10 @@ TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the ru
   checkpoint  save_every, keep, resume, async_save                                → CheckpointManager
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
 ```
-Precedence: dataclass defaults < ``--config FILE.json|yaml`` < command-line flags. Every field has
+Precedence: dataclass defaults < the run directory's own ``config.json`` (when ``--output`` names a run
+that has one: resuming needs no flag repeated, ``xtrain run --output RUN`` alone continues it) <
+``--config FILE.json|yaml`` < command-line flags; what the file and the flags change from the run's
+config is said on the console. Every field has
 one flag and one flat key, the flag's name with underscores (``--micro-batch-size`` ↔
 ``micro_batch_size``; the model section's ``name`` is ``--model``, the eval section's ``every`` and
 ``bins`` are ``--eval-every`` and ``--eval-bins``). A config file may be nested
@@ -27,7 +30,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
@@ -40,12 +43,12 @@ from prep.errors import XprepError
 from train.checkpoint import CheckpointManager
 from train.data import PackedDataset
 from train.dist import ParallelDims, materialize
-from train.evaluate import Validation, eval_rounds, open_validation, validation_entry
+from train.evaluate import DEFAULT_EVAL_BINS, Validation, eval_rounds, open_validation, spaced_bins, validation_entry
 from train.flops import check_peak_tflops
 from train.hf import build_hf_fallback, hf_builtin_config
 from train.hf_weights import read_hf_weights
 from train.loggers import parse_backends
-from train.loss import Channels
+from train.loss import Channels, auto_loss_chunk
 from train.model import ModelConfig, Transformer, initial_value, load_model_config
 from train.optim import SCHEDULES, WSD_SCHEDULES, LRSchedule, build_optimizer, build_scheduler
 
@@ -73,10 +76,11 @@ class DataSection:
             raise XprepError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
                              f"--micro-batch-size {self.micro_batch_size}")
 
-    def build(self, cp_size: int, verify_data: bool | None = None) -> PackedDataset:
-        """The pack opened for ``cp_size`` context-parallel ranks (``verify_data`` overrides the field)."""
+    def build(self, cp_size: int, verify_data: bool | None = None, entry: Path | None = None) -> PackedDataset:
+        """The pack opened for ``cp_size`` context-parallel ranks (``verify_data`` overrides the field): its
+        current entry, or ``entry`` of it (a resume pinned to its checkpoint's entry)."""
         verify = self.verify_data if verify_data is None else verify_data
-        return PackedDataset(self.packed, verify_data=verify, cp_size=cp_size)
+        return PackedDataset(entry or self.packed, verify_data=verify, cp_size=cp_size)
 
 
 @dataclass
@@ -90,7 +94,7 @@ class ModelSection:
     SECTION: ClassVar[str] = "model"
     name: str = "tiny"
     precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU (train.dist.param_dtype_for)
-    loss_chunk: int = 0  # tokens per chunk of the output layer + loss; 0 = all at once
+    loss_chunk: int | None = None  # tokens per chunk of the output layer + loss; 0 = all at once; None: auto
     compile: bool = False  # torch.compile each block
 
     def __post_init__(self):
@@ -113,6 +117,13 @@ class ModelSection:
                                  f"{self.name} runs as the transformers module: leave --loss-chunk out")
             return None if cfg is None else {**cfg.to_dict(), "hf": self.hf_dir}
         return load_model_config(self.name, vocab_size).to_dict()
+
+    def chunk_for(self, tokens: int, vocab_size: int, builtin: bool = True) -> int:
+        """The loss chunk of micro-batches of ``tokens`` tokens per rank: --loss-chunk as given, else
+        ``train.loss.auto_loss_chunk`` for the built-in model (a transformers module computes whole logits)."""
+        if self.loss_chunk is not None:
+            return self.loss_chunk
+        return auto_loss_chunk(tokens, vocab_size) if builtin else 0
 
     def build(self, vocab_size: int, seed: int) -> tuple[nn.Module, dict]:
         """The model, initialized from ``seed`` (or loaded from hf:DIR) on the CPU, and its config as a dict."""
@@ -243,17 +254,28 @@ class EvalSection:
 
     SECTION: ClassVar[str] = "eval"
     every: int | None = None  # steps; None or 0: only after the last step
-    bins: int | None = None  # the first N validation bins; None: all
+    bins: int | str | None = None  # N bins evenly spaced over the entry, or "all"; None: DEFAULT_EVAL_BINS (or all)
 
     def __post_init__(self):
         _check_types(self)
         _check_at_least(self, 0, "every")
-        _check_at_least(self, 1, "bins")
+        if isinstance(self.bins, str):  # from the command line (always a string) or a config file
+            if self.bins != "all":
+                try:
+                    self.bins = int(self.bins)
+                except ValueError:
+                    raise XprepError(f"--eval-bins {self.bins!r} is neither a number of bins nor 'all'") from None
+        if self.bins != "all":
+            _check_at_least(self, 1, "bins")
 
     def build(self, data: DataSection, train: PackedDataset, dims: ParallelDims, micro_batch_size: int,
-              verify_data: bool | None = None) -> Validation | None:
-        """The validation this rank runs; None when the pack has none (asking for one is then an error)."""
-        path = validation_entry(data.packed)
+              verify_data: bool | None = None, entry: Path | None = None) -> Validation | None:
+        """The validation this rank runs; None when the pack has none (asking for one is then an error).
+
+        ``entry``: the training entry when it is not the cache's current one (a resume pinned to the entry
+        its checkpoint names): the validation entry recorded for it, not the current one's.
+        """
+        path = validation_entry(data.packed, entry)
         if path is None:
             asked = [f"{_flag(self, n)} {getattr(self, n)}" for n in ("every", "bins") if getattr(self, n) is not None]
             if asked:
@@ -263,10 +285,10 @@ class EvalSection:
             return None
         verify = data.verify_data if verify_data is None else verify_data
         dataset = open_validation(path, train, dims.cp, verify)
-        n_bins = len(dataset) if self.bins is None else self.bins
-        if n_bins > len(dataset):
+        if isinstance(self.bins, int) and self.bins > len(dataset):
             raise XprepError(f"{_flag(self, 'bins')} {self.bins}: the validation entry {path} has only "
-                             f"{len(dataset):,} bins; lower it, or leave it out to evaluate on all of them")
+                             f"{len(dataset):,} bins; lower it, or give 'all'")
+        n_bins = len(dataset) if self.bins == "all" else min(self.bins or DEFAULT_EVAL_BINS, len(dataset))
         if n_bins == 0:
             if self.every is None and self.bins is None:  # an empty held-out part (--allow-empty): nothing asked
                 print(f"note: validation entry {path} has no bins: training without evaluation", file=sys.stderr)
@@ -274,8 +296,8 @@ class EvalSection:
             raise XprepError(f"validation entry {path}: has no bins; re-run `xprep pack ... --split` with a larger "
                              "validation share")
         channels = Channels.of(dataset.category_names, dataset.source_names)
-        return Validation(dataset, channels, eval_rounds(n_bins, dims.dp_rank, dims.dp, micro_batch_size), n_bins,
-                          self.every)
+        rounds = eval_rounds(spaced_bins(len(dataset), n_bins), dims.dp_rank, dims.dp, micro_batch_size)
+        return Validation(dataset, channels, rounds, n_bins, self.every)
 
 
 SECTIONS = {"data": DataSection, "model": ModelSection, "optimizer": OptimizerSection, "parallel": ParallelSection,
@@ -340,6 +362,15 @@ FLAT_KEYS: dict[str, tuple[str | None, str]] = {  # flat key (= flag with unders
     **{_FLAT_NAMES.get((s, f.name), f.name): (s, f.name) for s, cls_ in SECTIONS.items() for f in fields(cls_)},
 }
 _FLAT_KEY_OF = {place: key for key, place in FLAT_KEYS.items()}
+
+
+def _default(f) -> object:
+    return f.default_factory() if f.default_factory is not MISSING else None if f.default is MISSING else f.default
+
+
+_DEFAULTS = {  # flat key → the value a config without it takes
+    _FLAT_KEY_OF[(cls_.SECTION, f.name)]: _default(f)
+    for cls_ in (TrainConfig, *SECTIONS.values()) for f in fields(cls_) if (cls_.SECTION, f.name) in _FLAT_KEY_OF}
 
 
 # ------------------------------------------------------------------------------------------ the two forms
@@ -431,17 +462,85 @@ def read_config_file(path: str | Path) -> dict:
     return data
 
 
-def resolve_config(file: str | None, flags: dict) -> TrainConfig:
-    """Defaults < file < ``flags`` (flat keys; those left unset are None and do not override)."""
-    values = nest(read_config_file(file), f"--config {file}") if file else nest({})
-    flags = {k: v for k, v in flags.items() if v is not None}
-    for flag, other in (("steps", "epochs"), ("epochs", "steps")):  # a flag's run length replaces the file's
-        if flag in flags:
-            values.pop(other, None)
-    for key, value in flags.items():
+RUN_CONFIG = "config.json"  # of a run directory: the resolved config it was started (or last resumed) with
+NOT_INHERITED = ("output", "resume")  # of a run's config.json: where the run is, and which checkpoint it resumed
+
+
+def resolve_config(file: str | None, flags: dict, log: Callable[[str], None] | None = None) -> TrainConfig:
+    """Defaults < the run directory's config.json < file < ``flags`` (flat keys; those left unset are None and
+    do not override). ``log`` is told which run config gave the defaults and what the file and flags change."""
+    layers = [nest(read_config_file(file), f"--config {file}") if file else nest({}),
+              nest({k: v for k, v in flags.items() if v is not None}, "the command line")]
+    run_dir = _run_dir_of(layers)
+    saved = read_run_config(run_dir) if run_dir is not None else None
+    values = nest({})
+    for layer in ([saved] if saved is not None else []) + layers:
+        for flag, other in (("steps", "epochs"), ("epochs", "steps")):  # a later run length replaces an earlier
+            if flag in layer:
+                values.pop(other, None)
+        _merge(values, layer)
+    config = TrainConfig.from_dict(values)
+    if saved is not None and log is not None:
+        changes = config_changes(saved, config)
+        log(f"defaults from the run's config {run_dir / RUN_CONFIG}"
+            + (f"; changed from it: {', '.join(changes)}" if changes else " (nothing changed)"))
+    return config
+
+
+def _merge(values: dict, layer: dict) -> None:
+    """Set every field of ``layer`` (nested form) in ``values``."""
+    for key, value in layer.items():
+        if key in SECTIONS:
+            values[key].update(value)
+        else:
+            values[key] = value
+
+
+def _run_dir_of(layers: list[dict]) -> Path | None:
+    """The run directory the layers (nested) name: the last --output given, else runs/<name of the pack>."""
+    output = packed = None
+    for layer in layers:
+        output = layer.get("output", output)
+        packed = layer["data"].get("packed", packed)
+    if output:
+        return Path(output)
+    return Path("runs") / Path(packed).resolve().name if packed else None
+
+
+def read_run_config(run_dir: Path) -> dict | None:
+    """A run directory's config.json in the nested form, less ``NOT_INHERITED``; None when it has none."""
+    path = run_dir / RUN_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise XprepError(f"{path}: unreadable as the run's config ({e}); fix it, or delete it to give every "
+                         "option again") from None
+    if not isinstance(data, dict):
+        raise XprepError(f"{path}: not a config (a JSON object); delete it to give every option again")
+    saved = nest(data, str(path))
+    for key in NOT_INHERITED:
         section, name = FLAT_KEYS[key]
-        (values if section is None else values[section])[name] = value
-    return TrainConfig.from_dict(values)
+        (saved if section is None else saved[section]).pop(name, None)
+    return saved
+
+
+def config_changes(saved: dict, config: TrainConfig) -> list[str]:
+    """"--flag old → new" for every field of ``config`` that differs from the run's ``saved`` config (nested)."""
+    now = flatten(config.to_dict())
+    before = flatten(saved)
+    out = []
+    for key, value in now.items():
+        if key in NOT_INHERITED or before.get(key, _DEFAULTS.get(key)) == value:
+            continue
+        flag = "PACKED" if key == "packed" else "--" + key.replace("_", "-")
+        out.append(f"{flag} {_shown(before.get(key, _DEFAULTS.get(key)))} → {_shown(value)}")
+    return out
+
+
+def _shown(value) -> str:
+    return "unset" if value is None else ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def validate_against_schema(config: dict) -> None:

@@ -15,6 +15,10 @@ Ids without targets are left out.
 ``chunked_token_ce`` computes the output layer and the cross-entropy a chunk of tokens at a time,
 recomputing each chunk's logits in the backward instead of keeping them: the per-token CE (and so
 the channel sums) is the same as from whole logits, but no (T, V) logits tensor ever exists.
+``auto_loss_chunk`` is the chunk ``--loss-chunk`` defaults to: none while a micro-batch's fp32 logits
+take at most 1 GiB, else chunks whose logits take at most 256 MiB. Whole logits cost about three times
+their size at the peak (the logits, their log-softmax, its gradient): a 128k vocabulary at 8,192 tokens
+is 4 GiB of logits, and a tiny model took 6.7 GiB on a CPU where chunks of 1,024 tokens took 1.6 GiB.
 """
 
 from __future__ import annotations
@@ -26,6 +30,23 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
+AUTO_CHUNK_ABOVE = 2**30  # bytes of a micro-batch's fp32 logits (tokens × vocab × 4) above which the loss is chunked
+CHUNK_LOGITS = 2**28  # bytes of fp32 logits one chunk may take
+
+
+def logits_bytes(tokens: int, vocab_size: int) -> int:
+    """Bytes of the fp32 logits of ``tokens`` tokens over a ``vocab_size`` vocabulary."""
+    return tokens * vocab_size * 4
+
+
+def auto_loss_chunk(tokens: int, vocab_size: int) -> int:
+    """The loss chunk for micro-batches of ``tokens`` tokens (per rank) when --loss-chunk is not given: 0 (whole
+    logits) up to ``AUTO_CHUNK_ABOVE`` bytes of logits, else the largest power of two of tokens whose logits fit
+    in ``CHUNK_LOGITS`` bytes (512 for a 128k vocabulary, 2,048 for 32k)."""
+    if logits_bytes(tokens, vocab_size) <= AUTO_CHUNK_ABOVE:
+        return 0
+    fit = max(1, CHUNK_LOGITS // logits_bytes(1, vocab_size))
+    return 1 << (fit.bit_length() - 1)
 
 
 def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

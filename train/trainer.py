@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from prep.errors import XprepError
 from prep.io import check_output_dir, write_json_atomic
 from prep.packfile import MANIFEST
-from train.checkpoint import CheckpointManager, check_same_model, check_same_pack
+from train.checkpoint import CheckpointManager, check_same_model, check_same_pack, pinned_entry
 from train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
 from train.cp import CPContext, shard_batch
 from train.data import PackedDataset, collate, count_targets
@@ -47,10 +49,10 @@ from train.dist import (
     reduce_gradients,
     shutdown,
 )
-from train.evaluate import Validation
+from train.evaluate import EvalProgress, Validation
 from train.flops import ModelFlops, Throughput, bin_attention_pairs, resolve_peak_tflops
 from train.loggers import build_loggers, check_backends
-from train.loss import Channels, LossSums, token_ce
+from train.loss import AUTO_CHUNK_ABOVE, Channels, LossSums, logits_bytes, token_ce
 from train.memory import peak_memory, reset_peak_memory
 from train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
@@ -110,7 +112,7 @@ class Trainer:
         self._rank_pairs = 0  # attended (query, key) pairs of this rank's bins of the next step
         self.attention_pairs = 0  # the same of the last step, all ranks
         self.step = 0
-        self.loss: float | None = None  # of the last step
+        self.loss: float | None = None  # of the last step (None: it had no target token)
         self.eval_loss: float | None = None  # of the last step, when it evaluated
 
     def next_micro_batches(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
@@ -211,11 +213,12 @@ class Trainer:
                 return self.model(*args, cp=self.cp_context(batch), labels=batch["labels"], loss_chunk=self.loss_chunk)
             return token_ce(self.model(*args, cp=self.cp_context(batch)), batch["labels"])
 
-    def evaluate(self, validation: Validation) -> EvalMetrics:
+    def evaluate(self, validation: Validation, progress: EvalProgress | None = None) -> EvalMetrics:
         """Loss over the validation bins: Σ CE over every rank's share / their global number of targets.
 
         No gradient, the model in eval mode (and back in train mode after). Every rank runs as many
         forwards (``Validation.rounds``); a filler micro-batch (an empty round) is not counted.
+        ``progress`` (rank 0's) is told of every round done.
         """
         t0 = time.perf_counter()
         channels, dataset = validation.channels, validation.dataset
@@ -223,13 +226,17 @@ class Trainer:
         self.model.eval()
         try:
             with torch.no_grad():
-                for bins in validation.rounds:
+                for done, bins in enumerate(validation.rounds, start=1):
                     batch = self.to_device(self.shard_batch(collate([dataset[b] for b in bins or [0]]), dataset))
                     ce = self.token_losses(batch)
                     if bins:
                         sums.add(ce, batch["labels"], *channels.ids(batch))
+                    if progress is not None:
+                        progress.update(done)
         finally:
             self.model.train()
+            if progress is not None:
+                progress.close()
         total = LossSums.from_flat(all_reduce_sum(sums.flat(), self.dims))
         channel = channels.losses(total)
         self.eval_loss = total.loss
@@ -243,7 +250,8 @@ class Trainer:
         scheduler = self.scheduler.state_dict()
         scheduler["lr_lambdas"] = [None] * len(scheduler["lr_lambdas"])  # the shape follows the config
         return {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": scheduler,
-                "pack_key": self.dataset.key, "loss": self.loss, "eval_loss": self.eval_loss,
+                "pack_key": self.dataset.key, "pack_entry": self.dataset.entry.path.name, "loss": self.loss,
+                "eval_loss": self.eval_loss,
                 "global_batch_size": self.grad_accum * self.sampler.micro_batch_times_dp,
                 "micro_batch_size": self.sampler.micro_batch_size, "model": self.model_config,
                 "hparams": self.hparams, "schedule": self.scheduler.lr_lambdas[0].settings()}
@@ -280,22 +288,26 @@ class RunSetup:
     ckpt: CheckpointManager
     resume_from: Path | None
     validation: Validation | None = None
+    pinned: Path | None = None  # the entry resumed on, when it is not the one PACKED names (pinned_entry)
+    loss_chunk: int = 0  # --loss-chunk as given, or as chosen for this pack, model and layout
 
 
 def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None = None) -> RunSetup:
-    """Check the run directory, open the pack for this layout, plan the batches, find the checkpoint to
-    resume, check the model. The run directory may hold an earlier run (resume), but must be one."""
+    """Check the run directory, find the checkpoint to resume, open the pack for this layout (the entry the
+    checkpoint was trained on, while the cache holds it), plan the batches, check the model. The run
+    directory may hold an earlier run (resume), but must be one."""
     check_output_dir(cfg.run_dir, option="--output", allow_nonempty=True)
     check_backends(cfg.log)  # --log's packages are installed
-    dataset = cfg.data.build(dims.cp, verify_data)
     ckpt = cfg.checkpoint.build(cfg.run_dir, dims)
     resume_from = ckpt.resolve(cfg.checkpoint.resume)
     saved = ckpt.read_trainer_state(resume_from) if resume_from is not None else {}
+    pinned = pinned_entry(cfg.data.packed, saved, resume_from) if resume_from is not None else None
+    dataset = cfg.data.build(dims.cp, verify_data, entry=pinned)
     if resume_from is not None:
         check_same_pack(saved, resume_from, dataset.key)
     plan = plan_batches(len(dataset), dataset.entry.config, dims.dp, cfg.data.micro_batch_size,
                         cfg.data.global_batch_size, cfg.steps, cfg.epochs, saved.get("global_batch_size"))
-    validation = cfg.eval.build(cfg.data, dataset, dims, plan.micro_batch_size, verify_data)
+    validation = cfg.eval.build(cfg.data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)
     sampler = build_sampler(cfg.data.sampler, len(dataset), plan.micro_batch_size, dims.dp_rank, dims.dp, cfg.seed,
                             plan.group)
     if not dataset.vocab_size:
@@ -306,18 +318,31 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     if dims.cp_enabled and model_config is None:  # hf:DIR running as a transformers module
         raise XprepError(f"--cp {dims.cp} needs the built-in model (its attention runs over the CP group): "
                          f"use a preset or a JSON model config instead of --model {cfg.model.name}")
-    return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation)
+    loss_chunk = cfg.model.chunk_for(micro_batch_tokens(dataset, plan, dims), dataset.vocab_size,
+                                     builtin=model_config is not None)
+    return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation, pinned, loss_chunk)
 
 
-def run(cfg: TrainConfig, stream=None, lock: bool = True) -> Path:
+def micro_batch_tokens(dataset: PackedDataset, plan: BatchPlan, dims: ParallelDims) -> int:
+    """Tokens of one micro-batch on one rank, what its logits are sized by: bins × capacity, / CP ranks."""
+    return plan.micro_batch_size * dataset.capacity // dims.cp
+
+
+def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] = ()) -> Path:
     """Train per ``cfg`` in this process (one process, or one rank of a launched job); returns the run directory.
 
     Rank 0 holds the run directory's ``RunLock`` for the whole run; ``lock=False`` for the ranks that
-    ``train.launch`` starts, whose launcher holds it.
+    ``train.launch`` starts, whose launcher holds it. Rank 0 says ``notes`` (how the config was resolved)
+    once the run has passed its checks.
     """
     validate_against_schema(cfg.to_dict())
     dims = cfg.parallel.build()
+    if dims.distributed:  # a rank interrupted leaves at once, quietly: its launcher says it in one line
+        signal.signal(signal.SIGINT, exit_interrupted)
     setup = prepare_run(cfg, dims)
+    if dims.is_main:
+        for note in notes:
+            print(note, file=stream or sys.stderr)
     with RunLock(cfg.run_dir) if lock and dims.is_main else contextlib.nullcontext():
         device = init_distributed(dims)
         try:
@@ -330,18 +355,30 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True) -> Path:
     return cfg.run_dir
 
 
+def exit_interrupted(signum=None, frame=None) -> None:
+    """SIGINT in a rank of a distributed run: exit with 130 at once, printing nothing. The launcher (``xtrain run
+    --nproc-per-node``, or torchrun) forwards a Ctrl-C to every rank and says it once; a KeyboardInterrupt would
+    unwind through the collectives in flight, and each rank would print its traceback, and the peer failures
+    that follow theirs. Whatever a checkpoint was writing is a temporary directory the next save removes."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+
+
 def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
     """Print this rank's error, hand it to the launcher, and exit without waiting for the peers.
 
     A rank whose collective failed most likely lost a peer that failed first: it waits a moment,
     so that the launcher sees (and names) the rank that failed first, and stops this one itself.
     """
+    if isinstance(e, KeyboardInterrupt):
+        exit_interrupted()
     if isinstance(e, XprepError):
         print(f"error: [rank {dims.rank}] {e}", file=sys.stderr)
         code = 2
     else:
         traceback.print_exc()
-        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+        code = 1
     with contextlib.suppress(Exception):  # the launcher's error file (TORCHELASTIC_ERROR_FILE), if any
         ErrorHandler().record_exception(e)
     if failed_in_collective(e):
@@ -359,7 +396,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     trainer = Trainer(model, optimizer, scheduler, dataset, setup.sampler, dims, plan.grad_accum, device,
                       cfg.optimizer.grad_clip, autocast_for(param_dtype_for(cfg.model.precision, device.type),
                                                             device, dims),
-                      model_config=model_config, hparams=cfg.optimizer.hparams(), loss_chunk=cfg.model.loss_chunk,
+                      model_config=model_config, hparams=cfg.optimizer.hparams(), loss_chunk=setup.loss_chunk,
                       reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
                       throughput=Throughput(ModelFlops.from_dict(model_config), peak, dims.world_size))
     out = stream or sys.stderr
@@ -367,16 +404,19 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
         _resume(setup, trainer, dims.is_main, out)
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_run_config(run_dir, cfg, plan, model_config, dataset, dims, setup.validation)
+        _write_run_config(run_dir, cfg, plan, model_config, dataset, dims, setup.validation, setup.loss_chunk)
     loggers = build_loggers(cfg.log, run_dir, cfg.to_dict(), trainer.step) if dims.is_main else []
     log = MetricsLog(run_dir, plan.steps, cfg.log_every, dims.is_main, stream, loggers=loggers)
     log.open(trainer.step)
     if dims.is_main:
-        out.write(_pack_line(dataset) + "\n")
+        out.write(_pack_line(dataset, setup) + "\n")
         if setup.validation is not None:
             out.write(_validation_line(setup.validation) + "\n")
         out.write(_start_line(cfg, trainer, plan) + f" → {run_dir}\n")
         out.write(peak_note + "\n")
+        if cfg.model.loss_chunk is None and setup.loss_chunk:
+            out.write(_loss_chunk_line(setup.loss_chunk, micro_batch_tokens(dataset, plan, dims), dataset.vocab_size)
+                      + "\n")
     if trainer.step >= plan.steps and dims.is_main:
         out.write(f"{run_dir}: already at step {trainer.step}/{plan.steps}, nothing to do "
                   "(raise --steps to continue)\n")
@@ -385,7 +425,9 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
         while trainer.step < plan.steps:
             metrics = trainer.train_step()
             if validation is not None and validation.due(trainer.step, plan.steps):
-                metrics.eval = trainer.evaluate(validation)  # before the save: "best" follows it
+                progress = EvalProgress(trainer.step, len(validation.rounds), validation.bins, out) \
+                    if dims.is_main else None
+                metrics.eval = trainer.evaluate(validation, progress)  # before the save: "best" follows it
             log.write(metrics)
             if trainer.step == plan.steps or (save_every and trainer.step % save_every == 0):
                 ckpt.save(trainer.step, model, optimizer, trainer.state_dict())
@@ -406,9 +448,15 @@ def _resume(setup: RunSetup, trainer: Trainer, is_main: bool, out) -> None:
         out.write("resuming with other hyperparameters than the checkpoint's: " + ", ".join(changed) + "\n")
 
 
-def _pack_line(dataset: PackedDataset) -> str:
-    """Which pack entry the run reads, and why that one: the cache's current entry, or the one given."""
+def _pack_line(dataset: PackedDataset, setup: RunSetup) -> str:
+    """Which pack entry the run reads, and why that one: the cache's current entry, the one given, or the one
+    the checkpoint resumed from was trained on (another entry has become current since)."""
     entry = dataset.entry.path
+    if setup.pinned is not None:
+        cache = entry.parent
+        return (f"training on {entry} (entry {entry.name}, the one checkpoint {setup.resume_from.name} was trained "
+                f"on, still in the cache; another entry is current in {cache / MANIFEST} now: a new run, with another "
+                "--output, would train on that one)")
     origin = "given directly" if entry == dataset.packed else f"current in {dataset.packed / MANIFEST}"
     return f"training on {entry} (entry {entry.name}, {origin})"
 
@@ -418,8 +466,10 @@ def _validation_line(validation: Validation) -> str:
     entry, when = validation.dataset.entry.path, "after the last step"
     if validation.every:
         when = f"every {validation.every:,} steps and " + when
-    return (f"validating on {entry} (entry {entry.name}, \"validation\" in {entry.parent / MANIFEST}): "
-            f"{validation.bins:,} of {len(validation.dataset):,} bins, {when}")
+    bins = f"{validation.bins:,} of {len(validation.dataset):,} bins"
+    if validation.bins < len(validation.dataset):
+        bins += " evenly spaced (--eval-bins all for every one)"
+    return f"validating on {entry} (entry {entry.name}, the validation entry of the one trained on): {bins}, {when}"
 
 
 def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan) -> str:
@@ -434,13 +484,23 @@ def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan) -> str:
             + (f", resuming at step {trainer.step}" if trainer.step else ""))
 
 
+def _loss_chunk_line(chunk: int, tokens: int, vocab_size: int) -> str:
+    """What --loss-chunk was chosen, and why (``train.loss.auto_loss_chunk``)."""
+    whole = logits_bytes(tokens, vocab_size)
+    return (f"loss computed in chunks of {chunk:,} tokens (--loss-chunk auto): a micro-batch's whole logits would take "
+            f"{whole / 2**30:.1f} GiB ({tokens:,} tokens × {vocab_size:,} vocabulary × 4 bytes, above "
+            f"{AUTO_CHUNK_ABOVE / 2**30:g} GiB); same loss and gradients, one more output-layer matmul; --loss-chunk 0 "
+            "computes them whole")
+
+
 def _precision(cfg: TrainConfig, dims: ParallelDims) -> str:
     """What --precision resolved to on this run's device: bf16 or fp32."""
     return "bf16" if param_dtype_for(cfg.model.precision, dims.device_type) == torch.bfloat16 else "fp32"
 
 
 def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_config: dict,
-                      dataset: PackedDataset, dims: ParallelDims, validation: Validation | None = None) -> None:
+                      dataset: PackedDataset, dims: ParallelDims, validation: Validation | None = None,
+                      loss_chunk: int = 0) -> None:
     """config.json is the resolved TrainConfig (nested, schema-checked); run.json what it resolved to."""
     val = None
     if validation is not None:
@@ -453,6 +513,6 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
                  "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
         "categories": dataset.category_names, "sources": dataset.source_names, "validation": val,
         "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
-        "precision": _precision(cfg, dims),
+        "precision": _precision(cfg, dims), "loss_chunk": loss_chunk,
         "model": model_config,
     })

@@ -1,0 +1,131 @@
+"""Resuming a run (issue 29, points 7 and 8).
+
+7. The pack a run trains on can change under it: any `xprep pack` into the cache (a cache hit of an older
+   command too) makes its entry current. A run resumes on the entry its checkpoint names while the cache
+   holds it, says so, and evaluates on that entry's validation part; `PACKED/ENTRY` evaluates on the
+   validation part recorded for that entry, not the current one's. When the entry is gone, the refusal
+   says how to get it back.
+8. `xtrain run --output RUN` on a run directory takes the run's config.json as the defaults (PACKED too):
+   no flag needs repeating, and the flags given are listed as changes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_train_run import metrics, user_error
+from trainkit import make_dataset, random_docs
+
+from cli import xtrain
+from prep.cache import PackConfig, pack
+from train.config import resolve_config
+from train.evaluate import validation_entry
+
+
+def train(*args: str):
+    result = CliRunner().invoke(xtrain, ["run", *args])
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def split_pack(root: Path, seq_len: int, packed: Path | None = None, seed: int = 0):
+    """`xprep pack --method multipack --split 80,20` of one dataset of 60 documents (made once)."""
+    if not (root / "ds").exists():
+        make_dataset(root / "ds", random_docs(60, 3, 40, vocab=128), vocab_size=128)
+    return pack([root / "ds"], packed or root / "p", PackConfig(method="multipack", seq_len=seq_len, split=(80, 20),
+                                                                seed=seed))
+
+
+# ------------------------------------------------------------------------------------------ 7: the pinned entry
+def test_a_run_resumes_on_its_entry_after_another_became_current(tmp_path):
+    first = split_pack(tmp_path, 64)
+    packed, run = tmp_path / "p", tmp_path / "run"
+    train(str(packed), "--steps", "2", "--save-every", "1", "--output", str(run))
+    second = split_pack(tmp_path, 32)  # e.g. re-running an older `xprep pack`: another entry is current now
+    assert second.entry.path != first.entry.path and second.validation.path != first.validation.path
+    assert validation_entry(packed) == second.validation.path
+
+    resumed = train(str(packed), "--steps", "4", "--output", str(run))
+    said = resumed.stderr
+    assert f"training on {first.entry.path} (entry {first.entry.path.name}, the one checkpoint step-2" in said, said
+    assert f"validating on {first.validation.path} " in said, said
+    info = json.loads((run / "run.json").read_text())
+    assert info["pack"]["entry"] == first.entry.path.name and info["validation"]["entry"] == first.validation.path.name
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "eval_loss" in rows[-1]
+
+    shutil.rmtree(first.entry.path)  # gone: refused, with what to do
+    line = user_error(str(packed), "--steps", "6", "--output", str(run))
+    assert f"trained on pack entry {first.entry.path.name}" in line and "no longer in" in line, line
+    assert "re-run the `xprep pack` command that made it" in line and "another --output" in line, line
+
+
+def test_an_entry_given_directly_is_evaluated_on_its_own_validation_part(tmp_path):
+    first = split_pack(tmp_path, 64)
+    second = split_pack(tmp_path, 32)
+    packed = tmp_path / "p"
+    assert validation_entry(first.entry.path) == first.validation.path  # not the current entry's
+    assert validation_entry(packed, first.entry.path) == first.validation.path
+    assert validation_entry(second.entry.path) == second.validation.path == validation_entry(packed)
+    assert validation_entry(first.validation.path) is None  # a validation part has none of its own
+    result = train(str(first.entry.path), "--steps", "1", "--output", str(tmp_path / "run"))
+    assert f"validating on {first.validation.path} " in result.stderr, result.stderr
+
+
+def test_a_blend_entry_finds_its_validation_blend(tmp_path):
+    for name, seed in (("a", 1), ("b", 2)):
+        make_dataset(tmp_path / name, random_docs(60, 3, 40, vocab=128, seed=seed), vocab_size=128)
+    packed = tmp_path / "p"
+    blends = [pack([tmp_path / "a", tmp_path / "b"], packed, PackConfig(method="multipack", seq_len=n, split=(80, 20)),
+                   weights=[0.7, 0.3]) for n in (64, 32)]
+    assert blends[0].validation.path != blends[1].validation.path
+    for blend in blends:
+        assert validation_entry(packed, blend.entry.path) == blend.validation.path
+        assert validation_entry(blend.entry.path) == blend.validation.path
+
+
+# ------------------------------------------------------------------------------------------ 8: the run's config
+def test_output_alone_resumes_with_the_runs_config(tmp_path):
+    split_pack(tmp_path, 64)
+    packed, run = tmp_path / "p", tmp_path / "run"
+    flags = ["--sampler", "random", "--micro-batch-size", "2", "--lr", "1e-3", "--warmup", "1", "--seed", "3"]
+    train(str(packed), *flags, "--steps", "2", "--eval-bins", "3", "--output", str(run))
+    before = json.loads((run / "config.json").read_text())
+
+    resumed = train("--output", str(run), "--steps", "3")  # no PACKED, no flag repeated
+    assert "resuming at step 2" in resumed.stderr
+    assert f"defaults from the run's config {run / 'config.json'}; changed from it: --steps 2 → 3" in resumed.stderr
+    after = json.loads((run / "config.json").read_text())
+    assert after == {**before, "steps": 3}  # the random sampler, lr, seed, ... and the pack kept
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval_bins"] == 3
+
+    again = train("--output", str(run), "--steps", "4", "--lr", "5e-4", "--eval-bins", "all")
+    assert "changed from it: --lr 0.001 → 0.0005, --eval-bins 3 → all, --steps 3 → 4" in again.stderr, again.stderr
+    assert "other hyperparameters than the checkpoint's: lr 0.001 → 0.0005" in again.stderr
+
+
+def test_the_run_config_is_below_the_config_file_and_the_flags(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"data": {"packed": "p", "sampler": "random"},
+                                                 "optimizer": {"lr": 1e-3, "warmup": 5}, "steps": 8,
+                                                 "output": "elsewhere", "checkpoint": {"resume": "never"}}))
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps({"warmup": 2, "epochs": 1.5}))
+    said: list[str] = []
+    cfg = resolve_config(str(file), {"output": str(run), "lr": 2e-3, "packed": None}, log=said.append)
+    assert (cfg.data.packed, cfg.data.sampler, cfg.optimizer.lr, cfg.optimizer.warmup) == ("p", "random", 2e-3, 2)
+    assert (cfg.steps, cfg.epochs) == (None, 1.5)  # the file's run length replaces the run's
+    assert cfg.output == str(run) and cfg.checkpoint.resume == "auto"  # where the run is and what to resume: never
+    assert said == [f"defaults from the run's config {run / 'config.json'}; changed from it: --lr 0.001 → 0.002, "
+                    "--warmup 5 → 2, --steps 8 → unset, --epochs unset → 1.5"]
+    plain = resolve_config(None, {"output": str(tmp_path / "new"), "packed": "q"}, log=said.append)
+    assert plain.data.sampler == "sequential" and len(said) == 1  # a new run directory: no defaults from anywhere
+    (run / "config.json").write_text("{broken")
+    with pytest.raises(Exception, match="config.json: unreadable as the run's config"):
+        resolve_config(None, {"output": str(run)})
