@@ -67,9 +67,9 @@ def launch(cfg: TrainConfig, notes: Sequence[str] = ()) -> Path:
     nproc = cfg.parallel.nproc_per_node
     validate_against_schema(cfg.to_dict())
     prepare_run(cfg, cfg.parallel.build(world=nproc), verify_data=False)
-    for note in notes:
-        print(note, file=sys.stderr)
     with RunLock(cfg.run_dir):  # held here, for the ranks (they run with lock=False)
+        for note in notes:
+            print(note, file=sys.stderr)
         _launch(cfg, nproc)
     return cfg.run_dir
 

@@ -340,10 +340,10 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] =
     if dims.distributed:  # a rank interrupted leaves at once, quietly: its launcher says it in one line
         signal.signal(signal.SIGINT, exit_interrupted)
     setup = prepare_run(cfg, dims)
-    if dims.is_main:
-        for note in notes:
-            print(note, file=stream or sys.stderr)
     with RunLock(cfg.run_dir) if lock and dims.is_main else contextlib.nullcontext():
+        if dims.is_main:
+            for note in notes:
+                print(note, file=stream or sys.stderr)
         device = init_distributed(dims)
         try:
             _train(cfg, dims, device, setup, stream)
