@@ -13,9 +13,9 @@ parameters in each, CP gathers keys and values): a rank whose share has run out 
 micro-batch whose sums it does not count.
 
 Why 256 bins by default: the validation loss is a mean over bins, whose standard error over 256 of
-them is 1/16 of the spread of the per-bin losses (~0.01–0.03 nats for language data): enough to
-compare checkpoints and see over-fitting, for the forwards of about 256 / (global batch) training
-steps. Evaluating every bin of a large held-out part took 12 silent minutes after a 4-step CPU run;
+them (spread over the entry, so nearly independent) is 1/16 of the standard deviation of the per-bin
+losses: enough to compare checkpoints and see over-fitting, for the forwards of about
+256 / (global batch) training steps, whatever the size of the held-out part. Evaluating every bin of a large held-out part took 12 silent minutes after a 4-step CPU run;
 ``--eval-bins all`` still does that, with progress (``EvalProgress``).
 """
 
