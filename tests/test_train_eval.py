@@ -322,7 +322,8 @@ def test_a_long_evaluation_shows_progress(many_bins):
     out = term.getvalue()
     drawn = out.split("\r")
     assert len(drawn) == 1 + 5 + 2 and "\n" not in out  # five lines drawn in place, then blanked out
-    assert drawn[5].startswith("evaluating after step 4: 10/12") and drawn[6] == " " * max(map(len, drawn)) and not drawn[7]
+    assert drawn[5].startswith("evaluating after step 4: 10/12")
+    assert drawn[6] == " " * max(map(len, drawn)) and not drawn[7]
     quiet = io.StringIO()
     trainer.evaluate(validation, EvalProgress(4, len(validation.rounds), validation.bins, quiet))
     assert quiet.getvalue() == ""  # a short evaluation off a terminal says nothing

@@ -15,8 +15,9 @@ micro-batch whose sums it does not count.
 Why 256 bins by default: the validation loss is a mean over bins, whose standard error over 256 of
 them (spread over the entry, so nearly independent) is 1/16 of the standard deviation of the per-bin
 losses: enough to compare checkpoints and see over-fitting, for the forwards of about
-256 / (global batch) training steps, whatever the size of the held-out part. Evaluating every bin of a large held-out part took 12 silent minutes after a 4-step CPU run;
-``--eval-bins all`` still does that, with progress (``EvalProgress``).
+256 / (global batch) training steps, whatever the size of the held-out part. Evaluating every bin of
+a large held-out part took 12 silent minutes after a 4-step CPU run; ``--eval-bins all`` still does
+that, with progress (``EvalProgress``).
 """
 
 from __future__ import annotations
