@@ -215,19 +215,21 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
     from prep.cache import PackConfig  # deferred here and below: numba/numpy load only for the command run
     from prep.cache import pack as run_pack
+    from prep.interrupt import run_interruptibly
     from prep.pack_report import outcome_report
     from prep.packconfig import parse_sources, parse_split
     from prep.render import summary_lines, warning_lines
 
-    paths, weights = parse_sources(datasets, mix)
+    paths, weights, options = parse_sources(datasets, mix)
     paths = [_local_dataset(p, cache_dir) for p in paths]
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
                         cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
                         dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed, total_tokens=total_tokens,
                         epochs=epochs, split=parse_split(split))
-    outcome = outcome_report(run_pack(paths, output, config, force=force, allow_empty=allow_empty,
-                                      log=lambda m: click.echo(m, err=True), weights=weights, mix=mix,
-                                      localize=lambda url: _local_dataset(url, cache_dir)))
+    # Packing runs numba kernels, which an interrupt cannot stop midway: run_interruptibly keeps Ctrl-C to one line
+    outcome = outcome_report(run_interruptibly(lambda: run_pack(
+        paths, output, config, force=force, allow_empty=allow_empty, log=lambda m: click.echo(m, err=True),
+        weights=weights, mix=mix, localize=lambda url: _local_dataset(url, cache_dir), source_options=options)))
     click.echo("\n".join(summary_lines(outcome)))
     for line in warning_lines(outcome):
         click.echo(line, err=True)
@@ -318,9 +320,9 @@ def _report(kind: str, path: str, options, seen: bool = False, step: int | None 
 
 # ----------------------------------------------------------------------------------------- xtrain
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@_version_option("xtrain")
 def xtrain():
     """Train on packs written by `xprep pack`."""
-@_version_option("xtrain")
 
 
 @xtrain.command()

@@ -22,7 +22,9 @@ it) as long as it evaluates that expression. There is no shortcut through per-so
 (weights decide which lag is largest, not only when a source is due), so every bin takes an argmax.
 
 A source asked for more bins than it has is repeated epoch after epoch: its first epoch in the pack's own
-order, each later one in a fresh permutation seeded by (seed, source, epoch); a source asked for less is cut.
+order, each later one in a fresh permutation seeded by (seed, source, epoch). A source asked for less is cut to
+a seeded random subset of its bins, never a prefix of its packing (multipack orders bins longest first): the
+caller relabels its bins by a permutation (``orders``) and the blend takes the first ones of that order.
 A long blend is computed in two parts at once, on two cores, and is the same bin for bin (``Ahead``).
 """
 
@@ -113,15 +115,40 @@ def greedy_blend(weights, unit, sizes, size_offsets, counts, later, later_offset
     return n
 
 
-def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int, total_tokens: int, seed: int
-               ) -> Blend:
+def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int, total_tokens: int, seed: int,
+               orders: list[np.ndarray | None] | None = None) -> Blend:
     """The blend of sources with these bin sizes (in tokens) and weights, until ``total_tokens`` are delivered.
 
     A source given as an int is that many bins each worth ``unit`` (a fixed-capacity pack): with every source
     so, the blend runs on bin counts alone (Megatron's exact rule, no sizes read). ``weights`` need not sum
-    to 1 (they are normalized); each must be > 0 and each source must hold a bin. Memory: the output, the
-    later epochs' orders, and (bin sizes given) the sizes once more, in the order they are taken.
+    to 1 (they are normalized); each must be > 0 and each source must hold a bin. ``orders[i]``, where given,
+    is the order in which source ``i`` gives its first epoch (a permutation of its bins; later epochs permute
+    that order), instead of its own. Memory: the output, the later epochs' orders, and (bin sizes given) the
+    sizes once more, in the order they are taken.
     """
+    orders = orders or [None] * len(bin_sizes)
+    bin_sizes = [s if o is None or isinstance(s, int | np.integer) else np.asarray(s)[o]
+                 for s, o in zip(bin_sizes, orders, strict=True)]
+    return relabel(_blend(bin_sizes, weights, unit, total_tokens, seed), orders)
+
+
+def relabel(blend: Blend, orders: list[np.ndarray | None]) -> Blend:
+    """``blend`` with the bins of each source that has an order read through it (bin t of the order → its bin)."""
+    which = [i for i, o in enumerate(orders) if o is not None]
+    if not which:
+        return blend
+    base = np.zeros(len(orders), np.int64)
+    base[which] = np.cumsum([0, *(len(orders[i]) for i in which[:-1])])
+    ordered = np.zeros(len(orders), np.bool_)
+    ordered[which] = True
+    at = np.flatnonzero(ordered[blend.bin_source])
+    lookup = np.concatenate([np.asarray(orders[i], np.int64) for i in which])
+    blend.bin_index[at] = lookup[base[blend.bin_source[at]] + blend.bin_index[at]]
+    return blend
+
+
+def _blend(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int, total_tokens: int, seed: int
+           ) -> Blend:
     weights = np.asarray(weights, np.float64) / np.sum(weights)
     k = len(bin_sizes)
     uniform = all(isinstance(s, int | np.integer) for s in bin_sizes)

@@ -1,4 +1,4 @@
-"""Pack caches (DESIGN §2): cache keys, and atomic, locked publication.
+"""Pack caches (entries described by schemas/pack.schema.json): cache keys, and atomic, locked publication.
 
 ``pack(datasets, output, config)`` is the whole of ``xprep pack``:
 
@@ -32,33 +32,36 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from prep.dataset import canonical_json, read_manifest, verify_streams
+from prep.dataset import TokenDataset, canonical_json, read_manifest, verify_streams
 from prep.errors import XprepError
 from prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
+from prep.interrupt import temporary
 from prep.io import check_output_dir, fsync_dir, fsync_tree, read_json, write_json_atomic
 from prep.mixture import (
     BlendEntry,
     blend_key,
     blend_name,
     blend_total,
+    blend_unit,
     blend_units,
     build_blend,
     check_blend_config,
     read_sources,
     shares,
+    source_configs,
 )
 from prep.packconfig import PackConfig
 from prep.packfile import PackEntry, open_fingerprinted
-from prep.packing import Packed, held_out, pack_lengths
+from prep.packing import Packed, Targets, held_out, item_targets, pack_lengths
 from prep.remote import synced_from
 
-PACK_VERSION = 1  # bump when the same options and data would pack differently
+PACK_VERSION = 2  # bump when the same options and data would pack differently (2: items with no target dropped)
 TRAIN, VALIDATION = "train", "validation"  # the parts of a --split pack
 SPLIT_RULE = ("document d of dataset D is held out for validation when u(D, d) < VALID/(TRAIN+VALID), u = splitmix64 "
               "of (the first 8 bytes of sha256(D's fingerprint), d) as a fraction of 2**64: it depends on the "
@@ -124,19 +127,20 @@ class PackOutcome:
 
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
          log: Callable[[str], None] | None = None, allow_empty: bool = False, weights: list[float] | None = None,
-         mix: str | None = None, make_current: bool = True, localize: Callable[[str], str] | None = None
-         ) -> PackOutcome:
+         mix: str | None = None, make_current: bool = True, localize: Callable[[str], str] | None = None,
+         source_options: list[dict] | None = None) -> PackOutcome:
     """Return the cache entry for these datasets and options, building it unless it exists.
 
     A pack of 0 bins (no documents, or all empty or dropped) is refused before anything is published,
     hit or build, unless ``allow_empty``: training on it would do nothing, silently. ``make_current``:
     record it as PACKED/manifest.json's current entry (a blend's sources are not: only the blend is).
     ``localize``: a dataset URL named in the ``mix`` file → the local copy to pack (see ``read_sources``).
+    ``source_options``: each ``DATASET@WEIGHT:key=value`` argument's options (a blend's ``method``/``overlong``).
     """
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
     if weights is not None or mix is not None:
-        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, localize)
+        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, localize, source_options)
     new_root = not Path(output).exists()
     root = _prepare_root(Path(output))
     try:
@@ -213,29 +217,31 @@ def split_documents(datasets: list[dict], split: tuple[int, int]) -> np.ndarray:
 # ------------------------------------------------------------------------------------------- blend
 def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
                 log: Callable[[str], None], weights: list[float] | None, mix: str | None, allow_empty: bool,
-                localize: Callable[[str], str] | None = None) -> PackOutcome:
+                localize: Callable[[str], str] | None = None, source_options: list[dict] | None = None
+                ) -> PackOutcome:
     """A blend (prep/mixture.py): every source packed alone by the plain path (its own entry, shared with
     other mixtures), then the blend entry ordering their bins, built under its lock and made current."""
     t0 = time.perf_counter()
     check_blend_config(config)
-    sources = read_sources([str(d) for d in datasets], weights, mix, localize)  # all checked before any packing
-    per_source = replace(config, total_tokens=None, epochs=None)  # one epoch each: the blend repeats or cuts
+    sources = read_sources([str(d) for d in datasets], weights, mix, localize, source_options)  # all checked first
+    configs = source_configs(sources, config)
     outcomes = []
-    for s in sources:
+    for s, c in zip(sources, configs, strict=True):
         try:
-            outcomes.append(pack([s.path], output, per_source, force=force, log=log, allow_empty=allow_empty,
+            outcomes.append(pack([s.path], output, c, force=force, log=log, allow_empty=allow_empty,
                                  make_current=False))
         except XprepError as e:
             raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
     entries = [o.entry for o in outcomes]
     shares_ = shares(sources)
-    total, size_option = blend_total(config, shares_, [blend_units(e) for e in entries])
+    unit = blend_unit(entries)
+    total, size_option = blend_total(config, shares_, [blend_units(e, unit) for e in entries])
     root = Path(output)
     entry, hit = _blend_once(root, sources, entries, config, total, size_option, force, log)
     validation = None
     if config.split is not None:  # the held-out parts of every source, each bin once
         held_out = [o.validation for o in outcomes]
-        validation, _ = _blend_once(root, sources, held_out, config, sum(blend_units(e) for e in held_out),
+        validation, _ = _blend_once(root, sources, held_out, config, sum(blend_units(e, unit) for e in held_out),
                                     "validation", force, log, every_bin_once=True)
     _set_current(root, entry, validation)
     return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, sources=outcomes,
@@ -277,12 +283,13 @@ def _build_blend(root: Path, name: str, sources: list, entries: list[PackEntry],
     tmp = root / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
-        BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
-                   sources=entries).write_arrays(tmp)
-        write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable
-        fsync_tree(tmp)
-        _publish(tmp, root / name)
+        with temporary(tmp):
+            blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
+            BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
+                       sources=entries).write_arrays(tmp)
+            write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable
+            fsync_tree(tmp)
+            _publish(tmp, root / name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -406,22 +413,25 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
     tmp = root / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        lengths, described = _load_lengths(inputs, root / name)
-        t0 = time.perf_counter()
-        docs = _part_documents(described, split)
-        packed = pack_lengths(lengths, config, docs)
-        check_not_empty(packed.stats, config, allow_empty, split and split["part"])
-        meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
-                "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
-                "layout": layout_of(config), "stats": packed.stats,
-                "pack_seconds": round(time.perf_counter() - t0, 3),
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
-        if config.method == "chunk":
-            meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
-        if split:
-            meta["split"] = {**split, "documents": len(docs)}
-        _write_entry(tmp, packed, meta)
-        _publish(tmp, root / name)
+        with temporary(tmp):
+            datasets = open_fingerprinted(inputs, root / name, since="`xprep pack` started")
+            lengths, described = _load_lengths(inputs, datasets)
+            t0 = time.perf_counter()
+            docs = _part_documents(described, split)
+            packed = pack_lengths(lengths, config, docs, dataset_targets(datasets))
+            check_not_empty(packed.stats, config, allow_empty, split and split["part"])
+            meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
+                    "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
+                    "loss_mask": any(ds.loss_mask is not None for ds in datasets),
+                    "layout": layout_of(config), "stats": packed.stats,
+                    "pack_seconds": round(time.perf_counter() - t0, 3),
+                    "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
+            if config.method == "chunk":
+                meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
+            if split:
+                meta["split"] = {**split, "documents": len(docs)}
+            _write_entry(tmp, packed, meta)
+            _publish(tmp, root / name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -436,10 +446,10 @@ def _part_documents(described: list[dict], split: dict | None) -> np.ndarray | N
     return np.flatnonzero(valid if split["part"] == VALIDATION else ~valid)
 
 
-def _load_lengths(inputs: list[dict], entry: Path) -> tuple[np.ndarray, list[dict]]:
+def _load_lengths(inputs: list[dict], datasets: list[TokenDataset]) -> tuple[np.ndarray, list[dict]]:
     """Document lengths of all datasets concatenated (the global index), and their descriptions."""
     parts, described, first = [], [], 0
-    for d, ds in zip(inputs, open_fingerprinted(inputs, entry, since="`xprep pack` started"), strict=True):
+    for d, ds in zip(inputs, datasets, strict=True):
         parts.append(ds.lengths)
         described.append({**d, "documents": len(ds), "tokens": int(ds.manifest["counts"]["tokens"]),
                           "first_document": first})
@@ -447,10 +457,30 @@ def _load_lengths(inputs: list[dict], entry: Path) -> tuple[np.ndarray, list[dic
     return np.concatenate(parts) if parts else np.zeros(0, np.int32), described
 
 
+def dataset_targets(datasets: list[TokenDataset]) -> Targets:
+    """``Targets`` over the global document index of these datasets, from their loss masks (one pass over the
+    masks of the items asked about; a dataset without a loss-mask stream learns every token but an item's first)."""
+    bases = np.cumsum([0, *(len(ds) for ds in datasets)])
+    streams = [(ds.loss_mask.items if ds.loss_mask is not None else np.zeros(0, np.uint8), ds.tokens.offsets(),
+                ds.lengths.astype(np.int64)) for ds in datasets]
+
+    def targets(item_doc, item_start, item_len, lookahead=False):
+        if len(streams) == 1:
+            return item_targets(*streams[0], item_doc, item_start, item_len, lookahead)
+        out = np.zeros(len(item_doc), np.int64)
+        which = np.searchsorted(bases, item_doc, side="right") - 1
+        for k in np.unique(which).tolist():
+            sel = np.flatnonzero(which == k)
+            out[sel] = item_targets(*streams[k], item_doc[sel] - bases[k], item_start[sel], item_len[sel], lookahead)
+        return out
+
+    return targets
+
+
 def _write_entry(tmp: Path, packed: Packed, meta: dict) -> None:
     """Arrays first, then pack.json: the completion marker."""
     PackEntry(path=tmp, meta=meta, bin_offsets=packed.bin_offsets, item_doc=packed.item_doc,
-              item_start=packed.item_start, item_len=packed.item_len).write_arrays(tmp)
+              item_start=packed.item_start, item_len=packed.item_len, bin_targets=packed.bin_targets).write_arrays(tmp)
     _mark_complete(tmp, meta)
 
 

@@ -32,43 +32,58 @@ import hashlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from prep.blend import MAX_SOURCES, Blend, blend_bins
+from prep.blend import MAX_SOURCES, Blend, blend_bins, epoch_seed, relabel
 from prep.dataset import TokenDataset, canonical_json
 from prep.errors import XprepError
-from prep.formats import BLEND_JSON, DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, declared_format
+from prep.formats import (
+    BLEND_JSON,
+    DATASET_FORMAT,
+    LOSS_MASK_STREAM,
+    MANIFEST,
+    PACK_FORMAT,
+    PACK_JSON,
+    declared_format,
+)
 from prep.io import read_json
-from prep.packconfig import PackConfig
+from prep.packconfig import BLENDABLE_METHODS, SOURCE_OPTIONS, PackConfig, check_source_option
 from prep.packfile import EntryMeta, PackEntry, load_arrays, open_packed
+from prep.packing import shuffled_order
 from prep.remote import is_url
 
-BLEND_VERSION = 1  # bump when the same sources and options would blend differently
+BLEND_VERSION = 2  # bump when the same sources and options would blend differently (2: cut = random subset)
 BLEND_ARRAYS = ("bin_source", "bin_index")
-MIX_KEYS = {"dataset", "weight", "name"}
+MIX_KEYS = {"dataset", "weight", "name", *SOURCE_OPTIONS}
 
 
 # -------------------------------------------------------------------------------------------- sources
 @dataclass
 class Source:
-    """One dataset of a blend: where it is, its weight (a share of tokens, not normalized) and its name."""
+    """One dataset of a blend: where it is, its weight (a share of tokens, not normalized), its name, and the
+    packing options it overrides (``method``, ``overlong``; None: the command's, see ``PackConfig.for_source``)."""
 
     path: Path
     weight: float
     name: str
+    method: str | None = None
+    overlong: str | None = None
 
 
 def read_sources(paths: list[str], weights: list[float] | None, mix: str | None,
-                 localize: Callable[[str], str] | None = None) -> list[Source]:
-    """The sources of a blend: the ``--mix`` file's, then the ``DATASET@WEIGHT`` arguments; all checked
-    (weights, names, datasets present, one tokenizer) before anything is packed. ``localize`` maps a dataset
-    URL of the mix file to the local copy to pack (the CLI syncs it into the cache directory)."""
+                 localize: Callable[[str], str] | None = None, options: list[dict] | None = None) -> list[Source]:
+    """The sources of a blend: the ``--mix`` file's, then the ``DATASET@WEIGHT[:key=value,...]`` arguments
+    (``options``: each argument's keys); all checked (weights, names, options, datasets present, one tokenizer)
+    before anything is packed. ``localize`` maps a dataset URL of the mix file to the local copy to pack (the
+    CLI syncs it into the cache directory)."""
     sources = read_mix(mix, localize) if mix is not None else []
-    sources += [Source(Path(p), float(w), Path(p).resolve().name) for p, w in zip(paths, weights or [], strict=True)]
+    options = options or [{} for _ in paths]
+    sources += [Source(Path(p), float(w), Path(p).resolve().name, **o)
+                for p, w, o in zip(paths, weights or [], options, strict=True)]
     where = f"--mix {mix}" if mix is not None else "the blend"
     if len(sources) > MAX_SOURCES:
         raise XprepError(f"{where}: {len(sources):,} sources, more than {MAX_SOURCES:,}; merge some datasets first")
@@ -123,8 +138,12 @@ def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None 
         raise XprepError(f"{where}: expected a mapping {{dataset, weight, name?}}, got {item!r}")
     unknown = set(item) - MIX_KEYS
     if unknown:
-        raise XprepError(f"{where}: unknown key {sorted(unknown)[0]!r}; a source has dataset, weight and name")
+        raise XprepError(f"{where}: unknown key {sorted(unknown)[0]!r}; a source has dataset, weight, name, "
+                         "method and overlong")
     dataset, weight, name = item.get("dataset"), item.get("weight"), item.get("name")
+    options = {k: item[k] for k in SOURCE_OPTIONS if k in item}
+    for key, value in options.items():
+        check_source_option(key, value, f"{where} ({dataset})")
     if not isinstance(dataset, str) or not dataset:
         raise XprepError(f"{where}: `dataset:` must name a token dataset directory")
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not (0 < weight < math.inf):
@@ -135,9 +154,10 @@ def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None 
         if localize is None:
             raise XprepError(f"{where}: {dataset} is a URL; give the mix file to `xprep pack --mix`, which copies "
                              "URL datasets into its --cache-dir")
-        return Source(Path(localize(dataset)), float(weight), name or dataset.rstrip("/").rsplit("/", 1)[-1])
+        return Source(Path(localize(dataset)), float(weight), name or dataset.rstrip("/").rsplit("/", 1)[-1],
+                      **options)
     full = Path(dataset) if Path(dataset).is_absolute() else path.parent / dataset
-    return Source(full, float(weight), name or full.resolve().name)
+    return Source(full, float(weight), name or full.resolve().name, **options)
 
 
 def check_dataset(source: Source, where: str) -> None:
@@ -179,13 +199,57 @@ def check_blend_config(config: PackConfig) -> None:
         raise XprepError("--total-tokens and --epochs both size the blend: give one")
 
 
+def source_configs(sources: list[Source], config: PackConfig) -> list[PackConfig]:
+    """How each source is packed (``PackConfig.for_source``), one epoch each (the blend repeats or cuts), checked
+    to blend: bins of one kind and size (``BLENDABLE_METHODS`` mix freely; chunk and token-aware only alone)."""
+    configs = []
+    for s in sources:
+        try:
+            c = config.for_source(s.method, s.overlong, has_loss_mask(s.path))
+        except XprepError as e:
+            raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
+        configs.append(replace(c, total_tokens=None, epochs=None))
+    methods = sorted({c.method for c in configs})
+    if len(methods) > 1 and not set(methods) <= set(BLENDABLE_METHODS):
+        odd = next(m for m in methods if m not in BLENDABLE_METHODS)
+        raise XprepError(f"a blend cannot mix --method {odd} with {', '.join(m for m in methods if m != odd)}: "
+                         f"{odd} bins are read differently by the trainer; give every source the same method, or "
+                         f"mix only {' and '.join(BLENDABLE_METHODS)} (e.g. text: method=sequential, overlong=split)")
+    return configs
+
+
+def has_loss_mask(dataset: Path) -> bool:
+    """Whether a token dataset has a loss-mask stream (SFT data: some tokens are not targets)."""
+    manifest = read_json(dataset / MANIFEST, "dataset manifest", "re-run `xprep tokenize`")
+    return LOSS_MASK_STREAM in (manifest.get("streams") or {})
+
+
 # ------------------------------------------------------------------------------------------- planning
-def bin_sizes(entry: PackEntry) -> np.ndarray | int:
-    """Each bin's size in blend units: its tokens for token-aware; for the other methods every bin is worth its
-    capacity, given as the number of bins (``blend_bins`` then blends on counts alone)."""
-    if entry.config["method"] != "token-aware":
-        return entry.num_bins
-    return bin_tokens(entry)
+UNIT_TARGETS, UNIT_CAPACITY, UNIT_TOKENS = "target tokens", "capacity", "tokens"
+
+
+def blend_unit(entries: list[PackEntry]) -> str:
+    """What a blend's weights share: target tokens when any source has a loss mask (a chat set's prompts are not
+    what it contributes), else bins × capacity (fixed-capacity packs, Megatron's rule on bin counts), or the
+    tokens of token-aware bins."""
+    if any(e.meta.get("loss_mask") for e in entries):
+        return UNIT_TARGETS
+    return UNIT_TOKENS if entries[0].config["method"] == "token-aware" else UNIT_CAPACITY
+
+
+def bin_sizes(entry: PackEntry, unit: str) -> np.ndarray | int:
+    """Each bin's size in blend units: its target tokens, or its tokens for token-aware; for capacity units every
+    bin is worth its capacity, given as the number of bins (``blend_bins`` then blends on counts alone)."""
+    if unit == UNIT_TARGETS:
+        return _targets(entry)
+    return entry.num_bins if unit == UNIT_CAPACITY else bin_tokens(entry)
+
+
+def _targets(entry: PackEntry) -> np.ndarray:
+    if entry.bin_targets is None:
+        raise XprepError(f"{entry.path}: made by an older xprep that did not count each bin's target tokens; "
+                         "re-run its `xprep pack`")
+    return np.asarray(entry.bin_targets)
 
 
 def bin_tokens(entry: PackEntry) -> np.ndarray:
@@ -196,11 +260,11 @@ def bin_tokens(entry: PackEntry) -> np.ndarray:
     return (csum[offsets[1:]] - csum[offsets[:-1]]).astype(np.int32)
 
 
-def blend_units(entry: PackEntry) -> int:
-    """A source's size in blend units: bins × capacity, or its tokens for token-aware."""
-    if entry.config["method"] != "token-aware":
-        return entry.num_bins * entry.capacity
-    return int(entry.meta["stats"]["tokens"])
+def blend_units(entry: PackEntry, unit: str) -> int:
+    """A source's size in blend units: its target tokens, bins × capacity, or its tokens."""
+    if unit == UNIT_TARGETS:
+        return int(_targets(entry).sum(dtype=np.int64))
+    return entry.num_bins * entry.capacity if unit == UNIT_CAPACITY else int(entry.meta["stats"]["tokens"])
 
 
 def shares(sources: list[Source]) -> np.ndarray:
@@ -247,35 +311,92 @@ def build_blend(sources: list[Source], entries: list[PackEntry], config: PackCon
         if e.num_bins == 0:
             raise XprepError(f"blend source {s.name!r} ({s.path}) packs into 0 bins: nothing to blend from it; "
                              "drop it from the blend or change the pack options")
-    available = [blend_units(e) for e in entries]
+    unit = blend_unit(entries)
+    available = [blend_units(e, unit) for e in entries]
     t0 = time.perf_counter()
     if every_bin_once:  # its shares are the sources' sizes: nothing in it follows the weights or the seed
         shares_ = np.array(available, np.float64) / max(sum(available), 1)
-        blend = once_each(entries, config)
+        blend = once_each(entries, unit)
     else:
         shares_ = shares(sources)
-        blend = blend_bins([bin_sizes(e) for e in entries], shares_, config.capacity, total, config.seed)
+        blend = draw_blend([bin_sizes(e, unit) for e in entries], shares_, config.capacity, total, config.seed)
     seconds = time.perf_counter() - t0
     delivered_total = int(blend.tokens.sum())
     per_bin = [bin_tokens(e) for e in entries]  # real tokens of every bin, all sources end to end
     first = np.concatenate([[0], np.cumsum([len(t) for t in per_bin])])
     taken = np.concatenate(per_bin)[first[blend.bin_source] + blend.bin_index]  # one gather, not a mask per source
     real = np.bincount(blend.bin_source, weights=taken, minlength=len(entries)).astype(np.int64).tolist()
-    rows = [{**_source_row(s, e, float(w), total, blend, i, available[i], delivered_total), "real_tokens": real[i]}
+    rows = [{**_source_row(s, e, float(w), total, blend, i, available[i], delivered_total), "real_tokens": real[i],
+             **delivered(e, blend.bin_index[blend.bin_source == i]),
+             "drawn": _drawn(int(blend.bins[i]), e.num_bins, None if every_bin_once else config.seed)}
             for i, (s, e, w) in enumerate(zip(sources, entries, shares_, strict=True))]
     if every_bin_once:
         for row in rows:  # the sources' sizes, not the mixture's weights: this blend does not follow them
             row["weight"] = row["requested_share"]
     meta = {"format": PACK_FORMAT, "kind": "blend", "version": BLEND_VERSION, "key": key, "name": blend_name(key),
-            "config": entries[0].config, "seed": None if every_bin_once else config.seed,
-            "size": {"option": size_option, "total_tokens": total,
-                     "unit": "tokens" if config.method == "token-aware" else "capacity"},
+            "config": blend_config(entries), "seed": None if every_bin_once else config.seed,
+            "size": {"option": size_option, "total_tokens": total, "unit": unit},
             "sources": rows,
             "stats": {"bins": len(blend.bin_source), "tokens": delivered_total, "real_tokens": sum(real)},
             "lookahead": any(bool(e.meta.get("lookahead")) for e in entries),  # --method chunk sources
             "blend_seconds": round(seconds, 3),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
     return blend, meta
+
+
+def draw_blend(sizes: list[np.ndarray | int], shares_: np.ndarray, unit: int, total: int, seed: int) -> Blend:
+    """``blend_bins``, where every source that gives fewer bins than it has gives a seeded random subset of them.
+
+    Which sources are cut shows once the blend is made: each is then read through a permutation of its bins
+    seeded by (seed, source) (``epoch_seed`` of epoch 0, which no repeated epoch uses). Bins of fixed capacity
+    all count alike, so relabelling them changes no choice of the greedy rule; bins of their own sizes (target
+    tokens, token-aware) are blended again in the drawn order until no other source turns out cut.
+    """
+    orders: list[np.ndarray | None] = [None] * len(sizes)
+    counts = [int(s) if isinstance(s, int | np.integer) else len(s) for s in sizes]
+    uniform = all(isinstance(s, int | np.integer) for s in sizes)
+    blend = blend_bins(sizes, shares_, unit, total, seed)
+    while True:
+        cut = [i for i, n in enumerate(counts) if orders[i] is None and int(blend.bins[i]) < n]
+        if not cut:
+            return blend
+        drawn = [shuffled_order(counts[i], epoch_seed(seed, i, 0)) if i in cut else None for i in range(len(sizes))]
+        orders = [o if o is not None else d for o, d in zip(orders, drawn, strict=True)]
+        blend = relabel(blend, drawn) if uniform else blend_bins(sizes, shares_, unit, total, seed, orders)
+
+
+def _drawn(bins: int, available: int, seed: int | None) -> str:
+    """How the bins a source gives were chosen (blend.json, reports)."""
+    if seed is None:
+        return "every held-out bin once"
+    if bins < available:
+        return f"a seeded random subset: {bins:,} of its {available:,} bins, drawn with --seed {seed}"
+    if bins == available:
+        return "all its bins once, in the pack's order"
+    return f"all its bins, then seeded random orders of them (--seed {seed}) for {bins / available:.2f} epochs"
+
+
+def delivered(entry: PackEntry, bins: np.ndarray) -> dict:
+    """What the blend delivers of a source: the distinct documents with a piece in its bins, and the pieces
+    (items) and target tokens over every bin it gives (repeats counted)."""
+    offsets = np.asarray(entry.bin_offsets)
+    distinct = np.unique(np.asarray(bins, np.int64))
+    docs = np.asarray(entry.item_doc)[expand_ranges(offsets[distinct], offsets[distinct + 1])]
+    pieces = int((offsets[np.asarray(bins, np.int64) + 1] - offsets[np.asarray(bins, np.int64)]).sum())
+    targets = int(np.asarray(entry.bin_targets)[bins].sum(dtype=np.int64)) if entry.bin_targets is not None else None
+    return {"documents_delivered": int(len(np.unique(docs))), "pieces_delivered": pieces,
+            "target_tokens": targets}
+
+
+def blend_config(entries: list[PackEntry]) -> dict:
+    """The pack options of a blend, as its trainer plans by them: the first source's, with the method and the
+    overlong policy of every source where they differ (e.g. ``"sequential+multipack"``)."""
+    config = dict(entries[0].config)
+    for name in ("method", "overlong"):
+        values = list(dict.fromkeys(e.config[name] for e in entries))
+        if len(values) > 1:
+            config[name] = "+".join(values)
+    return config
 
 
 def _source_row(s: Source, e: PackEntry, share: float, total: int, blend: Blend, i: int, available: int,
@@ -288,7 +409,9 @@ def _source_row(s: Source, e: PackEntry, share: float, total: int, blend: Blend,
             "tokens_available": available, "bins_available": e.num_bins, "bins": int(blend.bins[i]),
             "epochs": int(blend.bins[i]) / e.num_bins, "epochs_begun": int(blend.epochs[i]),
             "documents": stats["documents_in"],
-            "documents_kept": stats["documents_in"] - stats["dropped_documents"] - stats["empty_documents"]}
+            "documents_kept": stats["documents_in"] - stats["dropped_documents"] - stats["empty_documents"]
+            - (stats.get("no_target") or {}).get("documents", 0),
+            "method": e.config["method"], "overlong": e.config["overlong"]}
 
 
 # ---------------------------------------------------------------------------------------------- entry
@@ -454,11 +577,11 @@ def _plain_name(entry: PackEntry) -> str:
     return Path(datasets[0]["path"]).name if len(datasets) == 1 else entry.path.name
 
 
-def once_each(entries: list[PackEntry], config: PackConfig) -> Blend:
+def once_each(entries: list[PackEntry], unit: str) -> Blend:
     """Every bin of every source exactly once, the sources interleaved in proportion to their sizes (bin j of
     a source of n bins sits at fraction (j + ½)/n of the order), so the first M bins sample every source."""
     counts = np.array([e.num_bins for e in entries], np.int64)
-    units = np.array([blend_units(e) for e in entries], np.int64)
+    units = np.array([blend_units(e, unit) for e in entries], np.int64)
     dtype = np.int32 if counts.max() < 2**31 else np.int64
     order = np.argsort(np.concatenate([(np.arange(n) + 0.5) / n for n in counts]), kind="stable")
     return Blend(bin_source=np.repeat(np.arange(len(entries), dtype=np.int16), counts)[order],

@@ -58,6 +58,8 @@ def pack_report(path: str | Path) -> dict:
         "fill_histogram": fill_histogram(per_bin, capacity),
         "documents_per_bin_histogram": count_histogram(documents_per_bin),
         "overlong": {k: stats[k] for k in _OVERLONG_KEYS},
+        "no_target": stats.get("no_target"),  # pieces (and documents) dropped for holding no target token
+        "target_tokens": stats.get("target_tokens"),
         "documents_in": stats["documents_in"],
         "tokens_in": stats["tokens_in"],
         "empty_documents": stats["empty_documents"],
@@ -201,7 +203,8 @@ def _entry_row(path: Path, current: bool, validation: bool = False) -> dict:
                                      "group_size", "balance_dp", "dp_micro_batches")}
     return {**row, "status": "ok", **options, "options": pack_flags(c), "bins": s["bins"], "fill": s["fill"],
             "documents_in": s["documents_in"],
-            "documents_kept": s["documents_in"] - s["dropped_documents"] - s["empty_documents"],
+            "documents_kept": s["documents_in"] - s["dropped_documents"] - s["empty_documents"]
+            - (s.get("no_target") or {}).get("documents", 0),
             "tokens_in": s["tokens_in"], "tokens": s["tokens"], "created": meta.get("created"),
             "part": (meta.get("split") or {}).get("part"),
             "datasets": [d.get("path") for d in meta.get("datasets", [])]}
@@ -259,10 +262,32 @@ def blend_summary(meta: dict) -> dict:
     return {"seed": meta["seed"], "size": meta["size"], "bins": bins, "tokens": meta["stats"]["tokens"],
             "real_tokens": real, "fill": real / (bins * capacity) if bins else 0.0, "capacity": capacity,
             "method": meta["config"]["method"], "blend_seconds": meta.get("blend_seconds"),
-            "sources": [{k: s[k] for k in ("name", "entry", "datasets", "weight", "requested_share",
-                                           "delivered_share", "requested_tokens", "delivered_tokens",
-                                           "tokens_available", "bins_available", "bins", "epochs")}
-                        for s in meta["sources"]]}
+            "unit": meta["size"].get("unit", "capacity"),
+            "sources": [{k: s.get(k) for k in ("name", "entry", "datasets", "weight", "requested_share",
+                                               "delivered_share", "requested_tokens", "delivered_tokens",
+                                               "tokens_available", "bins_available", "bins", "epochs", "drawn",
+                                               "method", "overlong", "documents", "documents_delivered",
+                                               "pieces_delivered", "target_tokens", "real_tokens")}
+                        for s in meta["sources"]],
+            "warnings": blend_warnings(meta)}
+
+
+CUT_WARN_BELOW = 0.5  # a source cut below this share of its bins is said on the console
+
+
+def blend_warnings(meta: dict) -> list[str]:
+    """What a user should hear about a blend: sources it uses only a small part of (their size was set by the
+    largest weight's, ``--epochs 1`` by default), each with the options that use more."""
+    if meta.get("seed") is None:  # the validation blend holds every held-out bin once
+        return []
+    out = []
+    for s in meta["sources"]:
+        fraction = s["bins"] / s["bins_available"] if s["bins_available"] else 1.0
+        if fraction < CUT_WARN_BELOW:
+            out.append(f"source {s['name']!r} is cut to {100 * fraction:.1f} % of its bins ({s['bins']:,} of "
+                       f"{s['bins_available']:,}, a seeded random subset): the blend's size is "
+                       f"{meta['size']['option']}; --total-tokens or --epochs to use more")
+    return out
 
 
 def blend_row(path: Path) -> dict:
@@ -277,7 +302,8 @@ def blend_row(path: Path) -> dict:
         else:
             mix = " ".join(f"{s['name']}@{s['weight']:g}" for s in sources)
             options = f"blend {mix} {meta['size']['option']} --seed {meta['seed']}; each {pack_flags(meta['config'])}"
-        kept, docs = sum(s["documents_kept"] for s in sources), sum(s["documents"] for s in sources)
+        docs = sum(s["documents"] for s in sources)
+        kept = sum(s.get("documents_delivered", s["documents_kept"]) for s in sources)  # what the blend delivers
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         return {"status": "corrupt", "problem": "unreadable blend.json: re-run its `xprep pack` with --force"}
     return {"status": "ok", "method": "blend", "capacity": summary["capacity"], "options": options,

@@ -6,7 +6,8 @@ command (``prep.cache``), which depends on that pipeline.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from prep.errors import XprepError
 
@@ -18,6 +19,9 @@ DEFAULT_OVERLONG = {"sequential": "split", "multipack": "drop", "token-aware": "
 DEFAULT_SHUFFLE = {"sequential": False, "multipack": False, "token-aware": True, "chunk": False}
 DEFAULT_GROUP_SIZE = 100_000
 DEFAULT_DP_MICRO_BATCHES = 16  # a wider window balances micro-steps better (1.33 → 1.09 at 8 ranks)
+SOURCE_OPTIONS = ("method", "overlong")  # what one source of a blend may set for itself
+# Methods whose bins can share a blend: each bin is one row of --seq-len tokens, planned and read alike.
+BLENDABLE_METHODS = ("sequential", "multipack")
 
 
 @dataclass
@@ -41,8 +45,11 @@ class PackConfig:
     total_tokens: int | None = None  # --total-tokens: the size of a chunk pack (epochs of the stream) or of a blend
     epochs: float | None = None  # --epochs: the same, in epochs (of the stream; of the largest share of a blend)
     split: tuple[int, int] | None = None  # --split TRAIN,VALID: shares of documents held out for validation
+    defaulted: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)  # filled by the method
 
     def __post_init__(self):
+        self.defaulted = tuple(n for n in ("overlong", "shuffle", "group_size", "dp_micro_batches")
+                               if getattr(self, n) is None)
         if self.method not in METHODS:
             raise XprepError(f"--method {self.method!r} is unknown: choose one of {', '.join(METHODS)}")
         self._check_capacity_option()
@@ -160,6 +167,22 @@ class PackConfig:
                 fields[name] = list(self.split) if name == "split" else getattr(self, name)
         return fields
 
+    def for_source(self, method: str | None, overlong: str | None, masked: bool) -> PackConfig:
+        """The options one source of a blend is packed with: its own ``method``/``overlong`` where it sets them,
+        else the command's; options the command left to the method's default take the source's method's. A
+        source with no loss mask (pretraining text) is split where the command did not choose (--overlong):
+        cutting a long text loses nothing, and dropping it would skew the mix towards short documents."""
+        method = method or self.method
+        if overlong is None and "overlong" not in self.defaulted:
+            overlong = self.overlong
+        if overlong is None and not masked and method != "chunk":
+            overlong = "split"
+        kept = {n: getattr(self, n) for n in ("shuffle", "group_size", "dp_micro_batches") if n not in self.defaulted}
+        if method != "multipack":
+            kept.pop("group_size", None)
+        return PackConfig(method=method, seq_len=self.seq_len, max_tokens=self.max_tokens, overlong=overlong,
+                          cp_size=self.cp_size, balance_dp=self.balance_dp, seed=self.seed, split=self.split, **kept)
+
     def for_validation(self) -> PackConfig:
         """The options of the ``--split`` validation part: the same, but a chunk pack of it is one epoch."""
         return replace(self, total_tokens=None, epochs=None)
@@ -211,25 +234,28 @@ def parse_split(text: str | None) -> tuple[int, int] | None:
     return train, valid
 
 
-def parse_sources(arguments: tuple[str, ...] | list[str], mix: str | None) -> tuple[list[str], list[float] | None]:
-    """``DATASET`` / ``DATASET@WEIGHT`` arguments → (paths, weights or None when no weight is given).
+def check_source_option(key: str, value, where: str) -> None:
+    """One per-source option of a blend (a mix file's ``method:``/``overlong:``, or ``DATASET@W:key=value``)."""
+    allowed = {"method": METHODS, "overlong": OVERLONG}.get(key)
+    if allowed is None:
+        raise XprepError(f"{where}: unknown option {key!r}; a source may set {' and '.join(SOURCE_OPTIONS)}")
+    if value not in allowed:
+        raise XprepError(f"{where}: {key} {value!r} is unknown: choose one of {', '.join(allowed)}")
+
+
+def parse_sources(arguments: tuple[str, ...] | list[str], mix: str | None
+                  ) -> tuple[list[str], list[float] | None, list[dict]]:
+    """``DATASET`` / ``DATASET@WEIGHT`` / ``DATASET@WEIGHT:key=value,...`` arguments → (paths, weights or None when
+    no weight is given, each argument's options, e.g. ``{"overlong": "split"}``).
 
     A mix file (``--mix``) is read by the blend itself; arguments given beside it must carry weights too.
     """
-    paths, weights = [], []
+    paths, weights, options = [], [], []
     for arg in arguments:
-        path, sep, weight = arg.rpartition("@")
-        if sep:
-            try:
-                value = float(weight)
-            except ValueError:
-                path, value = arg, None  # an '@' that is part of the path
-        else:
-            path, value = arg, None
-        if value is not None and not (value > 0 and value != float("inf")):
-            raise XprepError(f"{arg}: the weight {weight} must be a positive number")
+        path, value, opts = _parse_source(arg)
         paths.append(path)
         weights.append(value)
+        options.append(opts)
     given = [w is not None for w in weights]
     if any(given) and not all(given):
         missing = [p for p, w in zip(paths, weights, strict=True) if w is None]
@@ -238,4 +264,29 @@ def parse_sources(arguments: tuple[str, ...] | list[str], mix: str | None) -> tu
         raise XprepError("no DATASET given: name the token datasets to pack (or a --mix file)")
     if mix is not None and paths and not all(given):
         raise XprepError(f"{paths[0]}: datasets given beside --mix {mix} need a weight too (DATASET@WEIGHT)")
-    return paths, (weights if all(given) and paths else None)
+    return paths, (weights if all(given) and paths else None), options
+
+
+def _parse_source(arg: str) -> tuple[str, float | None, dict]:
+    """One DATASET argument: (path, weight or None, options). An '@' that belongs to an existing path is kept."""
+    path, sep, rest = arg.rpartition("@")
+    if not sep or Path(arg).exists():
+        return arg, None, {}
+    weight, _, listed = rest.partition(":")
+    try:
+        value = float(weight)
+    except ValueError:
+        if "://" in path:  # an object-store URL whose name holds an '@'
+            return arg, None, {}
+        raise XprepError(f"{arg}: {weight!r} is not a number: give a dataset's weight as DATASET@WEIGHT, e.g. "
+                         f"{path}@0.3 (or DATASET@WEIGHT:overlong=split to set its options)") from None
+    if not (value > 0 and value != float("inf")):
+        raise XprepError(f"{arg}: the weight {weight} must be a positive number")
+    opts = {}
+    for pair in filter(None, listed.split(",")):
+        key, eq, val = pair.partition("=")
+        if not eq:
+            raise XprepError(f"{arg}: expected key=value after ':', e.g. {path}@{weight}:overlong=split")
+        check_source_option(key.strip(), val.strip(), arg)
+        opts[key.strip()] = val.strip()
+    return path, value, opts

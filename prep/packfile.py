@@ -1,4 +1,4 @@
-"""The on-disk layout of one pack cache entry (DESIGN §2), written and read from one place.
+"""The on-disk layout of one pack cache entry (pack.json: schemas/pack.schema.json), written and read in one place.
 
 ```
 packed/
@@ -9,6 +9,7 @@ packed/
     item_doc.npy         int64[n_items]   document index, global over the input datasets
     item_start.npy       int32|int64      first token taken from that document
     item_len.npy         int32            tokens taken
+    bin_targets.npy      int32[n_bins]    target tokens of each bin (what the trainer learns from it)
 ```
 Bin ``b`` holds items ``bin_offsets[b]:bin_offsets[b+1]``; item ``i`` is tokens
 ``item_start[i] : item_start[i] + item_len[i]`` of global document ``item_doc[i]``.
@@ -30,6 +31,7 @@ from prep.io import read_json
 from prep.remote import sync_dataset  # fsspec itself loads only when a URL is read
 
 ARRAYS = ("bin_offsets", "item_doc", "item_start", "item_len")
+TARGETS = "bin_targets"  # since pack version 2
 
 
 class EntryMeta:
@@ -61,6 +63,7 @@ class PackEntry(EntryMeta):
     item_doc: np.ndarray
     item_start: np.ndarray
     item_len: np.ndarray
+    bin_targets: np.ndarray | None = None  # None: an entry of pack version 1, which did not count them
 
     @property
     def num_bins(self) -> int:
@@ -85,7 +88,7 @@ class PackEntry(EntryMeta):
         return open_fingerprinted(self.meta.get("datasets", []), self.path, verify_data=verify_data)
 
     def write_arrays(self, directory: Path) -> None:
-        for name in ARRAYS:
+        for name in (*ARRAYS, TARGETS) if self.bin_targets is not None else ARRAYS:
             np.save(directory / f"{name}.npy", getattr(self, name), allow_pickle=False)
 
     @classmethod
@@ -98,10 +101,12 @@ class PackEntry(EntryMeta):
         meta = read_json(meta_path, "pack entry's metadata", "re-run `xprep pack --force`")
         if not isinstance(meta, dict) or meta.get("format") != PACK_FORMAT or not meta.get("complete"):
             raise XprepError(f"{meta_path}: incomplete or foreign pack entry; re-run `xprep pack --force`")
-        arrays = load_arrays(path, ARRAYS, "re-run `xprep pack --force`")
+        counted = (path / f"{TARGETS}.npy").exists() or int(meta.get("version", 1)) >= 2
+        arrays = load_arrays(path, (*ARRAYS, TARGETS) if counted else ARRAYS, "re-run `xprep pack --force`")
         n_items = len(arrays["item_doc"])
         if (len(arrays["item_start"]) != n_items or len(arrays["item_len"]) != n_items
-                or len(arrays["bin_offsets"]) == 0 or int(arrays["bin_offsets"][-1]) != n_items):
+                or len(arrays["bin_offsets"]) == 0 or int(arrays["bin_offsets"][-1]) != n_items
+                or (counted and len(arrays[TARGETS]) != len(arrays["bin_offsets"]) - 1)):
             raise XprepError(f"{path}: pack arrays disagree in size; re-run `xprep pack --force`")
         return cls(path=path, meta=meta, **arrays)
 

@@ -22,6 +22,7 @@ reference in ``tests/test_packing.py``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,6 +137,34 @@ def expand_items(lengths, order, capacity, policy):
             item_len[j] = min(capacity, length - p * capacity)
             j += 1
     return item_doc, item_start, item_len
+
+
+@njit(cache=True, parallel=True)
+def item_targets(mask, doc_offsets, doc_lengths, item_doc, item_start, item_len, lookahead):
+    """The target tokens of each item: what the trainer will learn from it (int64 per item).
+
+    An item is tokens ``item_start … item_start + item_len`` of its document; its row predicts each token from
+    the one before, so its first token is never a target, and token ``t`` of the rest is one where ``mask`` (the
+    flat loss-mask stream, ``doc_offsets[d]`` where document ``d`` starts in it) is non-zero; an empty ``mask``
+    (no loss-mask stream) makes every such token a target. ``lookahead`` (``--method chunk``): an item that stops
+    inside its document also learns the token after it.
+    """
+    n = len(item_doc)
+    out = np.empty(n, np.int64)
+    masked = len(mask) > 0
+    for i in prange(n):
+        d, start, length = item_doc[i], np.int64(item_start[i]), np.int64(item_len[i])
+        stop = start + length
+        if lookahead and stop < doc_lengths[d]:
+            stop += 1
+        if not masked:
+            out[i] = max(stop - start - 1, 0)
+            continue
+        base, s = doc_offsets[d], 0
+        for t in range(start + 1, stop):
+            s += mask[base + t] != 0
+        out[i] = s
+    return out
 
 
 @njit(cache=True)
@@ -461,51 +490,93 @@ def range_bincount(values, starts, ends, size):
 
 
 # ----------------------------------------------------------------------------------------- pipeline
+Targets = Callable[[np.ndarray, np.ndarray, np.ndarray, bool], np.ndarray]
+"""(item_doc, item_start, item_len, lookahead) → the target tokens of each item (``item_targets`` over the data)."""
+
+
+def unmasked_targets(lengths: np.ndarray) -> Targets:
+    """``Targets`` of documents with no loss-mask stream: every token of an item but its first."""
+    lengths = np.ascontiguousarray(lengths, np.int64)
+
+    def targets(item_doc, item_start, item_len, lookahead=False):
+        return item_targets(_NO_MASK, _NO_OFFSETS, lengths, item_doc, item_start, item_len, lookahead)
+
+    return targets
+
+
+_NO_MASK, _NO_OFFSETS = np.zeros(0, np.uint8), np.zeros(0, np.int64)
+
+
 @dataclass
 class Packed:
-    """The result of packing: CSR bins over items, plus statistics (JSON-able)."""
+    """The result of packing: CSR bins over items, each bin's target tokens, plus statistics (JSON-able)."""
 
     bin_offsets: np.ndarray
     item_doc: np.ndarray
     item_start: np.ndarray
     item_len: np.ndarray
     stats: dict
+    bin_targets: np.ndarray  # int32[n_bins]: tokens the trainer learns in each bin (never 0)
 
 
-def pack_lengths(lengths: np.ndarray, config: PackConfig, docs: np.ndarray | None = None) -> Packed:
+def pack_lengths(lengths: np.ndarray, config: PackConfig, docs: np.ndarray | None = None,
+                 targets: Targets | None = None) -> Packed:
     """Pack documents of the given lengths (global index order) according to ``config``.
 
     ``docs``: the global ids of the documents to pack (a ``--split`` part), in order; None packs them all.
-    Stats then count those documents only.
+    Stats then count those documents only. ``targets`` counts each item's target tokens from the loss masks
+    (default: ``unmasked_targets``): an item with none (a piece of a long user turn, a 1-token document) is
+    dropped and counted, so no bin without a target is ever made.
     """
     lengths = np.ascontiguousarray(lengths, np.int32)
+    targets = targets or unmasked_targets(lengths)
     if docs is not None:
         docs = np.asarray(docs, np.int64)
-        packed = pack_lengths(lengths[docs], config)
+        packed = pack_lengths(lengths[docs], config, targets=lambda d, *rest: targets(docs[d], *rest))
         packed.item_doc = docs[packed.item_doc]
         return packed
     if config.method == "chunk":
-        return pack_chunks(lengths, config)
+        return pack_chunks(lengths, config, targets)
     order = document_order(len(lengths), config)
     arrays = expand_items(lengths, order, config.capacity, _POLICY_CODE[config.overlong])  # doc, start, len
+    stats = overlong_stats(lengths, config.capacity, config.overlong)
+    learned = targets(*arrays, False)
+    arrays, learned, stats["no_target"] = drop_untrained(arrays, learned)
     costs = item_costs(arrays[2], config.align)
     offsets, items = bin_items(costs, config)
     if items is not None:
-        arrays = take_items(items, *arrays)
-    stats = overlong_stats(lengths, config.capacity, config.overlong)
+        arrays, learned = take_items(items, *arrays), learned[items]
     if config.balance_dp:
         offsets, items, stats["dp_balance"] = balance_bins(offsets, arrays[2], config)
-        arrays = take_items(items, *arrays)
+        arrays, learned = take_items(items, *arrays), learned[items]
     item_doc, item_start, item_len = arrays
     stats.update(bin_stats(offsets, item_len, int(costs.sum(dtype=np.int64)), config.capacity))
-    return Packed(offsets, item_doc, item_start, item_len, stats)
+    bin_targets = bin_sums(offsets, learned, False).astype(np.int32)
+    stats["target_tokens"] = int(bin_targets.sum(dtype=np.int64))
+    return Packed(offsets, item_doc, item_start, item_len, stats, bin_targets)
 
 
-def pack_chunks(lengths: np.ndarray, config: PackConfig) -> Packed:
+def drop_untrained(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], learned: np.ndarray
+                   ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray, dict]:
+    """The items with at least one target token, and what was dropped: pieces, their tokens, and the documents
+    left with no item at all (e.g. a pasted user turn split into pieces before the one holding the answer)."""
+    keep = learned > 0
+    item_doc, _, item_len = arrays
+    gone = ~keep
+    lost_docs = np.setdiff1d(np.unique(item_doc[gone]), item_doc[keep]) if gone.any() else item_doc[:0]
+    stats = {"pieces": int(gone.sum()), "tokens": int(item_len[gone].sum(dtype=np.int64)),
+             "documents": int(len(lost_docs))}
+    if not gone.any():
+        return arrays, learned, stats
+    return tuple(a[keep] for a in arrays), learned[keep], stats
+
+
+def pack_chunks(lengths: np.ndarray, config: PackConfig, targets: Targets) -> Packed:
     """``--method chunk`` (prep/chunk.py): the non-empty documents, epoch after epoch, cut into samples.
 
     Bin k is sample k. Stats have the keys of the other methods (no document is overlong: the stream cuts
-    them) plus ``samples``, ``epochs`` (begun) and ``epoch_tokens``.
+    them) plus ``samples``, ``epochs`` (begun) and ``epoch_tokens``. A sample with no target token (only
+    possible with loss masks: one inside a long prompt) is dropped and counted in ``no_target``.
     """
     nonempty = np.flatnonzero(lengths)
     sizes = lengths[nonempty].astype(np.int64)
@@ -518,10 +589,20 @@ def pack_chunks(lengths: np.ndarray, config: PackConfig) -> Packed:
     offsets, pos, start, length = chunk_items(sizes[order], seq_len, samples)
     item_doc = nonempty[order[pos]]
     item_len = length.astype(np.int32)
+    item_start = start.astype(np.int32)
+    bin_targets = bin_sums(offsets, targets(item_doc, item_start, item_len, True), False)
     stats = overlong_stats(lengths, np.iinfo(np.int64).max, config.overlong)  # counts the empty ones
-    stats.update({"samples": samples, "epochs": epochs, "epoch_tokens": epoch_tokens})
+    stats["no_target"] = {"pieces": 0, "tokens": 0, "documents": 0, "samples": int(np.sum(bin_targets == 0))}
+    if stats["no_target"]["samples"]:
+        kept = np.flatnonzero(bin_targets)
+        stats["no_target"]["tokens"] = int(seq_len) * (len(bin_targets) - len(kept))
+        offsets, items = gather_bins(offsets, kept)
+        item_doc, item_start, item_len = take_items(items, item_doc, item_start, item_len)
+        bin_targets = bin_targets[kept]
+    stats.update({"samples": len(bin_targets), "epochs": epochs, "epoch_tokens": epoch_tokens})
     stats.update(bin_stats(offsets, item_len, int(item_len.sum(dtype=np.int64)), seq_len))
-    return Packed(offsets, item_doc, start.astype(np.int32), item_len, stats)
+    stats["target_tokens"] = int(bin_targets.sum(dtype=np.int64))
+    return Packed(offsets, item_doc, item_start, item_len, stats, bin_targets.astype(np.int32))
 
 
 def chunk_order(n_docs: int, epochs: int, config: PackConfig) -> np.ndarray:

@@ -84,7 +84,7 @@ def test_token_weights_with_variable_bins(sizes, total_tokens):
     assert b.tokens.tolist() == [int(tokens[:, i].sum()) for i in range(k)]
 
 
-def test_repeated_sources_are_reshuffled_each_epoch_and_cut_ones_take_a_prefix():
+def test_repeated_sources_are_reshuffled_each_epoch_and_cut_ones_take_the_head_of_their_order():
     b = blend_bins(fixed(5, 1000), np.array([0.5, 0.5]), unit=8, total_tokens=8 * 40, seed=11)
     small = b.bin_index[b.bin_source == 0]
     assert len(small) == 20 and b.epochs.tolist() == [4, 1]
@@ -92,9 +92,38 @@ def test_repeated_sources_are_reshuffled_each_epoch_and_cut_ones_take_a_prefix()
     assert epochs[0].tolist() == [0, 1, 2, 3, 4]  # the pack's own order first
     assert all(sorted(e) == [0, 1, 2, 3, 4] for e in epochs)  # every epoch takes every bin once
     assert len({tuple(e) for e in epochs[1:]}) > 1  # later epochs in fresh orders
-    assert b.bin_index[b.bin_source == 1].tolist() == list(range(20))  # the big source: a prefix, in order
+    assert b.bin_index[b.bin_source == 1].tolist() == list(range(20))  # the big source: the head of its order
     other = blend_bins(fixed(5, 1000), np.array([0.5, 0.5]), unit=8, total_tokens=8 * 40, seed=12)
     assert not np.array_equal(other.bin_index, b.bin_index)  # the seed changes the repeated epochs
+    order = np.random.default_rng(0).permutation(1000)
+    drawn = blend_bins(fixed(5, 1000), np.array([0.5, 0.5]), unit=8, total_tokens=8 * 40, seed=11,
+                       orders=[None, order])
+    assert drawn.bin_index[drawn.bin_source == 1].tolist() == order[:20].tolist()  # the head of the order given
+    assert np.array_equal(drawn.bin_source, b.bin_source)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_cut_source_gives_a_seeded_random_subset_the_same_by_counts_and_by_sizes(seed):
+    """``draw_blend`` (prep/mixture.py): sources cut below their bins give a seeded random subset of them. Bins of
+    one capacity are relabelled after the blend, bins of their own sizes blended again in the drawn order: with
+    every size equal, the two paths must give the same blend, bin for bin."""
+    from prep.mixture import draw_blend
+
+    counts, weights = [50, 4000, 700], np.array([0.2, 0.5, 0.3])
+    by_counts = draw_blend(counts, weights, 8, 8 * 2000, seed)
+    by_sizes = draw_blend(fixed(*counts), weights, 8, 8 * 2000, seed)
+    assert np.array_equal(by_counts.bin_source, by_sizes.bin_source)
+    assert np.array_equal(by_counts.bin_index, by_sizes.bin_index)
+    big = by_counts.bin_index[by_counts.bin_source == 1]
+    assert 0 < len(big) < 4000 and len(set(big.tolist())) == len(big)  # cut, each bin once ...
+    assert not np.array_equal(np.sort(big), np.arange(len(big)))  # ... not the head of the pack
+    assert abs(np.mean(big) / 4000 - 0.5) < 0.05  # spread over the whole pack
+    small = by_counts.bin_index[by_counts.bin_source == 0]
+    assert small[:50].tolist() == list(range(50))  # a repeated source keeps the pack's order first
+    again = draw_blend(counts, weights, 8, 8 * 2000, seed)
+    assert np.array_equal(again.bin_index, by_counts.bin_index)
+    other = draw_blend(counts, weights, 8, 8 * 2000, seed + 1)
+    assert not np.array_equal(np.sort(other.bin_index[other.bin_source == 1]), np.sort(big))
 
 
 # ------------------------------------------------------------------------------------ against a plain reference

@@ -267,7 +267,7 @@ def test_a_failed_blend_leaves_the_current_entry_alone(data, tmp_path):
 def test_blend_warns_per_source_about_dropped_tokens_and_reports_its_validation(data, tmp_path):
     res = CliRunner().invoke(xprep, ["pack", f"{data / 'web'}@0.5", f"{data / 'code'}@0.5", "-o",
                                      str(tmp_path / "P"), "--method", "multipack", "--seq-len", "24",
-                                     "--split", "80,20"])
+                                     "--overlong", "drop", "--split", "80,20"])  # text is split unless told
     assert res.exit_code == 0, res.output
     assert "warning: blend source 'web': " in res.stderr and "dropped as overlong" in res.stderr
     assert "validation (--split): " in res.stdout

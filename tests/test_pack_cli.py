@@ -24,8 +24,9 @@ def test_pack_prints_stats_then_hit(tmp_path, ds):
     args = ["pack", ds, "-o", tmp_path / "P", "--method", "multipack", "--seq-len", 256]
     first = run(*args)
     assert first.exit_code == 0, first.output
-    assert first.stdout.startswith("packed 412 of 500 documents (54,004 of 78,448 tokens; dropped 88 documents "
-                                   "(24,444 tokens) longer than 256)")
+    assert first.stdout.startswith("packed 411 of 500 documents (54,003 of 78,448 tokens; dropped 88 documents "
+                                   "(24,444 tokens) longer than 256; dropped 1 piece (1 token; 1 document left with "
+                                   "none) with no target token)")  # a document of one token: nothing to learn
     assert "dropped 88 (24,444 tokens)" in first.output and "truncated 0" in first.output and "split 0" in first.output
     second = run(*args)
     assert second.exit_code == 0 and second.output.startswith("cache hit:")
@@ -150,19 +151,21 @@ def test_summary_says_kept_and_dropped_and_warns_when_over_one_percent(tmp_path,
     out = tmp_path / "P"
     result = run("pack", ds, "-o", out, "--method", "multipack", "--seq-len", 256)
     first = result.stdout.splitlines()[0]
-    assert "412 of 500 documents" in first and "54,004 of 78,448 tokens" in first, first
+    assert "411 of 500 documents" in first and "54,003 of 78,448 tokens" in first, first
     assert "dropped 88 documents (24,444 tokens) longer than 256" in first, first
     warning = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert warning == ["warning: 31.2 % of tokens (24,444 of 78,448) dropped as overlong: raise --seq-len "
                        "or use --overlong split|truncate"], result.stderr
     hit = run("pack", ds, "-o", out, "--method", "multipack", "--seq-len", 256)
-    assert "412 of 500 documents" in hit.stdout.splitlines()[0] and warning[0] in hit.stderr
+    assert "411 of 500 documents" in hit.stdout.splitlines()[0] and warning[0] in hit.stderr
     cut = run("pack", ds, "-o", out, "--method", "sequential", "--seq-len", 256, "--overlong", "truncate")
     assert "truncated 88 documents (1,916 tokens cut)" in cut.stdout.splitlines()[0], cut.stdout
     assert "2.4 % of tokens (1,916 of 78,448) cut by --overlong truncate: raise --seq-len or use --overlong " \
            "split" in cut.stderr
     kept = run("pack", ds, "-o", out, "--method", "sequential", "--seq-len", 256, "--overlong", "split")
-    assert kept.stdout.startswith("packed all 500 documents (78,448 tokens; split 88 documents longer than 256 ")
+    assert kept.stdout.startswith("packed 499 of 500 documents (78,445 of 78,448 tokens; split 88 documents longer "
+                                  "than 256 into 176 pieces; dropped 3 pieces (3 tokens; 1 document left with none) "
+                                  "with no target token)")  # one-token tails of split documents, and a 1-token one
     assert kept.stderr == ""
 
 
@@ -195,12 +198,13 @@ def test_inspect_lists_every_entry_and_marks_the_current_one(tmp_path, ds):
     assert ta["options"] == ("--method token-aware --max-tokens 512 --overlong drop --cp-size 1 --shuffle "
                              "--seed 7 --balance-dp 2 --dp-micro-batches 16")
     mp = next(e for e in entries.values() if e["method"] == "multipack")
-    assert mp["group_size"] == 100_000 and mp["documents_kept"] == 412 and mp["documents_in"] == 500
+    assert mp["group_size"] == 100_000 and mp["documents_kept"] == 411 and mp["documents_in"] == 500
     text = run("inspect", out).stdout
-    rows = [line for line in text.splitlines() if any(name in line for name in entries)]
-    marked = [line for line in rows if line.startswith("*")]
-    assert len(marked) == 1 and current in marked[0] and "--method sequential --seq-len 512" in marked[0], text
-    assert any(ta["options"] in line for line in rows) and "current" in text
+    lines = text.splitlines()
+    marked = [k for k, line in enumerate(lines) if line.startswith("*")]
+    assert len(marked) == 1 and current in lines[marked[0]], text
+    assert lines[marked[0] + 1].strip().startswith("--method sequential --seq-len 512"), text  # options under it
+    assert ta["options"] in " ".join(line.strip() for line in lines) and "current" in text
     assert last.exit_code == 0 and f"pack {out / current}" in text  # the detailed report is the current one's
 
 

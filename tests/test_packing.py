@@ -310,21 +310,25 @@ def kept_prefix(length: int, config: PackConfig) -> int:
 
 
 def check_tokens_accounted(lengths, config, p):
-    """Every token of every kept document is in exactly one bin; the rest is counted as removed."""
+    """Every token of every kept document is in exactly one bin, but for pieces with no target (one token: the
+    first token of a row is never learned); the rest is counted as removed."""
     pieces: dict[int, list[tuple[int, int]]] = {}
     for d, s, n in zip(p.item_doc.tolist(), p.item_start.tolist(), p.item_len.tolist(), strict=True):
-        assert n > 0
+        assert n > 1
         pieces.setdefault(d, []).append((s, s + n))
+    untrained = 0
     for d, length in enumerate(lengths):
-        spans = sorted(pieces.get(d, []))
-        covered = 0
-        for a, b in spans:
-            assert a == covered  # contiguous, no overlap
-            covered = b
-        assert covered == kept_prefix(length, config)
+        kept = kept_prefix(length, config)
+        cuts = list(range(0, kept, config.capacity)) + [kept]
+        want = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b - a > 1]
+        untrained += sum(b - a for a, b in zip(cuts, cuts[1:], strict=False) if b - a == 1)
+        assert sorted(pieces.get(d, [])) == want  # contiguous, no overlap, only the untrained pieces left out
     s = p.stats
-    assert s["tokens"] + s["dropped_tokens"] + s["truncated_tokens"] == sum(lengths)
+    assert s["no_target"]["tokens"] == untrained
+    assert s["tokens"] + s["dropped_tokens"] + s["truncated_tokens"] + untrained == sum(lengths)
     assert s["tokens"] == int(p.item_len.sum())
+    assert s["target_tokens"] == int(p.item_len.sum()) - len(p.item_len) == int(p.bin_targets.sum())
+    assert len(p.bin_targets) == s["bins"] and (p.bin_targets[np.diff(p.bin_offsets) > 0] > 0).all()
 
 
 def check_capacity(config, p):
@@ -394,7 +398,8 @@ def test_shuffle_permutes_and_seed_matters():
     b = pack_lengths(lengths, PackConfig(method="token-aware", max_tokens=256, seed=2))
     plain = pack_lengths(lengths, PackConfig(method="token-aware", max_tokens=256, shuffle=False))
     assert not np.array_equal(a.item_doc, b.item_doc)
-    assert np.array_equal(plain.item_doc, np.arange(199))
+    assert np.array_equal(plain.item_doc, np.arange(1, 199))  # document 0 is one token: nothing to learn, dropped
+    assert plain.stats["no_target"] == {"pieces": 1, "tokens": 1, "documents": 1}
 
 
 def test_overlong_counts():

@@ -1,4 +1,4 @@
-"""Micro-batches from a pack entry: memory-mapped streams sliced by document (DESIGN §3).
+"""Micro-batches from a pack entry: memory-mapped streams sliced by document, one bin a row.
 
 A bin is a list of items (a document range each). ``PackedDataset[b]`` lays the items of bin
 ``b`` side by side and pads the rest of the capacity with one dummy document; the result is the
