@@ -260,7 +260,11 @@ def dataset_section(i: int, r: dict, colours: Colours) -> tuple[str, str, str]:
                      ("target tokens", ("loss_tokens",), integer), ("target share", ("target_share",), share),
                      ("mean length", ("lengths", "mean"), lambda v: f"{v:,.1f}"),
                      ("median length", ("lengths", "percentiles", "p50"), integer),
-                     ("rejected records", ("rejects", "count"), integer), ("sources", ("sources",), integer)])
+                     ("rejected records", ("rejects", "count"), integer), ("sources", ("sources",), integer),
+                     ("conversations", ("conversations", "count"), integer),
+                     ("begin with the assistant", ("conversations", "assistant_first"), integer),
+                     ("end without an answer", ("conversations", "ends_without_answer"), integer),
+                     ("blank answers", ("conversations", "empty_answers"), integer)])
     body += charts(length_chart(r), dataset_category_chart(r, colours), rejects_chart(r))
     body += percentile_table(r, ("lengths",), "document length (tokens)")
     body += tables(dataset_category_table(r, colours), over_table(r), rejects_table(r), sources_table(r))

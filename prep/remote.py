@@ -47,8 +47,8 @@ def filesystem(url: str):
         return fsspec.core.url_to_fs(url)
     except ImportError as e:
         scheme = url.split("://", 1)[0]
-        package = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(scheme, "")
-        hint = f" (pip install {package})" if package else ""
+        extra = {"s3": "'xprep[s3]'", "gs": "'xprep[gcs]'", "gcs": "'xprep[gcs]'", "az": "adlfs", "abfs": "adlfs"}
+        hint = f" (pip install {extra[scheme]})" if scheme in extra else ""
         raise XprepError(f"{url}: no file system for {scheme}:// is installed{hint}: {e}") from None
     except ValueError as e:
         raise XprepError(f"{url}: not a URL fsspec understands ({e})") from None

@@ -150,6 +150,9 @@ def render_dataset(r: dict, color: bool = False) -> str:
         f"  tokens        {r['tokens']:,}",
         f"  target tokens {r['loss_tokens']:,}  ({r['target_share']:.1%})",
     ]
+    shape = r.get("conversations")
+    if shape:
+        lines += field("conversations", conversation_phrase(shape))
     if r["lengths"]["count"]:
         p = r["lengths"]["percentiles"]
         lines.append("  length        mean {:,.1f}  " .format(r["lengths"]["mean"]) + "  ".join(
@@ -231,6 +234,11 @@ def render_pack(r: dict) -> str:
              *fit("  " + overlong_line(r["overlong"], r["capacity"], c["overlong"]))]
     if r["empty_documents"]:
         lines += field("empty", f"{_docs(r['empty_documents'])} with no tokens (skipped)")
+    if (r.get("no_target") or {}).get("pieces") or (r.get("no_target") or {}).get("samples"):
+        lines += field("no target", f"{untrained_phrase(r['no_target'])} dropped: no token of them is a target")
+    if r.get("target_tokens") is not None:
+        lines += field("targets", f"{r['target_tokens']:,} tokens learned (the first token of every piece and, "
+                                  "with a loss mask, the masked ones are not)")
     if r["dp_balance"]:
         lines += fit("  " + dp_line(r["dp_balance"]))
     lines += ["", *_percentile_table(r)]
@@ -241,6 +249,16 @@ def render_pack(r: dict) -> str:
         lines += table(["category", "packed tokens", "share"],
                        [[k, v, f"{r['category_shares'][k]:.1%}"] for k, v in r["categories"].items()])
     return "\n".join(lines)
+
+
+def conversation_phrase(c: dict) -> str:
+    """The conversations' shape (counted at tokenize time): what the template rendered and what was learned."""
+    shares = c.get("shares") or {}
+    return (f"{c['count']:,} ({count(c['answers'], 'assistant turn')}): {c['assistant_first']:,} begin with the "
+            f"assistant ({shares.get('assistant_first', 0):.1%}), {c['ends_without_answer']:,} end without an answer "
+            f"({shares.get('ends_without_answer', 0):.1%}), {c['empty_answers']:,} blank answers "
+            f"({shares.get('empty_answers', 0):.1%} of the assistant turns, each trained as its end-of-turn token "
+            "alone)")
 
 
 def _key(path: str, key: str) -> str:
@@ -279,23 +297,44 @@ def dp_line(b: dict) -> str:
             f"{change('micro_step_imbalance')}; {count(b['empty_bins_added'], 'empty bin')} added")
 
 
+BLEND_UNITS = {"tokens": "tokens", "capacity": "bins × capacity", "target tokens": "target tokens"}
+
+
 def render_blend(path: str, key: str, b: dict) -> list[str]:
-    """A blend: its size, then per source the requested vs delivered share and how often it repeats."""
-    unit = "tokens" if b["size"]["unit"] == "tokens" else "bins × capacity"
-    order = "every held-out bin once" if b["seed"] is None else f"seed {b['seed']}"  # None: a --split validation blend
+    """A blend: its size, then per source the requested vs delivered share, how often it repeats, how its bins were
+    drawn and what it delivers."""
+    unit = b["size"].get("unit", "capacity")
+    units = {"capacity": "tokens (bins × capacity)"}.get(unit, unit)
+    if b["seed"] is None:  # a --split validation blend: every held-out bin once, whatever the weights
+        size = f"every held-out bin once: {b['tokens']:,} {units} in {count(b['bins'], 'bin')}"
+    else:
+        size = (f"{b['size']['option']}: {b['size']['total_tokens']:,} {units} asked, {b['tokens']:,} delivered "
+                f"in {count(b['bins'], 'bin')}; shares count {BLEND_UNITS.get(unit, unit)}")
+    order = "every held-out bin once" if b["seed"] is None else f"seed {b['seed']}"
     lines = [*wrap(f"blend {path}  ({_key(path, key)}{count(len(b['sources']), 'source')}, {b['method']} bins of "
                    f"{b['capacity']:,}, {order})", hang="  "),
-             *field("size", f"{b['size']['option']}: {b['size']['total_tokens']:,} tokens asked, {b['tokens']:,} "
-                            f"delivered in {count(b['bins'], 'bin')} (weights count {unit})"),
+             *field("size", size),
              *field("fill", f"{b['fill']:.4%}   ({b['real_tokens']:,} real tokens)"), ""]
-    return lines + blend_table(b["sources"])
+    lines += blend_table(b["sources"])
+    drawn = [f"{s['name']}: {s['drawn']}" for s in b["sources"] if s.get("drawn")]
+    return lines + ["", *(line for d in drawn for line in field("drawn", d))] + [
+        line for w in b.get("warnings") or [] for line in wrap(f"warning: {w}", hang="  ")]
 
 
 def blend_table(sources: list[dict]) -> list[str]:
+    """Per source: shares, bins taken of those it has, repeats, and the documents (and pieces) it delivers."""
     rows = [[s["name"], f"{s['requested_share']:.2%}", f"{s['delivered_share']:.2%}", s["bins"],
-             s["bins_available"], f"{s['epochs']:.3g}x", s["entry"]] for s in sources]
-    lines = table(["source", "requested", "delivered", "bins", "of", "repeat", "entry"], rows, align="lrrrrrl")
+             s["bins_available"], f"{s['epochs']:.3g}x", _delivered(s), s["entry"]] for s in sources]
+    lines = table(["source", "requested", "delivered", "bins", "of", "repeat", "documents delivered", "entry"], rows,
+                  align="lrrrrrrl")
     return [line.rstrip() for line in lines]
+
+
+def _delivered(s: dict) -> str:
+    """'1,203 of 4,018' documents a source delivers (with a piece in a bin it gives), of those it packed."""
+    if s.get("documents_delivered") is None:
+        return "-"
+    return f"{s['documents_delivered']:,} of {s['documents']:,}"
 
 
 def summary_lines(o: dict) -> list[str]:
@@ -349,7 +388,7 @@ def chunk_line(s: dict) -> str:
 def kept_phrase(s: dict, capacity: int) -> str:
     """'412 of 500 documents (54,004 of 78,448 tokens; dropped 88 documents (24,444 tokens) longer than 256)'."""
     n_in, tokens_in, tokens = s["documents_in"], s["tokens_in"], s["tokens"]
-    kept = n_in - s["dropped_documents"] - s["empty_documents"]
+    kept = n_in - s["dropped_documents"] - s["empty_documents"] - (s.get("no_target") or {}).get("documents", 0)
     docs = f"all {_docs(n_in)}" if kept == n_in and n_in else f"{kept:,} of {_docs(n_in)}"
     toks = f"{tokens:,} tokens" if tokens == tokens_in else f"{tokens:,} of {tokens_in:,} tokens"
     if "samples" in s:  # --method chunk: samples cut from the stream, repeated or not
@@ -365,7 +404,18 @@ def kept_phrase(s: dict, capacity: int) -> str:
                      f"into {s['split_pieces']:,} pieces")
     if s["empty_documents"]:
         notes.append(f"skipped {s['empty_documents']:,} empty")
+    untrained = s.get("no_target") or {}
+    if untrained.get("pieces") or untrained.get("samples"):
+        notes.append(f"dropped {untrained_phrase(untrained)} with no target token")
     return f"{docs} ({'; '.join([toks, *notes])})"
+
+
+def untrained_phrase(u: dict) -> str:
+    """'312 pieces (180,231 tokens; 41 documents left with none)': what was dropped for holding no target."""
+    if u.get("samples"):
+        return f"{count(u['samples'], 'sample')} ({count(u['tokens'], 'token')})"
+    gone = f"; {_docs(u['documents'])} left with none" if u.get("documents") else ""
+    return f"{count(u['pieces'], 'piece')} ({count(u['tokens'], 'token')}{gone})"
 
 
 def _docs(n: int) -> str:
@@ -378,20 +428,27 @@ def warning_lines(o: dict) -> list[str]:
     if o.get("blend"):
         names = [row["name"] for row in o["blend"]["sources"]]
         return [f"{line[:9]}blend source {name!r}: {line[9:]}"
-                for name, source in zip(names, o["sources"], strict=True) for line in warning_lines(source)]
+                for name, source in zip(names, o["sources"], strict=True) for line in warning_lines(source)] + [
+            f"warning: {w}" for w in o["blend"].get("warnings") or []]
     s, config = o["stats"], o["config"]
     if s["bins"] == 0:
         return ["warning: the pack has 0 bins (--allow-empty): there is nothing to train on"]
-    removed = s["tokens_in"] - s["tokens"]
+    out = []
+    untrained = s.get("no_target") or {}
+    if s["tokens_in"] and untrained.get("tokens", 0) / s["tokens_in"] > LOUD_TOKEN_SHARE:
+        out.append(f"warning: {100 * untrained['tokens'] / s['tokens_in']:.1f} % of tokens dropped in "
+                   f"{untrained_phrase(untrained)} with no target token (e.g. the pieces of a long prompt before its "
+                   f"answer): nothing in them would be learned")
+    removed = s["dropped_tokens"] + s["truncated_tokens"]
     if config["method"] == "chunk" or not s["tokens_in"] or removed / s["tokens_in"] <= LOUD_TOKEN_SHARE:
-        return []  # chunk cuts no document: it leaves only the stream's tail short of one more sample
+        return out  # chunk cuts no document: it leaves only the stream's tail short of one more sample
     option = "--max-tokens" if config["method"] == "token-aware" else "--seq-len"
     if config["overlong"] == "drop":
         how, fix = "dropped as overlong", f"raise {option} or use --overlong split|truncate"
     else:
         how, fix = "cut by --overlong truncate", f"raise {option} or use --overlong split"
-    return [f"warning: {100 * removed / s['tokens_in']:.1f} % of tokens ({removed:,} of {s['tokens_in']:,}) "
-            f"{how}: {fix}"]
+    return out + [f"warning: {100 * removed / s['tokens_in']:.1f} % of tokens ({removed:,} of {s['tokens_in']:,}) "
+                  f"{how}: {fix}"]
 
 
 # --------------------------------------------------------------------------------------------- run
