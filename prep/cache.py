@@ -526,6 +526,8 @@ def _set_current(root: Path, entry: PackEntry | BlendEntry, validation: PackEntr
         manifest = _read_cache_manifest(path) if path.is_file() else empty
         for e in (entry, validation) if validation else (entry,):
             manifest["entries"][e.path.name] = e.manifest_row()
+        if validation:  # which validation entry belongs to it, for a run that resumes on it once it is not current
+            manifest["entries"][entry.path.name][VALIDATION] = validation.path.name
         manifest["current"] = entry.path.name
         if validation:
             manifest[VALIDATION] = validation.path.name

@@ -122,12 +122,13 @@ def test_resume_on_one_process_keeps_the_global_batch(tmp_path):
     args = [str(packed), "--micro-batch-size", "1", "--log-every", "100", "--output", str(tmp_path / "run")]
     dp2 = xtrain(*args, *DP2, "--steps", "2")
     assert dp2.returncode == 0, dp2.stderr
-    one = CliRunner().invoke(xtrain_cli, ["run", *args, "--steps", "4"])  # in this process: 1 DP rank
+    one_process = ["--nproc-per-node", "1", "--dp", "1"]  # else the run's saved config would launch 2 ranks again
+    one = CliRunner().invoke(xtrain_cli, ["run", *args, *one_process, "--steps", "4"])  # in this process: 1 DP rank
     assert one.exit_code == 0, one.output
     assert [r["consumed_samples"] for r in metrics(tmp_path / "run")] == [2, 4, 6, 8]
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-4" / "trainer.json").read_text())
     assert (state["global_batch_size"], state["micro_batch_size"]) == (2, 1)
-    other = CliRunner().invoke(xtrain_cli, ["run", *args, "--steps", "6", "--global-batch-size", "4"])
+    other = CliRunner().invoke(xtrain_cli, ["run", *args, *one_process, "--steps", "6", "--global-batch-size", "4"])
     assert other.exit_code == 2 and "global batch of 2 bins" in other.stderr, other.stderr
     assert len(other.stderr.strip().splitlines()) == 1, other.stderr
 

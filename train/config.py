@@ -544,9 +544,10 @@ def _shown(value) -> str:
 
 
 def validate_against_schema(config: dict) -> None:
-    """Check a resolved config (nested) against schemas/train.schema.json (absent from a non-editable install)."""
+    """Check a resolved config (nested) against schemas/train.schema.json (installed with the package: a missing
+    schema is a broken installation, never a silent skip of the check)."""
     if not SCHEMA.is_file():
-        return
+        raise XprepError(f"{SCHEMA}: the config schema is missing from this installation; reinstall xprep")
     schema = json.loads(SCHEMA.read_text())
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(config), key=lambda e: list(e.path))
     if errors:

@@ -505,11 +505,11 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
     val = None
     if validation is not None:
         entry = validation.dataset.entry
-        val = {"path": str(entry.path), "entry": entry.path.name, "key": entry.key, "bins": len(validation.dataset),
-               "eval_bins": validation.bins, "every": validation.every}
+        val = {"path": str(Path(entry.path).resolve()), "entry": entry.path.name, "key": entry.key,
+               "bins": len(validation.dataset), "eval_bins": validation.bins, "every": validation.every}
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
     write_json_atomic(run_dir / "run.json", {
-        "pack": {"path": str(dataset.entry.path), "entry": dataset.entry.path.name, "key": dataset.key,
+        "pack": {"path": str(Path(dataset.entry.path).resolve()), "entry": dataset.entry.path.name, "key": dataset.key,
                  "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
         "categories": dataset.category_names, "sources": dataset.source_names, "validation": val,
         "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
