@@ -491,7 +491,8 @@ def blend_section(i: int, r: dict, colours: Colours) -> tuple[str, str, str]:
     order = "every held-out bin once" if b["seed"] is None else f"seed {b['seed']}"  # None: a --split validation blend
     facts = [f"method {b['method']}", f"capacity {b['capacity']:,}", order, f"key {r['key'][:16]}",
              f"size {b['size']['option']}"]
-    body = cards(r, [("bins", ("blend", "bins"), integer), ("tokens", ("blend", "tokens"), integer),
+    unit = blend_unit_label(b)
+    body = cards(r, [("bins", ("blend", "bins"), integer), (unit + " delivered", ("blend", "tokens"), integer),
                      ("real tokens", ("blend", "real_tokens"), integer), ("fill", ("blend", "fill"), share),
                      ("padding", ("padding_tokens",), integer)])
     body += charts(share_chart(r, colours), repeat_chart(r, colours), *bin_charts(r, "/", b["capacity"]),
@@ -512,8 +513,14 @@ def share_chart(r: dict, colours: Colours) -> str:
             Bar(Source(ptr("blend", "sources", k, "delivered_share"), s["delivered_share"]), colour,
                 f"{s['name']}: {s['delivered_share']:.2%} delivered", series="delivered")]))
     keys = [Key("requested", NEUTRAL, series="requested", opacity=0.45), Key("delivered", NEUTRAL, series="delivered")]
-    return figure(bar_chart("Blend shares: requested vs delivered", "share of tokens (%)", "source", rows,
-                            fmt=percent), keys)
+    return figure(bar_chart("Blend shares: requested vs delivered", f"share of {blend_unit_label(r['blend'])} (%)",
+                            "source", rows, fmt=percent), keys)
+
+
+def blend_unit_label(b: dict) -> str:
+    """What a blend's shares count: target tokens (a source has a loss mask), or tokens (a bin's capacity, or a
+    token-aware bin's tokens)."""
+    return "target tokens" if b["size"].get("unit") == "target tokens" else "tokens"
 
 
 def repeat_chart(r: dict, colours: Colours) -> str:

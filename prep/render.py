@@ -343,8 +343,9 @@ def summary_lines(o: dict) -> list[str]:
     if o.get("blend"):
         b = o["blend"]
         head = (f"cache hit: {o['path']} (no blending done, " if o["hit"] else f"blended → {o['path']} (")
+        unit = BLEND_UNITS.get(b["size"].get("unit", "capacity"), "tokens").replace("bins × capacity", "tokens")
         lines = [f"{head}{o['seconds']:.2f} s; {_sources_packed(o['sources'])}): {count(b['bins'], 'bin')} of "
-                 f"{b['capacity']:,}, {b['tokens']:,} tokens",
+                 f"{b['capacity']:,}, {b['tokens']:,} {unit} (the unit its shares count)",
                  *("  " + line for line in blend_table(b["sources"]))]
         return lines + _validation_lines(o)
     s, capacity = o["stats"], o["capacity"]
