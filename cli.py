@@ -167,7 +167,7 @@ def merge(datasets, output):
 
 # ------------------------------------------------------------------------------------------- pack
 @xprep.command()
-@click.argument("datasets", nargs=-1, required=False)
+@click.argument("datasets", nargs=-1, required=False, metavar="DATASET[@WEIGHT[:method=M,overlong=P]]...")
 @click.option("-o", "--output", required=True, help="Pack cache directory (created; entries keyed inside).")
 @click.option("--method", required=True, type=click.Choice(["sequential", "multipack", "token-aware", "chunk"]),
               help="sequential: in order, next bin when full; multipack: first-fit-decreasing over groups, "
@@ -179,7 +179,8 @@ def merge(datasets, output):
 @click.option("--max-tokens", type=int, default=None, help="Token budget of a micro-batch (token-aware).")
 @click.option("--overlong", type=click.Choice(["drop", "truncate", "split"]), default=None,
               help="Documents longer than the capacity. Default: split for sequential (pretraining text), "
-                   "drop for multipack and token-aware (SFT).")
+                   "drop for multipack and token-aware (SFT); in a blend, split for a source without a loss mask. "
+                   "A blend source sets its own with DATASET@WEIGHT:overlong=P (or overlong: in --mix).")
 @click.option("--cp-size", type=int, default=1, show_default=True,
               help="Context-parallel size C: each document counts as its length rounded up to a multiple "
                    "of 2·C; the capacity must be a multiple of 2·C. For --method chunk it only checks that 2·C "
@@ -204,8 +205,9 @@ def merge(datasets, output):
 @click.option("--epochs", type=float, default=None,
               help="Size in epochs instead: of the stream for chunk, of the largest share for a blend.")
 @click.option("--split", default=None, metavar="TRAIN,VALID",
-              help="Hold out documents for validation, e.g. 99,1: a seeded rule by document keeps each one "
-                   "in the same split however the data is re-packed; the validation part is its own entry.")
+              help="Hold out documents for validation, e.g. 99,1: whether a document is held out follows from a "
+                   "hash of its dataset's content and its index alone (no seed, no pack option), so it stays on the "
+                   "same side however the data is re-packed; the validation part is its own entry.")
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="Where datasets given as URLs (s3://…) are copied before packing, by fingerprint "
                    "[default: $XPREP_CACHE or ~/.cache/xprep].")
