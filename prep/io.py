@@ -201,7 +201,7 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _describe_holder(_read_holder(fd))
+                holder = describe_holder(read_holder(fd))
                 os.close(fd)
                 raise XprepError(f"{self.shown}: another process is writing it ({holder}; lock file {self.path}); "
                                  f"wait for it to end, or choose another {self.option}") from None
@@ -249,7 +249,8 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
-def _read_holder(fd: int) -> dict:
+def read_holder(fd: int) -> dict:
+    """The record (pid, host, start, command) a lock's holder wrote into its lock file; {} when unreadable."""
     try:
         record = json.loads(os.pread(fd, 4096, 0).decode())
         return record if isinstance(record, dict) else {}
@@ -257,7 +258,8 @@ def _read_holder(fd: int) -> dict:
         return {}
 
 
-def _describe_holder(record: dict) -> str:
+def describe_holder(record: dict) -> str:
+    """A lock holder's record as words, to name it to whoever is refused the lock."""
     if not record.get("pid"):
         return "its holder is not recorded yet"
     command = f", command: {record['command']}" if record.get("command") else ""

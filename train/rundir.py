@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from prep.errors import XprepError
+from prep.io import describe_holder, read_holder
 
 LOCK_FILE = "run.lock"
 
@@ -43,7 +44,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _describe(_read_holder(fd))
+            holder = describe_holder(read_holder(fd))
             os.close(fd)
             raise XprepError(f"--output {self.path.parent}: in use by another run ({holder}); wait for it to end "
                              "or stop it, or choose another --output") from None
@@ -75,17 +76,3 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def _read_holder(fd: int) -> dict:
-    try:
-        record = json.loads(os.pread(fd, 4096, 0).decode())
-        return record if isinstance(record, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _describe(record: dict) -> str:
-    if not record.get("pid"):
-        return "holder not recorded yet"
-    return f"pid {record['pid']} on host {record.get('host', '?')}, started {record.get('started', '?')}"
