@@ -500,6 +500,9 @@ def blend_section(i: int, r: dict, colours: Colours) -> tuple[str, str, str]:
                                          f"Tokens per category in source {s['name']} (one pass)")
                      for k, (s, sub) in enumerate(zip(b["sources"], r["source_reports"], strict=True))))
     body += blend_table(r, colours) + bins_table(r) + entries_table(r)
+    body += "".join(note(f"warning: {w}") for w in b.get("warnings") or [])  # e.g. a source cut to a small part
+    drawn = [f"{s['name']}: {s['drawn']}" for s in b["sources"] if s.get("drawn")]
+    body += note("How each source's bins were drawn: " + "; ".join(drawn) + ".") if drawn else ""
     return section(f"s{i}", "pack", "Pack (blend)", r["path"], facts, body, i)
 
 

@@ -166,6 +166,11 @@ def test_the_command_line_takes_per_source_options_and_warns_about_a_cut(mix, tm
     assert fraction < 0.5
     assert f"source 'chat' is cut to {100 * fraction:.1f} % of its bins" in result.output
     assert "--total-tokens or --epochs to use more" in result.output
+    shown = xprep_invoke("inspect", tmp_path / "P", "--html", tmp_path / "page.html")  # inspect says it too
+    assert shown.exit_code == 0 and "source 'chat' is cut to" in shown.stdout, shown.output
+    assert "a seeded random subset" in shown.stdout and "shares count target tokens" in shown.stdout
+    assert "source &#x27;chat&#x27; is cut to" in (tmp_path / "page.html").read_text() or \
+        "source 'chat' is cut to" in (tmp_path / "page.html").read_text()
     mix_file = root / "mix.json"
     mix_file.write_text(json.dumps({"sources": [{"dataset": str(text), "weight": 0.7, "method": "sequential"},
                                                 {"dataset": str(chat), "weight": 0.3, "overlong": "split"}]}))
