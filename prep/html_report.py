@@ -36,6 +36,7 @@ from prep.charts import (
 )
 from prep.errors import XprepError
 from prep.io import check_output_file, write_atomic
+from prep.render import blend_unit_label
 
 ASSETS = Path(__file__).parent / "html_assets"
 # Tableau 10, then 6 more of its 20: distinct for the colour-blind and on paper; names beyond get hues below.
@@ -519,11 +520,6 @@ def share_chart(r: dict, colours: Colours) -> str:
     return figure(bar_chart("Blend shares: requested vs delivered", f"share of {blend_unit_label(r['blend'])} (%)",
                             "source", rows, fmt=percent), keys)
 
-
-def blend_unit_label(b: dict) -> str:
-    """What a blend's shares count: target tokens (a source has a loss mask), or tokens (a bin's capacity, or a
-    token-aware bin's tokens)."""
-    return "target tokens" if b["size"].get("unit") == "target tokens" else "tokens"
 
 
 def repeat_chart(r: dict, colours: Colours) -> str:

@@ -359,7 +359,7 @@ def draw_blend(sizes: list[np.ndarray | int], shares_: np.ndarray, unit: int, to
     uniform = all(isinstance(s, int | np.integer) for s in sizes)
     blend = blend_bins(sizes, shares_, unit, total, seed)
     while True:
-        cut = [i for i, n in enumerate(counts) if orders[i] is None and int(blend.bins[i]) < n]
+        cut = {i for i, n in enumerate(counts) if orders[i] is None and int(blend.bins[i]) < n}
         if not cut:
             return blend
         drawn = [shuffled_order(counts[i], epoch_seed(seed, i, 0)) if i in cut else None for i in range(len(sizes))]

@@ -297,14 +297,20 @@ def dp_line(b: dict) -> str:
             f"{change('micro_step_imbalance')}; {count(b['empty_bins_added'], 'empty bin')} added")
 
 
-BLEND_UNITS = {"tokens": "tokens", "capacity": "bins × capacity", "target tokens": "target tokens"}
+BLEND_UNITS = {"tokens": "tokens", "capacity": "bins × capacity", "target tokens": "target tokens"}  # shares count
+
+
+def blend_unit_label(b: dict) -> str:
+    """What a blend's delivered size is in: target tokens (a source has a loss mask), else tokens (a bin's capacity,
+    or a token-aware bin's tokens)."""
+    return "target tokens" if b["size"].get("unit") == "target tokens" else "tokens"
 
 
 def render_blend(path: str, key: str, b: dict) -> list[str]:
     """A blend: its size, then per source the requested vs delivered share, how often it repeats, how its bins were
     drawn and what it delivers."""
     unit = b["size"].get("unit", "capacity")
-    units = {"capacity": "tokens (bins × capacity)"}.get(unit, unit)
+    units = blend_unit_label(b) + (" (bins × capacity)" if unit == "capacity" else "")
     if b["seed"] is None:  # a --split validation blend: every held-out bin once, whatever the weights
         size = f"every held-out bin once: {b['tokens']:,} {units} in {count(b['bins'], 'bin')}"
     else:
@@ -343,9 +349,8 @@ def summary_lines(o: dict) -> list[str]:
     if o.get("blend"):
         b = o["blend"]
         head = (f"cache hit: {o['path']} (no blending done, " if o["hit"] else f"blended → {o['path']} (")
-        unit = BLEND_UNITS.get(b["size"].get("unit", "capacity"), "tokens").replace("bins × capacity", "tokens")
         lines = [f"{head}{o['seconds']:.2f} s; {_sources_packed(o['sources'])}): {count(b['bins'], 'bin')} of "
-                 f"{b['capacity']:,}, {b['tokens']:,} {unit} (the unit its shares count)",
+                 f"{b['capacity']:,}, {b['tokens']:,} {blend_unit_label(b)} (the unit its shares count)",
                  *("  " + line for line in blend_table(b["sources"]))]
         return lines + _validation_lines(o)
     s, capacity = o["stats"], o["capacity"]
