@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -11,18 +12,23 @@ import pytest
 import torch
 from click.testing import CliRunner
 from prepkit import tokenize, write_jsonl
+from safetensors.torch import load_file, save_file
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from trainkit import category_pack, cp_pack
 
 from cli import xprep, xtrain
 from prep.dataset import TokenDataset
+from prep.errors import XprepError
 from prep.templates import BUILTIN_TEMPLATES
 from train.checkpoint import CheckpointManager
 from train.config import ModelSection, OptimizerSection
 from train.data import PackedDataset
-from train.dist import ParallelDims
+from train.dist import ParallelDims, materialize
 from train.hf import HFCausalLM
-from train.hf_weights import _chat_template
-from train.model import Transformer
+from train.hf_weights import _chat_template, hf_config_dict, name_map, param_shapes, read_hf_weights
+from train.model import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers")
 
@@ -263,3 +269,170 @@ def test_the_exported_chat_template_is_the_one_the_data_was_rendered_with(tmp_pa
     assert _chat_template(own, [{"chat_template": None}]) == (own, "the tokenizer's own (the data is text)")
     assert _chat_template(own, [used("tokenizer", own), used("chatml", chatml)])[0] == own
     assert _chat_template(None, [used("a", "1"), used("b", "2")])[0] is None
+
+
+# ------------------------------------------------------------------------------------------ reading lazily
+SMALL = ModelConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)
+BIG = ModelConfig(vocab_size=4096, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512)  # untied: 2 big
+
+
+def write_checkpoint(directory: Path, cfg: ModelConfig, dtype: torch.dtype, sharded: bool = False,
+                     tweak=None) -> Path:
+    """hf:DIR for ``cfg`` with random weights in ``dtype`` (the embeddings in a file of their own when
+    ``sharded``); ``tweak(tensors)`` edits the Hugging Face state dict before it is written."""
+    g = torch.Generator().manual_seed(0)
+    to_hf = {b: h for h, b in name_map(cfg.n_layers).items()}
+    tensors = {to_hf[name]: torch.randn(shape, generator=g).to(dtype) for name, shape in param_shapes(cfg).items()}
+    if tweak is not None:
+        tweak(tensors)
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+    if not sharded:
+        save_file(tensors, directory / "model.safetensors")
+        return directory
+    files = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if "embed" in k},
+             "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if "embed" not in k}}
+    for file, part in files.items():
+        save_file(part, directory / file)
+    weight_map = {k: file for file, part in files.items() for k in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """The peak bytes of CPU tensor storages that torch's allocator made while this mode was on, sampled after
+    every op. A file mapped by safetensors (``UntypedStorage.from_file``) is not resizable, an allocated
+    storage is: mapped weights are page cache, not counted here (``resident_mapped_bytes`` counts them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().resizable():
+                ref = StorageWeakRef(t.untyped_storage())
+                self.live.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def resident_mapped_bytes(files: list[Path]) -> int:
+    """Bytes of ``files`` mapped into this process and resident (/proc/self/smaps), over all their mappings."""
+    wanted, total, counting = {str(f.resolve()) for f in files}, 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line: address perms ... [path]
+            counting = len(fields) >= 6 and " ".join(fields[5:]) in wanted
+        elif counting and fields[:1] == ["Rss:"]:
+            total += int(fields[1]) * 1024
+    return total
+
+
+def load(directory: Path, cfg: ModelConfig, eager: bool, probe=None) -> Transformer:
+    """hf:DIR through ``ModelSection.build_meta`` and ``train.dist.materialize``, as ``xtrain run`` loads it;
+    ``eager``: from the whole state dict read first (as hf:DIR was loaded before); ``probe(name)`` is called
+    before every parameter is asked for."""
+    model, _, initial = ModelSection(f"hf:{directory}").build_meta(cfg.vocab_size, seed=0)
+    if eager:
+        initial = dict(read_hf_weights(directory, cfg)).__getitem__
+
+    def asked(name: str) -> torch.Tensor:
+        if probe is not None:
+            probe(name)
+        return initial(name)
+
+    materialize(model, torch.device("cpu"), asked)
+    return model
+
+
+def fp32_bytes(cfg: ModelConfig) -> dict[str, int]:
+    return {name: 4 * math.prod(shape) for name, shape in param_shapes(cfg).items()}
+
+
+def two_in_a_row(cfg: ModelConfig) -> int:
+    """The most fp32 bytes of two parameters in a row, in the order materialize asks for them: one whole
+    tensor read while it still holds the one before (its loop variable)."""
+    sizes = list(fp32_bytes(cfg).values())
+    return max(a + b for a, b in zip(sizes, sizes[1:], strict=False))
+
+
+def test_hf_weights_are_read_one_tensor_at_a_time(tmp_path):
+    """A bf16 checkpoint (as Hugging Face ships them) loads holding one whole fp32 tensor besides the model
+    (and the one materialize asked for before it), never the whole state dict in fp32 as it did: on N ranks
+    that was N × 4 bytes × parameters of host memory."""
+    directory = write_checkpoint(tmp_path / "hf", BIG, torch.bfloat16)
+    model_bytes = sum(fp32_bytes(BIG).values())
+    bound = two_in_a_row(BIG)
+    assert bound < model_bytes / 2  # the test tells the two apart
+
+    with AllocatedBytes() as lazy:
+        model = load(directory, BIG, eager=False)
+    assert lazy.peak - model_bytes <= bound, (lazy.peak - model_bytes, bound)
+    with AllocatedBytes() as eager:  # the same measure sees the whole-read loader
+        load(directory, BIG, eager=True)
+    assert eager.peak - model_bytes >= model_bytes
+
+    reference = load_file(directory / "model.safetensors")  # and the values are the file's
+    for hf_name, name in name_map(BIG.n_layers).items():
+        if hf_name in reference:
+            assert torch.equal(model.get_parameter(name), reference[hf_name].float()), name
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs Linux's /proc/self/smaps")
+def test_mapped_weights_are_unmapped_tensor_by_tensor(tmp_path):
+    """An fp32 checkpoint is read through its mmap without a copy; each tensor's pages are let go once
+    materialize is done with it, so the file is never resident whole (it was, all of it, by the end), and
+    nothing of it stays mapped after loading. Sharded: the index's files."""
+    directory = write_checkpoint(tmp_path / "hf", BIG, torch.float32, sharded=True)
+    files = sorted(directory.glob("*.safetensors"))
+    page_slack = 1 << 20  # whole pages, and the kernel's fault-around at each end of a mapped tensor
+
+    seen = []
+    model = load(directory, BIG, eager=False, probe=lambda name: seen.append(resident_mapped_bytes(files)))
+    assert max(seen) <= two_in_a_row(BIG) + page_slack, (max(seen), two_in_a_row(BIG))
+    del model
+    assert resident_mapped_bytes(files) == 0
+
+    seen.clear()  # the same measure sees the whole-read loader keep all of it
+    load(directory, BIG, eager=True, probe=lambda name: seen.append(resident_mapped_bytes(files)))
+    assert max(seen) >= sum(fp32_bytes(BIG).values()) - max(fp32_bytes(BIG).values())
+
+
+def test_hf_weights_errors_are_found_in_the_headers(tmp_path):
+    """What is wrong with a checkpoint is said before anything is loaded, from the headers alone (names,
+    shapes, dtypes, unreadable files); a file changed after that is said when its tensor is read."""
+    def error(name: str, **kw) -> str:
+        directory = write_checkpoint(tmp_path / name, SMALL, torch.bfloat16, **kw)
+        with pytest.raises(XprepError) as e:
+            read_hf_weights(directory, SMALL)
+        assert str(e.value).startswith(f"--model hf:{directory}: ")
+        return str(e.value)
+
+    assert "missing ['output.weight']" in error("missing", tweak=lambda t: t.pop("lm_head.weight"))
+    assert "unexpected ['model.layers.9.mlp.up_proj.weight']" in error(
+        "extra", tweak=lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}))
+    said = error("shape", tweak=lambda t: t.update({"model.norm.weight": torch.ones(SMALL.dim + 1)}))
+    assert f"model.norm.weight in model.safetensors has shape [{SMALL.dim + 1}]" in said
+    assert f"needs [{SMALL.dim}]" in said
+    said = error("int", tweak=lambda t: t.update({"model.norm.weight": torch.ones(SMALL.dim, dtype=torch.int8)}))
+    assert "model.norm.weight in model.safetensors is I8, not floating point" in said
+
+    directory = write_checkpoint(tmp_path / "sharded", SMALL, torch.bfloat16, sharded=True)
+    shard = directory / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])  # truncated
+    with pytest.raises(XprepError, match=f"cannot read {shard} .*re-download"):
+        read_hf_weights(directory, SMALL)
+    (directory / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(XprepError, match="cannot read model.safetensors.index.json"):
+        read_hf_weights(directory, SMALL)
+
+    directory = write_checkpoint(tmp_path / "later", SMALL, torch.bfloat16)
+    weights = read_hf_weights(directory, SMALL)
+    assert torch.equal(weights["norm.weight"], load_file(directory / "model.safetensors")["model.norm.weight"].float())
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(XprepError, match="cannot read model.norm.weight from .*model.safetensors"):
+        weights["norm.weight"]

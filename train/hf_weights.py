@@ -2,7 +2,7 @@
 
 ```
 HF config.json           ─builtin_config─▶ ModelConfig      (None + the reason, for what it cannot express)
-HF *.safetensors         ─read_hf_weights─▶ built-in state dict (names mapped, fp32)
+HF *.safetensors         ─read_hf_weights─▶ built-in state dict (names mapped, fp32, read lazily)
 run checkpoint (DCP)     ─export_run─▶ DIR/model.safetensors + config.json   (AutoModelForCausalLM loads it)
 run → pack → datasets    ─data_tokenizer─▶ DIR/tokenizer.json + tokenizer_config.json   (AutoTokenizer loads it)
 ```
@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,44 +117,126 @@ def safetensors_files(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / f for f in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [directory / f for f in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise XprepError(f"--model hf:{directory}: cannot read {index.name} (its weight_map: "
+                             f"{type(e).__name__}: {e}); re-download the checkpoint") from None
     single = directory / "model.safetensors"
     return [single] if single.is_file() else []
 
 
-def read_hf_weights(directory: str | Path, cfg: ModelConfig) -> dict[str, Tensor]:
-    """The safetensors weights of ``directory`` as a state dict of the built-in model for ``cfg``, in fp32.
+@dataclass(frozen=True)
+class _Stored:
+    """Where one tensor of the built-in model lies in hf:DIR, as the file's header says."""
 
-    Every tensor the model needs must be there and nothing else may be (a tied model may still carry
-    ``lm_head.weight``: it is dropped), so an architecture the mapping misreads fails here, not silently.
+    path: Path
+    hf_name: str
+    dtype: str  # safetensors' name: BF16, F16, F32, ...
+    shape: tuple[int, ...]
+
+
+class HFWeights(Mapping[str, Tensor]):
+    """hf:DIR's weights as the built-in model's state dict for ``cfg``, each tensor read from its file (an
+    mmap) when asked and returned in fp32, so loading holds one whole tensor at a time, not the model.
+
+    ``train.dist.materialize`` asks for one parameter at a time and keeps this rank's shard of it: with
+    the whole state dict read first, every rank would hold 4 bytes × parameters of host memory besides
+    its shard. The headers are read here, eagerly (they cost nothing): every tensor the model needs must
+    be there with its shape and a floating-point dtype, and nothing else may be (a tied model may still
+    carry ``lm_head.weight``: it is dropped), so a checkpoint the mapping misreads fails before anything
+    is built, not silently or mid-load. Holds paths only: a file stays mapped while a tensor read from it lives.
     """
-    from safetensors.torch import load_file  # deferred: only hf:DIR reads safetensors
 
-    names = name_map(cfg.n_layers)
-    expected = set(param_names(cfg))
-    state: dict[str, Tensor] = {}
-    unexpected = []
-    for path in safetensors_files(directory):
-        for hf_name, tensor in load_file(path).items():
+    def __init__(self, directory: str | Path, cfg: ModelConfig):
+        self.directory = str(directory)
+        shapes = param_shapes(cfg)
+        names = name_map(cfg.n_layers)
+        self._stored: dict[str, _Stored] = {}
+        unexpected = []
+        for path, hf_name, dtype, shape in _headers(self.directory):
             if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and cfg.tie_embeddings):
                 continue
             name = names.get(hf_name)
-            if name not in expected:
+            if name not in shapes:
                 unexpected.append(hf_name)
-                continue
-            state[name] = tensor.to(torch.float32)
-    missing = sorted(expected - state.keys())
-    if missing or unexpected:
-        raise XprepError(f"--model hf:{directory}: weights do not match a {cfg.n_layers}-layer Llama-family "
-                         f"model (missing {missing[:3]}, unexpected {unexpected[:3]}); check the checkpoint")
-    return state
+            elif name in self._stored:
+                raise self._error(f"{hf_name} is in both {self._stored[name].path.name} and {path.name}; "
+                                  "keep one copy (the index's weight_map says which)")
+            else:
+                self._stored[name] = _Stored(path, hf_name, dtype, shape)
+        missing = sorted(shapes.keys() - self._stored.keys())
+        if missing or unexpected:
+            raise self._error(f"weights do not match a {cfg.n_layers}-layer Llama-family model (missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]}); check the checkpoint")
+        for name, stored in self._stored.items():
+            if stored.shape != shapes[name]:
+                raise self._error(f"{stored.hf_name} in {stored.path.name} has shape {list(stored.shape)}, but "
+                                  f"config.json's model needs {list(shapes[name])}; the weights do not belong "
+                                  "to this config.json")
+            if not stored.dtype.startswith(("F", "BF")):
+                raise self._error(f"{stored.hf_name} in {stored.path.name} is {stored.dtype}, not floating point "
+                                  "(a quantized checkpoint?); give the checkpoint in bf16, fp16 or fp32")
+
+    def __getitem__(self, name: str) -> Tensor:
+        """The whole tensor ``name`` (a built-in parameter name), in fp32; the file is unmapped once the
+        caller drops it (an fp32 file's tensor is the mapped one, copy-on-write; another dtype's a copy)."""
+        from safetensors import SafetensorError, safe_open  # deferred: only hf:DIR reads safetensors
+
+        stored = self._stored[name]
+        try:
+            with safe_open(stored.path, framework="pt", device="cpu") as f:
+                tensor = f.get_tensor(stored.hf_name)
+        except (OSError, SafetensorError) as e:  # safetensors' own: a file changed since its header was read
+            raise self._error(f"cannot read {stored.hf_name} from {stored.path} ({type(e).__name__}: {e}); "
+                              "check the file (was it changed or removed while the run started?)") from None
+        if tuple(tensor.shape) != stored.shape:
+            raise self._error(f"{stored.hf_name} in {stored.path} changed while the run started (shape "
+                              f"{list(tensor.shape)}, was {list(stored.shape)}); start again once nothing writes it")
+        return tensor.to(torch.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def _error(self, what: str) -> XprepError:
+        return XprepError(f"--model hf:{self.directory}: {what}")
+
+
+def _headers(directory: str) -> Iterator[tuple[Path, str, str, tuple[int, ...]]]:
+    """(file, name, dtype, shape) of every tensor in hf:DIR's safetensors files, from their headers alone."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in safetensors_files(directory):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                slices = {name: f.get_slice(name) for name in f.keys()}
+                found = [(name, s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()]
+        except (OSError, SafetensorError) as e:  # safetensors' own: not a safetensors file, or truncated
+            raise XprepError(f"--model hf:{directory}: cannot read {path} ({type(e).__name__}: {e}); "
+                             "re-download the checkpoint") from None
+        for name, dtype, shape in found:
+            yield path, name, dtype, shape
+
+
+def read_hf_weights(directory: str | Path, cfg: ModelConfig) -> HFWeights:
+    """The safetensors weights of ``directory`` as a state dict of the built-in model for ``cfg``, in fp32,
+    each tensor read when asked for (``HFWeights``); its names, shapes and dtypes are checked now."""
+    return HFWeights(directory, cfg)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The built-in model's parameter names for ``cfg`` and their shapes, without building it."""
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
 
 
 def param_names(cfg: ModelConfig) -> list[str]:
     """The built-in model's parameter names for ``cfg``, without building it."""
-    with torch.device("meta"):
-        return [name for name, _ in Transformer(cfg).named_parameters()]
+    return list(param_shapes(cfg))
 
 
 # ------------------------------------------------------------------------------------------ out
