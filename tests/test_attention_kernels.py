@@ -103,11 +103,68 @@ def test_kernel_choice():
     assert attention.varlen_kernel(torch.zeros(2, 1, 4, dtype=torch.bfloat16)) is None
 
 
-def test_flex_document_mask_equals_one_sdpa_per_document():
-    """The FlexAttention path (CUDA without a varlen kernel) on its CPU reference: same outputs."""
+@pytest.mark.parametrize("bounds", [[0, 5, 6, 26, 26, 35], [0, 300, 301, 301, 700], [0, 128, 256, 384]])
+def test_flex_document_mask_equals_one_sdpa_per_document(bounds):
+    """The FlexAttention path (CUDA without a varlen kernel) on its CPU reference: same outputs. The longer rows
+    span several 128-token tiles, full ones (the mask_mod skipped) among them."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    bounds = [0, 5, 6, 26, 26, 35]
     q, k, v = (t.detach().float() for t in _qkv(bounds[-1]))
     got = attention.flex_document_attention(q, k, v, bounds)
     torch.testing.assert_close(got, sdpa_per_document(q, k, v, bounds), atol=1e-5, rtol=1e-5)
     assert attention._document_block_mask.cache_info().currsize >= 1  # built once per bounds
+
+
+def _random_bounds(seed, count):
+    g = torch.Generator().manual_seed(seed)
+    cases = [[0, 1], [0, 128], [0, 300], [0, 5, 5, 9], [0, 128, 256, 384], [0, 127, 129, 640, 640]]
+    for _ in range(count):
+        total = int(torch.randint(1, 1100, (1,), generator=g))
+        cuts = torch.randint(0, total + 1, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g)
+        cases.append([0, *sorted(cuts.tolist()), total])
+    return cases
+
+
+def test_document_block_mask_equals_create_block_mask():
+    """The mask built from the bounds at tile granularity is create_block_mask's of the same mask_mod, field for
+    field (partial and full tiles, in the same order), for random bounds: empty documents, rows cut mid-tile."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    for bounds in _random_bounds(0, 16):
+        doc = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(bounds).diff())
+        want = flex.create_block_mask(lambda b, h, q, kv, doc=doc: (doc[q] == doc[kv]) & (q >= kv), None, None,
+                                      bounds[-1], bounds[-1], device="cpu")
+        got = attention.document_block_mask(bounds, "cpu")
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (bounds, name)
+        assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+        assert torch.equal(got.to_dense(), want.to_dense())
+
+
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op run under it, with its keyword arguments, and the most elements of any tensor it made."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.largest = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.setdefault(str(func), []).append(kwargs or {})
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_document_block_mask_is_tiles_not_tokens_squared_and_never_waits_for_the_device():
+    """At T = 8,269 no tensor the mask makes is larger than the (T/128)^2 tile grid or the (T,) document ids
+    (create_block_mask's is T^2 = 68M elements: 647 MiB of peak memory on this CPU), and no op reads a device value
+    back to the host (.item(), nonzero, repeat_interleave without output_size)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    bounds = [0, 100, 2000, 2000, 5000, 8192 + 77]
+    total, tiles = bounds[-1], -(-bounds[-1] // 128)
+    with _Recorder() as rec:
+        attention.document_block_mask(bounds, "cpu")
+    assert rec.largest <= max(total, tiles * (tiles + 1))
+    assert not {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"} & set(rec.ops)
+    assert all(kw.get("output_size") == total for kw in rec.ops["aten.repeat_interleave.Tensor"])

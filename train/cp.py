@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
-from train.attention import lower_right_causal_attention, varlen_kernel
+from train.attention import check_lower_right, lower_right_causal_attention, to_device_async, varlen_kernel
 
 Lengths = TypeVar("Lengths", int, np.ndarray, Tensor)
 GatherFn = Callable[[Tensor], Tensor]  # (T_local, ...) -> (C·T_local, ...) concatenated in rank order
@@ -269,11 +269,14 @@ def piece_attention(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece]) -> Ten
 
     q holds the pieces' queries one after the other. A piece (start, end, key_start) attends to
     keys [key_start, end) with bottom-right causal alignment: query start + i sees keys up to
-    start + i, and none before its document's start. On CUDA in half precision all pieces go in one
-    varlen call, each piece's key range gathered after the previous one's; elsewhere one call per piece.
+    start + i, and none before its document's start. Where a varlen kernel serves (train.attention:
+    CUDA, half precision, Ampere or later) all pieces go in one call, each piece's key range gathered
+    after the previous one's; elsewhere one call per piece. A kernel that would align a piece top-left
+    (flash-attn < 2.1) is refused with an XprepError.
     """
     kernel = varlen_kernel(q)
     if kernel is not None and pieces:
+        check_lower_right(kernel)
         keys, cu_q, cu_k, max_q, max_k = _piece_layout(tuple(pieces), q.device)
         return kernel(q, k.index_select(0, keys), v.index_select(0, keys), cu_q, cu_k, max_q, max_k, None)
     outs = []
@@ -290,13 +293,14 @@ def piece_attention(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece]) -> Ten
 @functools.lru_cache(maxsize=2)  # the pieces of the current batch: the same for every layer
 def _piece_layout(pieces: tuple[Piece, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor, int, int]:
     """For one varlen call over the pieces: the key rows to gather (each piece's [key_start, end), one
-    after the other), the query and key cu_seqlens (int32) and the longest query and key sequence."""
+    after the other), the query and key cu_seqlens (int32) and the longest query and key sequence. Built on
+    the CPU from the pieces (Python ints) and copied without waiting for the device."""
     q_lens = [end - start for start, end, _ in pieces]
     k_lens = [end - key_start for _, end, key_start in pieces]
     keys = torch.cat([torch.arange(key_start, end) for _, end, key_start in pieces])
     cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
-    return (keys.to(device), cu_q.to(device), cu_k.to(device), max(q_lens), max(k_lens))
+    return (*(to_device_async(x, device) for x in (keys, cu_q, cu_k)), max(q_lens), max(k_lens))
 
 
 def zigzag_attention(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], rank: int, size: int) -> Tensor:

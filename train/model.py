@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prep.errors import XprepError
-from train.attention import varlen_attention
+from train.attention import to_device_async, varlen_attention
 from train.loss import chunked_token_ce
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # q (T, H, D), k/v (T, Hkv, D) -> (T, H, D)
@@ -353,5 +353,6 @@ class Transformer(nn.Module):
         bounds = cu_seqlens.tolist()  # one host read per forward (none when cu_seqlens is on the CPU)
         if max_seqlen is None:
             max_seqlen = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=0)
-        cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+        cu = cu_seqlens.to(torch.int32)
+        cu = to_device_async(cu, device) if cu.device.type == "cpu" else cu.to(device)  # pinned: no wait
         return lambda q, k, v: varlen_attention(q, k, v, cu, max_seqlen, bounds=bounds)
