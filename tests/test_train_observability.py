@@ -286,6 +286,8 @@ def test_wandb_offline_run_holds_the_logged_history(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.setenv("WANDB_PROJECT", "xprep-tests")
+    # closing waits for wandb's service to write the run (wandb.teardown): without that wait, about 1 read in 3
+    # found the file still empty
     rows = logged_run(tmp_path, "wandb", n=3)
     files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     run_id = (tmp_path / "wandb_run_id").read_text().strip()

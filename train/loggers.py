@@ -12,7 +12,8 @@ metrics.jsonl record as flat scalars (``scalars``): ``loss``, ``category_loss/<n
 - W&B: the run lives in ``RUN/wandb/`` (``$WANDB_DIR`` wins), project ``$WANDB_PROJECT`` or
   ``xtrain``, named after the run directory; its id is kept in ``RUN/wandb_run_id`` so a resumed run
   continues the same W&B run. ``$WANDB_MODE`` is wandb's own (``offline`` writes only local files, for
-  ``wandb sync`` later). wandb does not capture the console (the trainer's lines stay as they are).
+  ``wandb sync`` later). wandb does not capture the console (the trainer's lines stay as they are). Closing
+  waits until wandb's service has written or sent every record (``wandb.teardown``).
 """
 
 from __future__ import annotations
@@ -132,7 +133,12 @@ class WandbLogger:
         self.run.log(values, step=step)
 
     def close(self) -> None:
+        """Finish the run, then wait for wandb's service to have written (offline) or sent it all: ``finish``
+        returns before that, and the exit hook that would wait is skipped by a distributed run's ``os._exit``."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
 
 
 BACKENDS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}  # name → (module, extra)
