@@ -125,12 +125,12 @@ def test_mfu_arithmetic():
     step = 6e6 * 4096 + 1e3 * 50_000  # 4,096 tokens, 50,000 attended pairs
     assert flops.step(4096, 50_000) == step
     tp = Throughput(flops, peak_tflops=100.0, world_size=4)
-    tflops, utilization = tp.measure(4096, 50_000, 0.5)
+    tflops, utilization, _ = tp.measure(4096, 50_000, 0.5)
     assert tflops == pytest.approx(step / 0.5 / 4 / 1e12)
     assert utilization == pytest.approx(step / 0.5 / 4 / 100e12) == pytest.approx(tflops / 100)
     assert mfu(step, 0.5, 4, 100.0) == utilization
-    assert Throughput(flops, None, 4).measure(4096, 50_000, 0.5) == (tflops, None)  # no peak: TFLOPS, no MFU
-    assert Throughput(None, 100.0).measure(4096, 0, 0.5) == (None, None)  # no model FLOPs
+    assert Throughput(flops, None, 4).measure(4096, 50_000, 0.5) == (tflops, None, None)  # no peak: TFLOPS, no MFU
+    assert Throughput(None, 100.0).measure(4096, 0, 0.5) == (None, None, None)  # no model FLOPs
     assert mfu(None, 0.5, 1, 100.0) is None and mfu(step, 0.0, 1, 100.0) is None
 
 
@@ -156,7 +156,8 @@ def steps(n: int = 3, cuda: bool = False, eval_at: int | None = None) -> list[St
         out.append(StepMetrics(i, 3.0 / i, {"code": 3.1 / i, "chat": 2.9 / i}, 0.5 + i, 1e-3 * i, 1000, 400, 0.25,
                                4 * i, {"web": 3.05 / i}, e, tflops=40.0 + i if cuda else 0.01,
                                mfu=0.4 + i / 100 if cuda else None,
-                               peak_mem_bytes=(3 << 30) + i if cuda else None, peak_rss_bytes=(1 << 30) + i))
+                               peak_mem_bytes=(3 << 30) + i if cuda else None, peak_rss_bytes=(1 << 30) + i,
+                               mfu_6n=0.5 + i / 100 if cuda else None))
     return out
 
 
@@ -170,10 +171,11 @@ def test_metrics_jsonl_and_console_carry_throughput_and_memory(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens_per_s"] for r in rows] == [4000.0] * 3
     assert [r["mfu"] for r in rows] == pytest.approx([0.41, 0.42, 0.43]) and rows[0]["tflops"] == 41.0
+    assert [r["mfu_6n"] for r in rows] == pytest.approx([0.51, 0.52, 0.53])
     assert rows[2]["peak_mem_bytes"] == (3 << 30) + 3 and rows[2]["peak_rss_bytes"] == (1 << 30) + 3
     line = out.getvalue().strip()
     assert line.startswith("step 3/3  loss 1.0000  lr 3.00e-03  grad 3.500  4,000 tok/s  ")  # as before
-    assert "  MFU 42.0%  mem 3.0 GiB  ETA " in line  # time-weighted MFU of the interval, its peak memory
+    assert "  MFU 42.0% (6N 52.0%)  mem 3.0 GiB  ETA " in line  # time-weighted MFUs of the interval, its peak memory
 
 
 def test_cpu_console_shows_rss_and_no_mfu(tmp_path):
@@ -184,7 +186,8 @@ def test_cpu_console_shows_rss_and_no_mfu(tmp_path):
         log.write(m)
     log.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["mfu"] is None and rows[0]["peak_mem_bytes"] is None and rows[0]["peak_rss_bytes"] > 0
+    assert rows[0]["mfu"] is None and rows[0]["mfu_6n"] is None and rows[0]["peak_mem_bytes"] is None
+    assert rows[0]["peak_rss_bytes"] > 0
     assert all("MFU" not in line and "  rss 1.0 GiB  ETA" in line for line in out.getvalue().splitlines())
 
 
@@ -197,9 +200,9 @@ def test_scalars_are_the_jsonl_record_flattened():
     flat = scalars({**m.record(), "time": 1.7e9})
     assert flat["loss"] == 1.5 and flat["category_loss/code"] == 3.1 / 2 and flat["source_loss/web"] == 3.05 / 2
     assert flat["eval_loss"] == 1.0 and flat["eval_category_loss/code"] == 2.1 / 2 and flat["mfu"] == rows_mfu(2)
-    assert flat["peak_mem_bytes"] == (3 << 30) + 2 and flat["tokens_per_s"] == 4000.0
+    assert flat["peak_mem_bytes"] == (3 << 30) + 2 and flat["tokens_per_s"] == 4000.0 and flat["mfu_6n"] == 0.52
     assert "step" not in flat and "time" not in flat
-    assert "mfu" not in scalars(steps(1)[0].record())  # null: left out
+    assert "mfu" not in scalars(steps(1)[0].record()) and "mfu_6n" not in scalars(steps(1)[0].record())  # nulls
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -247,7 +250,7 @@ def test_tensorboard_events_read_back_as_the_jsonl(tmp_path):
         assert [s for s, _ in logged] == [s for s, _ in want], key
         assert [v for _, v in logged] == pytest.approx([v for _, v in want], rel=1e-6), key  # float32
     assert {"loss", "category_loss/chat", "source_loss/web", "eval_loss", "eval_category_loss/code", "lr",
-            "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes", "peak_rss_bytes"} <= set(
+            "grad_norm", "tokens_per_s", "tflops", "mfu", "mfu_6n", "peak_mem_bytes", "peak_rss_bytes"} <= set(
         events.Tags()["scalars"])
     logged_run(tmp_path, "tensorboard", resumed=2, scale=10.0)  # resumed at step 2: steps 3, 4 written again
     events = EventAccumulator(str(tmp_path / "tensorboard"))
@@ -306,7 +309,7 @@ def test_run_report_shows_throughput_and_memory(tmp_path):
     report = run_report(tmp_path)
     p = report["perf"]
     assert p["steps"] == 3 and p["tokens_per_s"] == 4000.0  # the first step (warm-up) left out
-    assert p["mfu"] == pytest.approx(0.43) and p["tflops"] == pytest.approx(43.0)
+    assert p["mfu"] == pytest.approx(0.43) and p["tflops"] == pytest.approx(43.0) and p["mfu_6n"] == pytest.approx(0.53)
     assert p["peak_mem_bytes"] == (3 << 30) + 4 and p["peak_rss_bytes"] == (1 << 30) + 4
     line = next(x for x in render_run(report).splitlines() if x.strip().startswith("throughput"))
     assert "4,000 tok/s, 43 TFLOPS/GPU, MFU 43% (median of 3 steps)" in line
@@ -319,7 +322,8 @@ def test_html_curves_leave_out_a_series_no_step_has():
 
     rows = [{"step": 1, "loss": 2.0, "tokens_per_s": 10.0, "mfu": None}, {"step": 2, "loss": 1.0, "mfu": None}]
     assert "mfu" not in curves(rows) and curves(rows)["tokens_per_s"] == [10.0, None]  # a CPU run: no MFU chart
-    assert curves([{**rows[0], "mfu": 0.4}])["mfu"] == [0.4]
+    assert curves([{**rows[0], "mfu": 0.4}])["mfu"] == [0.4] and "mfu_6n" not in curves(rows)
+    assert curves([{**rows[0], "mfu": 0.4, "mfu_6n": 0.5}])["mfu_6n"] == [0.5]
 
 # ---------------------------------------------------------------------------------------------- xtrain run
 def wired() -> bool:
@@ -346,7 +350,12 @@ def test_xtrain_run_logs_mfu_memory_and_tensorboard(tmp_path):
     assert all(r["mfu"] > 0 and r["tflops"] > 0 and r["peak_rss_bytes"] > 0 for r in rows)
     assert all(r["peak_mem_bytes"] is None for r in rows)  # CPU
     assert all(r["mfu"] == pytest.approx(r["tflops"] / 0.5) for r in rows)
-    assert "  MFU " in result.stderr and "  rss " in result.stderr and "step 3/3  loss" in result.stderr
+    info = json.loads((run / "run.json").read_text())  # 6N: every real token at the bins' capacity T
+    per_token = ModelFlops.from_dict(info["model"]).per_token_6n(info["pack"]["capacity"])
+    assert all(r["mfu_6n"] == pytest.approx(per_token * r["tokens"] / r["step_seconds"] / 0.5e12) for r in rows)
+    assert all(r["mfu_6n"] > r["mfu"] for r in rows)  # it counts the masked half of causal attention too
+    assert "  MFU " in result.stderr and "% (6N " in result.stderr and "  rss " in result.stderr
+    assert "step 3/3  loss" in result.stderr
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     assert [e.value for e in events.Scalars("mfu")] == pytest.approx([r["mfu"] for r in rows], rel=1e-6)

@@ -3,7 +3,7 @@
 ``--log tensorboard,wandb`` picks them (optional extras: ``pip install 'xprep[tensorboard]'``,
 ``'xprep[wandb]'``). ``MetricsLog`` (train/metrics.py), rank 0 only, hands each of them every step's
 metrics.jsonl record as flat scalars (``scalars``): ``loss``, ``category_loss/<name>``,
-``source_loss/<name>``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu``, ``peak_mem_bytes``, ...,
+``source_loss/<name>``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu``, ``mfu_6n``, ``peak_mem_bytes``, ...,
 ``eval_loss`` and ``eval_category_loss/<name>`` on the steps that evaluated; nulls are left out.
 
 - TensorBoard: event files in ``RUN/tensorboard/``; a resumed run purges the events after its

@@ -10,11 +10,12 @@ metrics.jsonl record (``eval_loss``, ``eval_category_loss``, ``eval_source_loss`
 
 Throughput and memory ride on every record: ``tokens_per_s`` (all ranks' real tokens / step time),
 ``tflops`` (model TFLOPS achieved per GPU) and ``mfu`` (its fraction of the GPU's peak; null when the
-peak or the model's FLOPs are unknown, e.g. on a CPU without ``--peak-tflops``: train/flops.py),
+peak or the model's FLOPs are unknown, e.g. on a CPU without ``--peak-tflops``), ``mfu_6n`` (the same in
+PaLM's and torchtitan's 6N + 12·L·H·D·T convention, to compare with theirs: train/flops.py),
 ``peak_mem_bytes`` (CUDA max allocated in the step; null off CUDA) and ``peak_rss_bytes`` (the
-process's peak RSS), both the maximum over ranks (train/memory.py). The console line shows MFU and
-the peak memory of its interval. Extra backends (TensorBoard, W&B: train/loggers.py) get the same
-numbers as metrics.jsonl, as flat scalars.
+process's peak RSS), both the maximum over ranks (train/memory.py). The console line shows both MFUs
+(``MFU 38.2% (6N 47.5%)``) and the peak memory of its interval. Extra backends (TensorBoard, W&B:
+train/loggers.py) get the same numbers as metrics.jsonl, as flat scalars.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class StepMetrics:
     mfu: float | None = None  # tflops / the GPU's peak; None when either is unknown
     peak_mem_bytes: int | None = None  # CUDA max allocated during the step, max over ranks; None off CUDA
     peak_rss_bytes: int | None = None  # process peak RSS, max over ranks
+    mfu_6n: float | None = None  # MFU in the 6N + 12·L·H·D·T convention (PaLM, torchtitan); None when unknown
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -77,7 +79,8 @@ class StepMetrics:
         return {"step": self.step, "loss": self.loss, "category_loss": self.category_loss,
                 "source_loss": self.source_loss, "grad_norm": self.grad_norm, "lr": self.lr, "tokens": self.tokens,
                 "target_tokens": self.targets, "tokens_per_s": self.tokens_per_s, "tflops": self.tflops,
-                "mfu": self.mfu, "peak_mem_bytes": self.peak_mem_bytes, "peak_rss_bytes": self.peak_rss_bytes,
+                "mfu": self.mfu, "mfu_6n": self.mfu_6n, "peak_mem_bytes": self.peak_mem_bytes,
+                "peak_rss_bytes": self.peak_rss_bytes,
                 "step_seconds": self.seconds, "consumed_samples": self.consumed_samples,
                 **(self.eval.record() if self.eval is not None else {})}
 
@@ -167,6 +170,8 @@ class Interval:
     seconds: float = 0.0
     mfu_seconds: float = 0.0  # Σ mfu·seconds of the steps that have an MFU (= Σ FLOPs / GPUs / peak)
     timed: float = 0.0  # Σ seconds of those steps
+    mfu_6n_seconds: float = 0.0  # the same of mfu_6n
+    timed_6n: float = 0.0
     peak_mem: int | None = None
     peak_rss: int | None = None
 
@@ -176,6 +181,9 @@ class Interval:
         if m.mfu is not None:
             self.mfu_seconds += m.mfu * m.seconds
             self.timed += m.seconds
+        if m.mfu_6n is not None:
+            self.mfu_6n_seconds += m.mfu_6n * m.seconds
+            self.timed_6n += m.seconds
         self.peak_mem = _max(self.peak_mem, m.peak_mem_bytes)
         self.peak_rss = _max(self.peak_rss, m.peak_rss_bytes)
 
@@ -184,8 +192,10 @@ class Interval:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def perf(self) -> str:
-        """"  MFU 41.2%  mem 12.3 GiB" (CUDA) or "  rss 1.2 GiB" (CPU): what of it is known."""
+        """"  MFU 41.2% (6N 50.3%)  mem 12.3 GiB" (CUDA) or "  rss 1.2 GiB" (CPU): what of it is known."""
         out = f"  MFU {100 * self.mfu_seconds / self.timed:.1f}%" if self.timed else ""
+        if self.timed and self.timed_6n:  # an mfu_6n comes with an mfu (it needs the same peak and FLOPs)
+            out += f" (6N {100 * self.mfu_6n_seconds / self.timed_6n:.1f}%)"
         if self.peak_mem is not None:
             out += f"  mem {gib(self.peak_mem)}"
         elif self.peak_rss is not None:

@@ -1,6 +1,6 @@
 """The report on a run directory (``xprep inspect runs/NAME``): loss by category and by source over the
 run (first, last, best, trend), and the same of the validation loss when the run evaluated; throughput
-(median tokens/s, TFLOPS and MFU, peak memory); no torch; ``prep.render`` makes the text.
+(median tokens/s, TFLOPS and both MFUs, peak memory); no torch; ``prep.render`` makes the text.
 
 A step without target tokens has a null loss (train/metrics.py): it is left out of the loss summary
 (first, last, best, trend), a gap in the curves, and counted as ``steps_without_targets`` (evaluations
@@ -92,7 +92,7 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
 
 
 CURVE_POINTS = 2000  # points per series at most in ``curves``: enough for a page, small for any run length
-CURVE_SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")  # mfu: where the run knew its GPU's peak
+CURVE_SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mfu_6n")  # MFUs: where the run knew its peak
 
 
 def curves(records: list[dict]) -> dict:
@@ -113,7 +113,8 @@ def curves(records: list[dict]) -> dict:
     return out
 
 
-PERF_MEDIANS = ("tokens_per_s", "tflops", "mfu")  # per step; the first step (warm-up) left out of a longer run
+# per step, the first step (warm-up) left out of a longer run; mfu_6n: PaLM's and torchtitan's MFU (train/flops.py)
+PERF_MEDIANS = ("tokens_per_s", "tflops", "mfu", "mfu_6n")
 PERF_PEAKS = ("peak_mem_bytes", "peak_rss_bytes")  # the largest of any step
 
 
