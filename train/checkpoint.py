@@ -16,9 +16,19 @@ group of its own so its collectives never interleave with training's); the check
 published — trainer.json, rename, ``latest`` — only when every rank has finished writing it,
 which is waited for before the next save starts and before the run ends (``finish``).
 
-``keep`` retention deletes the oldest ``step-*`` but never the one ``latest`` names nor the
+Rank 0 publishes alone (fsync, renames) while the other ranks wait for it; that waiting, and
+DCP's own collectives, run over a gloo group of the checkpoints' own, whose timeout is
+``XTRAIN_CKPT_TIMEOUT`` seconds (4 h), not training's ``XTRAIN_DIST_TIMEOUT`` (600 s): a large
+save on slow shared storage must not end the job (on GPUs the default group is nccl, whose
+watchdog would). The same group carries the asynchronous writes, one save at a time.
+
+``keep`` retention retires the oldest ``step-*`` but never the one ``latest`` names nor the
 best: the lowest validation loss among the checkpoints saved at a step that evaluated
 (``eval_loss`` in trainer.json), else, when none did, the lowest training loss at save time.
+Retiring is a rename to ``.retired-step-<N>-<id>`` (atomic: no ``step-<N>`` is ever half
+deleted), and a thread on rank 0 deletes the retired directories while training goes on; the
+end of the run (``finish``) waits for it. Retired or temporary directories left by a killed run
+are deleted the same way by the next one.
 A checkpoint names the pack entry it was trained on (``pack_key``, ``pack_entry``): a run resumes on that
 entry while the pack cache still holds it, even when another one has become current since (re-running
 an older ``xprep pack`` command is a cache hit that makes its entry current) — ``pinned_entry``. Resuming
@@ -29,11 +39,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import queue
 import re
 import shutil
+import threading
+import uuid
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -45,12 +60,30 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from prep.errors import XprepError
 from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
 from prep.io import fsync_tree, read_json, write_atomic, write_json_atomic
-from train.dist import ParallelDims, barrier
+from train.dist import ParallelDims
 from train.metrics import best_step
 
 LATEST = "latest"
 TRAINER_JSON = "trainer.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+RETIRED_PREFIX = ".retired-"  # a checkpoint (or temporary directory) renamed out of the way, being deleted
+CKPT_TIMEOUT_ENV = "XTRAIN_CKPT_TIMEOUT"  # seconds checkpoint coordination may wait for a peer [default 4 h]
+DEFAULT_CKPT_TIMEOUT_S = 4 * 3600
+
+
+def checkpoint_timeout() -> timedelta:
+    """How long a rank waits for the others while a checkpoint is written and published (``XTRAIN_CKPT_TIMEOUT``)."""
+    raw = os.environ.get(CKPT_TIMEOUT_ENV)
+    if raw is None:
+        return timedelta(seconds=DEFAULT_CKPT_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise XprepError(f"{CKPT_TIMEOUT_ENV}={raw!r}: must be a number of seconds > 0; set it to e.g. "
+                         f"{DEFAULT_CKPT_TIMEOUT_S} (the default, 4 h), or unset it")
+    return timedelta(seconds=seconds)
 
 
 class CheckpointManager:
@@ -61,8 +94,11 @@ class CheckpointManager:
         self.dims = dims
         self.keep = keep
         self.async_save = async_save
+        self.timeout = checkpoint_timeout()
         self._pending: _PendingSave | None = None
-        self._async_group = None
+        self._coordination = None  # the gloo group of checkpointing (``_group``), made on first use
+        self._deleter = _Deleter()
+        self._cleaned = False
 
     # ----------------------------------------------------------------------------------- find
     def latest(self) -> Path | None:
@@ -70,7 +106,7 @@ class CheckpointManager:
         if not pointer.is_file():
             return None
         path = self.root / pointer.read_text().strip()
-        if not (path / TRAINER_JSON).is_file():
+        if path.name.startswith(RETIRED_PREFIX) or not (path / TRAINER_JSON).is_file():
             raise XprepError(f"{pointer} names {path.name}, which is missing or incomplete; point it at "
                              "another step-<N> directory or delete it to start over")
         return path
@@ -89,6 +125,9 @@ class CheckpointManager:
             path = CheckpointManager(path, self.dims).latest()
         elif (path / LATEST).is_file():  # a checkpoints directory
             path = path / (path / LATEST).read_text().strip()
+        if path is not None and path.name.startswith(RETIRED_PREFIX):
+            raise XprepError(f"--resume {resume}: a retired checkpoint, being deleted (it may be incomplete already); "
+                             "give a step-<N> directory, a run directory, or auto")
         if path is None or not (path / TRAINER_JSON).is_file():
             raise XprepError(f"--resume {resume}: not a complete checkpoint (no {TRAINER_JSON}); give a "
                              "step-<N> directory, a run directory, or auto")
@@ -104,44 +143,52 @@ class CheckpointManager:
         """Write step-<step> from every rank, then publish it and move ``latest`` (rank 0).
 
         With ``async_save`` this returns once the state is staged (copied): the write goes on in
-        the background and ``finish`` (or the next save) publishes it.
+        the background and ``finish`` (or the next save) publishes it. Checkpoints retired by the
+        publication are deleted in the background either way.
         """
-        self.finish()  # the previous asynchronous save first
+        self._complete_pending()  # the previous asynchronous save first
         final = self.root / f"step-{step}"
         tmp = self.root / f".step-{step}.tmp"
         if self.dims.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".step-*"):  # left by a killed run (not one `latest` still names)
-                if stale.name != self._latest_name():
-                    shutil.rmtree(stale, ignore_errors=True)
-        barrier(self.dims)
+            self._clean_leftovers()
+        self._barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        no_dist = not self.dims.distributed
+        no_dist, group = not self.dims.distributed, self._group()
         with _quiet_single_process():
             if self.async_save:
-                future = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist, process_group=self._group())
+                future = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist, process_group=group)
             else:
-                dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
+                dcp.save(state, checkpoint_id=tmp, no_dist=no_dist, process_group=group)
                 future = None
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-{self.dims.rank}.pt")
         self._pending = _PendingSave(step, tmp, final, {"step": step, **trainer_state}, future)
         if not self.async_save:
-            self.finish()
+            self._complete_pending()
         return final
 
     def finish(self) -> None:
+        """Complete what is in flight, at the end of a run: the pending save (published by rank 0) and the
+        deletion of retired checkpoints. Every rank returns when rank 0 is done."""
+        self._complete_pending()
+        if self.dims.is_main:
+            self._clean_leftovers()
+            self._deleter.wait()
+        self._barrier()
+
+    def _complete_pending(self) -> None:
         """Wait for the pending save on every rank, then publish it (rank 0). No-op when none."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         if pending.future is not None:  # a Future, or an AsyncSaveResponse holding one
             getattr(pending.future, "upload_completion", pending.future).result()
-        barrier(self.dims)
+        self._barrier()
         if self.dims.is_main:
             self._publish(pending)
-        barrier(self.dims)
+        self._barrier()
 
     def _publish(self, pending: _PendingSave) -> None:
         """Rename the finished checkpoint into place and point ``latest`` at it.
@@ -155,16 +202,16 @@ class CheckpointManager:
         fsync_tree(tmp)
         if final.exists():
             old = self.root / f".{final.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
+            self._deleter.retire(old)  # a stale one
             if self._latest_name() == final.name:
                 shutil.copytree(final, old, copy_function=_link_or_copy)
                 write_atomic(self.root / LATEST, old.name + "\n")
-                shutil.rmtree(final)
+                self._deleter.retire(final)
             else:
                 os.replace(final, old)
             os.replace(tmp, final)
             write_atomic(self.root / LATEST, final.name + "\n")
-            shutil.rmtree(old)
+            self._deleter.retire(old)
         else:
             os.replace(tmp, final)
             write_atomic(self.root / LATEST, final.name + "\n")
@@ -174,17 +221,37 @@ class CheckpointManager:
         pointer = self.root / LATEST
         return pointer.read_text().strip() if pointer.is_file() else None
 
+    def _clean_leftovers(self) -> None:
+        """Delete, in the background, what a killed run left (rank 0, once): its temporary directories
+        (not one ``latest`` still names) and the retired checkpoints it had not deleted yet."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        latest = self._latest_name()
+        for stale in sorted(self.root.glob(".step-*")):
+            if stale.name != latest:
+                self._deleter.retire(stale)
+        for retired in sorted(self.root.glob(RETIRED_PREFIX + "*")):
+            self._deleter.delete(retired)
+
     def _group(self):
-        """A gloo group for the background writes (its own, so they never race training's collectives;
-        and async_save needs a CPU backend, which nccl is not). None on one process."""
-        if not self.dims.distributed:
+        """The gloo group checkpointing waits on: DCP's collectives, the asynchronous writes, and the barriers
+        around rank 0's publication. Its own group, so that its timeout is ``XTRAIN_CKPT_TIMEOUT``'s and
+        not training's, and the background writes never race training's collectives (async_save also
+        needs a CPU backend, which nccl is not). None on one process."""
+        if not (self.dims.distributed and dist.is_initialized()):
             return None
-        if self._async_group is None:
-            self._async_group = dist.new_group(backend="gloo")
-        return self._async_group
+        if self._coordination is None:
+            self._coordination = dist.new_group(backend="gloo", timeout=self.timeout)
+        return self._coordination
+
+    def _barrier(self) -> None:
+        group = self._group()
+        if group is not None:
+            dist.barrier(group=group)
 
     def _retain(self, latest: str) -> None:
-        """Keep the newest ``keep`` checkpoints, the one ``latest`` names and the best one; delete the others."""
+        """Keep the newest ``keep`` checkpoints, the one ``latest`` names and the best one; retire the others."""
         steps = self.steps()
         kept = {f"step-{n}" for n in steps[-self.keep:]} | {latest}
         best = self.best()
@@ -192,7 +259,7 @@ class CheckpointManager:
             kept.add(best)
         for n in steps:
             if f"step-{n}" not in kept:
-                shutil.rmtree(self.root / f"step-{n}", ignore_errors=True)
+                self._deleter.retire(self.root / f"step-{n}")
 
     def best(self) -> str | None:
         """The best checkpoint's name (``best_step``: by validation loss when any has one, else training loss)."""
@@ -218,7 +285,7 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         loaded = {"model": model_sd, "optim": optim_sd}
         with _quiet_single_process():
-            dcp.load(loaded, checkpoint_id=path, no_dist=not self.dims.distributed)
+            dcp.load(loaded, checkpoint_id=path, no_dist=not self.dims.distributed, process_group=self._group())
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         rng = path / f"rng-{self.dims.rank}.pt"
         if rng.is_file():  # absent when resuming on more ranks than were saved
@@ -235,6 +302,47 @@ class _PendingSave:
     final: Path
     trainer_state: dict
     future: object | None
+
+
+class _Deleter:
+    """Deletes directories in a thread of its own, so that no rank waits for a slow filesystem's deletes.
+
+    ``retire`` first renames a directory to a ``.retired-*`` name beside it: atomic, so a ``step-<N>``
+    is there whole or not at all, and nothing that looks for checkpoints sees it again. A directory
+    already retired (left by a killed run) is only deleted. ``wait`` returns when all are gone.
+    """
+
+    def __init__(self):
+        self._queue: queue.Queue[Path] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def retire(self, path: Path) -> None:
+        """Rename ``path`` out of the way and delete it in the background; nothing when it does not exist."""
+        retired = path.with_name(f"{RETIRED_PREFIX}{path.name.lstrip('.')}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(path, retired)
+        except FileNotFoundError:
+            return
+        self.delete(retired)
+
+    def delete(self, path: Path) -> None:
+        self._queue.put(path)
+        if self._thread is None:  # a daemon: a run that dies leaves the rest for the next one to delete
+            self._thread = threading.Thread(target=self._run, name="checkpoint-deleter", daemon=True)
+            self._thread.start()
+
+    def wait(self) -> None:
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            path = self._queue.get()
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+            except Exception as e:  # the thread must outlive it: ``wait`` waits for the ones queued after
+                warnings.warn(f"{path}: not deleted ({e}); delete it by hand", stacklevel=1)
+            finally:
+                self._queue.task_done()
 
 
 def check_same_pack(state: dict, path: Path, pack_key: str) -> None:
