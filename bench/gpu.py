@@ -284,7 +284,7 @@ def part_env(b: Bench) -> None:
         capability = None
         r.note("device", f"{device} (no CUDA: capability, MIG and peak FLOPS do not apply)")
     r.note("peak bf16", _peak_line(device, "bf16"))
-    r.note("peak fp32", _peak_line(device, "fp32"))
+    r.note("peak fp32", _peak_line(device, "fp32"))  # with TF32, as xtrain runs fp32 unless --no-tf32
     signature = getattr(attention, "varlen_signature", None)
     if signature is None:
         r.note("varlen_attn signature", "unknown (train.attention has no varlen_signature)")
@@ -314,7 +314,7 @@ def part_env(b: Bench) -> None:
 
 def _peak_line(device: torch.device, precision: str) -> str:
     try:
-        peak, line = flops.resolve_peak_tflops(device, None, precision=precision, tf32=False)
+        peak, line = flops.resolve_peak_tflops(device, None, precision=precision, tf32=True)
     except TypeError:  # a train.flops without per-precision peaks: bf16 only
         peak, line = flops.resolve_peak_tflops(device)
     return line
