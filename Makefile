@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The whole pipeline on an embedded corpus (Python's standard library + a BPE tokenizer trained
-# here): tokenize -> pack -> inspect -> a few training steps.
+# here): tokenize -> pack -> inspect -> a few training steps (2 ranks: on 2 GPUs when there are, else on the CPU).
 demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(PY) -m prep.demo $(DEMO)
@@ -33,6 +33,7 @@ demo: $(STAMP)
 	$(VENV)/bin/xprep inspect $(DEMO)/packed
 	$(VENV)/bin/xtrain run $(DEMO)/packed --model tiny --steps 20 --micro-batch-size 1 --global-batch-size 2 --lr 3e-3 --warmup 2 --sampler random \
 		--eval-every 10 --eval-bins 16 --nproc-per-node 2 --cp 2 --output $(DEMO)/runs/demo \
+		--device $$($(PY) -c 'import torch; print("cuda" if torch.cuda.device_count() >= 2 else "cpu")') \
 		$$($(PY) -c 'import tensorboard' 2>/dev/null && echo --log tensorboard)
 	$(VENV)/bin/xprep inspect $(DEMO)/runs/demo
 

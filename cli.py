@@ -359,7 +359,11 @@ def xtrain():
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default=None,
               help="Forward/backward dtype; weights, gradients, optimizer state and the loss stay fp32. bf16: "
                    "FSDP2's mixed precision (fp32 shards, bf16 compute, fp32 reduction), autocast without FSDP2. "
-                   "auto: bf16 on CUDA, fp32 on CPU [default: auto].")
+                   "auto: bf16 on a GPU with bf16 tensor cores (compute capability ≥ 8.0), else fp32 (older GPUs, CPU) "
+                   "[default: auto].")
+@click.option("--tf32/--no-tf32", default=None,
+              help="CUDA: fp32 matmuls on TF32 tensor cores, and an fp32 run's MFU measured against the TF32 peak; "
+                   "--no-tf32: full fp32 matmuls [default: on].")
 @click.option("--loss-chunk", type=int, default=None, metavar="N",
               help="Compute the output layer and the loss N tokens at a time, recomputing each chunk's logits in "
                    "the backward: no whole tokens × vocab logits, same loss; 0 = all at once [default: auto: 0 "
@@ -392,6 +396,10 @@ def xtrain():
                    "...); none on CPU or an unknown GPU, and MFU is then not reported].")
 @click.option("--verify-data/--no-verify-data", default=None,
               help="Re-hash the dataset streams against their manifests first (catches in-place edits).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+              help="Where the ranks compute. auto: a GPU per local rank when the machine has GPUs (an error when it "
+                   "has fewer than the ranks), else the CPU; cpu: the CPU (gloo) even on a GPU machine; cuda: a GPU "
+                   "per local rank or an error [default: $XTRAIN_DEVICE, else auto].")
 @click.option("--nproc-per-node", type=int, default=None,
               help="Start this many ranks on this machine (torch's elastic launcher, as torchrun does) "
                    "[default: this process only, or the ranks torchrun started].")
@@ -409,8 +417,9 @@ def xtrain():
               help="Recompute each block's activations in the backward [default: off].")
 @click.option("--reduce-every-micro-batch/--reduce-once-per-step", default=None,
               help="FSDP2 with accumulation: reduce-scatter gradients after every micro-batch so they stay "
-                   "sharded (less memory), or once per step (fewer collectives); same gradients "
-                   "[default: once per step].")
+                   "sharded, or once per step: fewer collectives, but every rank holds the whole model's unsharded "
+                   "fp32 gradients between micro-batches (4 bytes × parameters: ~5 GB per GPU at 1B, ~32 GB at 8B); "
+                   "same gradients [default: every micro-batch].")
 @click.option("--async-save/--no-async-save", default=None,
               help="Write checkpoints in a background thread [default: off].")
 @_user_errors

@@ -1,14 +1,15 @@
 """Run under torchrun by test_parallel_equivalence.py: one global batch on several (dp, cp, accum) layouts.
 
-argv: PACKED OUT GLOBAL_BATCH LAYOUT... where a layout is ``dp,cp,accum[,ac][,nofsdp][,keep][,bf16][,every]
+argv: PACKED OUT GLOBAL_BATCH LAYOUT... where a layout is ``dp,cp,accum[,ac][,nofsdp][,keep][,bf16][,once]
 [,chunk][,compile]`` (ac = activation checkpointing; FSDP2 is on unless nofsdp; keep = no reshard after
-forward; bf16 = --precision bf16; every = reduce-scatter after every micro-batch; chunk = --loss-chunk 16;
-compile = torch.compile each block).
+forward; bf16 = --precision bf16; once = --reduce-once-per-step (reduce-scatter after the step's last
+micro-batch only, not after every one); chunk = --loss-chunk 16; compile = torch.compile each block).
 For each layout every rank builds the tiny model (on the meta device, then sharded and initialized)
 and a Trainer over its share, gathers the whole initial weights, runs ``accumulate_gradients`` once,
 and gathers the whole gradients; rank 0 saves {layout: {"loss": float, "init": {name: tensor},
-"grads": {name: tensor}, "reduce_scatters": int}} to OUT (the number of FSDP2 gradient
-reduce-scatters during that step).
+"grads": {name: tensor}, "reduce_scatters": int, "held_grad_bytes": int}} to OUT (the number of FSDP2
+gradient reduce-scatters during that step; the most bytes of unsharded gradients FSDP2 held on rank 0
+between two micro-batches, read off its parameters' accumulators, torch-internal state).
 """
 
 import sys
@@ -37,6 +38,33 @@ def counting_reduce_scatter(*args, **kwargs):
 
 
 dist.reduce_scatter_single = counting_reduce_scatter
+
+
+def unsharded_grad_bytes(model) -> int:
+    """Bytes of the whole-parameter gradients FSDP2 keeps while gradient sync is off: the unsharded parameters'
+    own gradients (fp32 compute) or the fp32 accumulators they are moved into (bf16 compute)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            for grad in (fsdp_param.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad):
+                total += grad.numel() * grad.element_size() if grad is not None else 0
+    return total
+
+
+def measuring_held_gradients(trainer, held: list[int]):
+    """``trainer.forward_backward`` that notes the unsharded gradient bytes held after each micro-batch."""
+    forward_backward = trainer.forward_backward
+
+    def wrapped(*args):
+        forward_backward(*args)
+        held.append(unsharded_grad_bytes(trainer.model))
+
+    return wrapped
+
 for layout in layouts:
     dp, cp, accum, *flags = layout.split(",")
     dp, cp, accum = int(dp), int(cp), int(accum)
@@ -44,14 +72,18 @@ for layout in layouts:
     init_distributed(dims)
     trainer = make_trainer(packed, micro=global_batch // (dp * accum), accum=accum, dims=dims,
                            activation_checkpointing="ac" in flags, reshard_after_forward="keep" not in flags,
-                           precision="bf16" if "bf16" in flags else "fp32", reduce_every_micro_batch="every" in flags,
+                           precision="bf16" if "bf16" in flags else "fp32",
+                           reduce_every_micro_batch="once" not in flags,
                            loss_chunk=16 if "chunk" in flags else 0, compile="compile" in flags)
     init = params(trainer.model)
     reduce_scatters[0] = 0
+    held = []
+    trainer.forward_backward = measuring_held_gradients(trainer, held)
     sums, _, _ = trainer.accumulate_gradients()
     n_reduce_scatters = reduce_scatters[0]
     loss, _ = step_losses(LossSums.from_flat(all_reduce_sum(sums.flat(), dims)), trainer.category_names)
-    results[layout] = {"loss": loss, "init": init, "grads": grads(trainer.model), "reduce_scatters": n_reduce_scatters}
+    results[layout] = {"loss": loss, "init": init, "grads": grads(trainer.model), "reduce_scatters": n_reduce_scatters,
+                       "held_grad_bytes": max(held[:-1], default=0)}  # between micro-batches: not after the last
 if dims.is_main:
     torch.save(results, out)
 shutdown(dims, 0)

@@ -13,6 +13,11 @@ from pathlib import Path
 
 import pytest
 
+# The suite is the CPU reference: every run it starts (in process, through the CLI, or as torchrun ranks, which
+# inherit the environment) computes on the CPU with gloo, on a GPU machine too. Tests of the device choice itself
+# set or clear it themselves.
+os.environ["XTRAIN_DEVICE"] = "cpu"
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared" / "data"
 

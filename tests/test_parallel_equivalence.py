@@ -51,8 +51,8 @@ def one_process(packed: Path, accum: int, precision: str = "fp32") -> dict:
 
 
 def test_loss_and_gradients_agree_across_layouts(packed, tmp_path):
-    layouts = ["2,1,1", "1,2,1", "2,1,2", "1,2,2,ac", "1,2,1,nofsdp", "2,1,2,keep", "2,1,2,every", "1,2,2,chunk",
-               "2,1,2,bf16", "1,2,1,ac,bf16,every,chunk", "2,1,1,nofsdp,bf16"]
+    layouts = ["2,1,1", "1,2,1", "2,1,2,once", "1,2,2,ac,once", "1,2,1,nofsdp", "2,1,2,keep,once", "2,1,2",
+               "1,2,2,chunk,once", "2,1,2,bf16,once", "1,2,1,ac,bf16,chunk", "2,1,1,nofsdp,bf16"]
     out = tmp_path / "layouts.pt"
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "_train_parallel_worker.py"),
            str(packed), str(out), str(GLOBAL_BATCH), *layouts]
@@ -74,14 +74,18 @@ def test_loss_and_gradients_agree_across_layouts(packed, tmp_path):
         if "init" in got:  # any layout starts from the weights of a whole model initialized in one process
             assert got["init"].keys() == dict(init.named_parameters()).keys(), layout
             assert all(torch.equal(got["init"][n], p) for n, p in init.named_parameters()), layout
-    # FSDP2 reduce-scatters once per step (after the last micro-batch), not once per micro-batch ...
+    # FSDP2 reduce-scatters after every micro-batch by default, so no rank holds unsharded gradients between two ...
     once = results["2,1,1"]["reduce_scatters"]
-    assert once > 0 and results["2,1,2"]["reduce_scatters"] == results["2,1,2,keep"]["reduce_scatters"] == once
-    assert results["1,2,2,ac"]["reduce_scatters"] == results["1,2,1"]["reduce_scatters"] == once
-    assert results["1,2,2,chunk"]["reduce_scatters"] == results["2,1,2,bf16"]["reduce_scatters"] == once
-    # ... unless asked to after every micro-batch (gradients stay sharded between micro-batches)
-    assert results["2,1,2,every"]["reduce_scatters"] == 2 * once
-    assert results["1,2,1,ac,bf16,every,chunk"]["reduce_scatters"] == once
+    assert once > 0 and results["2,1,2"]["reduce_scatters"] == 2 * once
+    assert results["1,2,1,ac,bf16,chunk"]["reduce_scatters"] == once
+    assert results["2,1,2"]["held_grad_bytes"] == 0
+    # ... and once per step with --reduce-once-per-step (after the last micro-batch), each rank then holding the
+    # whole model's gradients in fp32 between micro-batches
+    assert results["2,1,2,once"]["reduce_scatters"] == results["2,1,2,keep,once"]["reduce_scatters"] == once
+    assert results["1,2,2,ac,once"]["reduce_scatters"] == results["1,2,1"]["reduce_scatters"] == once
+    assert results["1,2,2,chunk,once"]["reduce_scatters"] == results["2,1,2,bf16,once"]["reduce_scatters"] == once
+    whole_model_fp32 = 4 * sum(p.numel() for p in init.parameters())
+    assert results["2,1,2,once"]["held_grad_bytes"] == results["2,1,2,bf16,once"]["held_grad_bytes"] == whole_model_fp32
 
 
 def test_cp_bins_fill_their_capacity_once_sharded(packed):

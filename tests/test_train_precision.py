@@ -43,9 +43,10 @@ def test_bf16_in_one_process_is_fp32_within_bf16_tolerance(tmp_path):
     assert loss32b == loss32 and max_rel_diff(grads32b, grads32) == 0
 
 
-def test_what_precision_means():
+def test_what_precision_means(monkeypatch):
     assert param_dtype_for("auto", "cpu") == torch.float32  # CPU: fp32, the exact reference
-    assert param_dtype_for("auto", "cuda") == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # a GPU with bf16
+    assert param_dtype_for("auto", "cuda") == torch.bfloat16  # (pre-Ampere GPUs: tests/test_train_device.py)
     assert param_dtype_for("bf16", "cpu") == param_dtype_for("bf16", "cuda") == torch.bfloat16
     assert param_dtype_for("fp32", "cuda") == torch.float32
     cpu, one, two = torch.device("cpu"), ParallelDims(), ParallelDims.for_world(2, rank=0)
@@ -68,7 +69,8 @@ def test_run_with_the_issue_13_options(tmp_path):
         assert result.exit_code == 0, (result.output, result.exception)
         runs[name] = [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
-    assert config["model"] | {"name": None} == {"name": None, "precision": "bf16", "loss_chunk": 16, "compile": False}
+    assert config["model"] | {"name": None} == {"name": None, "precision": "bf16", "tf32": True, "loss_chunk": 16,
+                                                "compile": False}
     assert config["parallel"]["reduce_every_micro_batch"] is True
     assert json.loads((tmp_path / "bf16" / "run.json").read_text())["precision"] == "bf16"
     assert json.loads((tmp_path / "fp32" / "run.json").read_text())["precision"] == "fp32"

@@ -102,7 +102,7 @@ def category_pack(root: Path, n_docs: int = 40, capacity: int = 64, seed: int = 
 
 def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str = "sequential", seed: int = 0,
                  lr: float = 1e-3, activation_checkpointing: bool = False, reshard_after_forward: bool = True,
-                 precision: str = "fp32", loss_chunk: int = 0, reduce_every_micro_batch: bool = False,
+                 precision: str = "fp32", loss_chunk: int = 0, reduce_every_micro_batch: bool = True,
                  compile: bool = False):
     """A Trainer over the tiny model (built on the meta device, sharded, then initialized, as ``xtrain run``
     does), without a TrainConfig."""

@@ -3,9 +3,9 @@
 ```
 TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the run itself)
   data        packed, micro_batch_size, global_batch_size, sampler, verify_data   → PackedDataset
-  model       name (--model), precision, loss_chunk, compile                      → model (+ its config)
+  model       name (--model), precision, tf32, loss_chunk, compile                → model (+ its config)
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
-  parallel    nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
+  parallel    device, nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
               reduce_every_micro_batch                                            → ParallelDims
   checkpoint  save_every, keep, resume, async_save                                → CheckpointManager
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
@@ -42,7 +42,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from prep.errors import XprepError
 from train.checkpoint import CheckpointManager
 from train.data import PackedDataset
-from train.dist import ParallelDims, materialize
+from train.dist import DEVICES, ParallelDims, materialize
 from train.evaluate import DEFAULT_EVAL_BINS, Validation, eval_rounds, open_validation, spaced_bins, validation_entry
 from train.flops import check_peak_tflops
 from train.hf import build_hf_fallback, hf_builtin_config
@@ -93,7 +93,8 @@ class ModelSection:
 
     SECTION: ClassVar[str] = "model"
     name: str = "tiny"
-    precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU (train.dist.param_dtype_for)
+    precision: str = "auto"  # auto = bf16 on a GPU with bf16 tensor cores, else fp32 (train.dist.param_dtype_for)
+    tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (train.dist.configure_device)
     loss_chunk: int | None = None  # tokens per chunk of the output layer + loss; 0 = all at once; None: auto
     compile: bool = False  # torch.compile each block
 
@@ -112,6 +113,8 @@ class ModelSection:
         (None: hf:DIR runs as a transformers module)."""
         if self.hf_dir is not None:
             cfg, _ = hf_builtin_config(self.hf_dir, vocab_size)
+            if cfg is not None:  # the weights' names and shapes, from the files' headers (nothing read yet)
+                read_hf_weights(self.hf_dir, cfg)
             if cfg is None and self.loss_chunk:
                 raise XprepError(f"--loss-chunk {self.loss_chunk} needs the built-in model, and --model "
                                  f"{self.name} runs as the transformers module: leave --loss-chunk out")
@@ -210,23 +213,27 @@ class ParallelSection:
     """How many processes, their dp × cp layout, and how the model is spread over them."""
 
     SECTION: ClassVar[str] = "parallel"
+    device: str | None = None  # auto | cpu | cuda; None: $XTRAIN_DEVICE, else auto (train.dist.resolve_device)
     nproc_per_node: int | None = None  # None: run in this process (or the ranks torchrun started)
     dp: int | None = None  # None: processes / cp
     cp: int = 1
     fsdp: bool | None = None  # None: on when there is more than one process
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
-    reduce_every_micro_batch: bool = False  # FSDP2: reduce-scatter after every micro-batch, not once per step
+    reduce_every_micro_batch: bool = True  # FSDP2: reduce-scatter after every micro-batch (False: once per step)
 
     def __post_init__(self):
         _check_types(self)
         _check_at_least(self, 1, "nproc_per_node", "dp", "cp")
+        if self.device is not None:
+            _check_choice(self, "device", DEVICES)
 
     def build(self, world: int | None = None) -> ParallelDims:
-        """This process's layout (from torchrun's environment), or that of ``world`` processes to launch."""
+        """This process's layout (from torchrun's environment), or that of ``world`` processes to launch on this
+        machine."""
         if world is None:
-            return ParallelDims.from_env(self.dp, self.cp, self.fsdp)
-        return ParallelDims.for_world(world, self.dp, self.cp, self.fsdp)
+            return ParallelDims.from_env(self.dp, self.cp, self.fsdp, self.device)
+        return ParallelDims.for_world(world, self.dp, self.cp, self.fsdp, device=self.device)
 
 
 @dataclass

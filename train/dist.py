@@ -42,6 +42,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from prep.errors import XprepError
 
 TIMEOUT_ENV = "XTRAIN_DIST_TIMEOUT"  # seconds a collective may wait for a peer [default 600]
+DEVICE_ENV = "XTRAIN_DEVICE"  # the default of --device when neither a flag nor a config sets it (the tests: cpu)
+DEVICES = ("auto", "cpu", "cuda")
+BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores and the flash (varlen) kernels
+ALLOC_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the caching allocator's settings (older, newer name)
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.",)  # what wrappers add to parameter names (activation checkpointing)
 
 
@@ -69,16 +73,21 @@ class ParallelDims:
             raise ValueError(f"rank {self.rank} not in [0, {self.world_size})")
 
     @classmethod
-    def from_env(cls, dp: int | None = None, cp: int = 1, fsdp: bool | None = None) -> ParallelDims:
-        """This process's layout from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (one process without them)."""
-        return cls.for_world(int(os.environ.get("WORLD_SIZE", "1")), dp, cp, fsdp,
-                             rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    def from_env(cls, dp: int | None = None, cp: int = 1, fsdp: bool | None = None,
+                 device: str | None = None) -> ParallelDims:
+        """This process's layout from torchrun's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (one process
+        without them)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return cls.for_world(world, dp, cp, fsdp, rank=int(os.environ.get("RANK", "0")),
+                             local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=device,
+                             local_world=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
     @classmethod
     def for_world(cls, world: int, dp: int | None = None, cp: int = 1, fsdp: bool | None = None, rank: int = 0,
-                  local_rank: int = 0) -> ParallelDims:
-        """The layout of ``world`` processes: ``dp`` defaults to world / cp, ``fsdp`` to on whenever
-        there is more than one process (there is nothing to shard over one)."""
+                  local_rank: int = 0, device: str | None = None, local_world: int | None = None) -> ParallelDims:
+        """The layout of ``world`` processes, ``local_world`` of them on this machine (all by default):
+        ``dp`` defaults to world / cp, ``fsdp`` to on whenever there is more than one process (there is
+        nothing to shard over one), the device to ``resolve_device(device, local_world)``."""
         if cp < 1:
             raise XprepError(f"--cp {cp} must be ≥ 1")
         if dp is None:
@@ -86,9 +95,9 @@ class ParallelDims:
                 raise XprepError(f"--cp {cp} does not divide the {world} process(es) launched: launch a multiple "
                                  f"of {cp} processes or change --cp")
             dp = world // cp
+        device_type = resolve_device(device, world if local_world is None else local_world)
         return cls(dp=dp, cp=cp, world_size=world, rank=rank, local_rank=local_rank,
-                   fsdp=(world > 1) if fsdp is None else (fsdp and world > 1),
-                   device_type="cuda" if torch.cuda.is_available() else "cpu")
+                   fsdp=(world > 1) if fsdp is None else (fsdp and world > 1), device_type=device_type)
 
     @property
     def distributed(self) -> bool:
@@ -132,15 +141,63 @@ class ParallelDims:
         return self.mesh()["cp"].get_group()
 
 
+def resolve_device(choice: str | None, local_ranks: int = 1) -> str:
+    """What ``--device`` means here, for ``local_ranks`` ranks on this machine: "cpu" or "cuda".
+
+    None takes ``$XTRAIN_DEVICE``, else auto. auto is CUDA when there is one GPU per local rank, the
+    CPU when there is none; with some GPUs but fewer than the ranks it is an error, as is cuda without
+    enough GPUs: ranks never share a GPU, nor silently leave it for the CPU.
+    """
+    shown = "--device" if choice is not None else f"${DEVICE_ENV}" if os.environ.get(DEVICE_ENV) else "--device"
+    choice = choice if choice is not None else os.environ.get(DEVICE_ENV) or "auto"
+    if choice not in DEVICES:
+        raise XprepError(f"{shown} {choice!r} is not one of {', '.join(DEVICES)}")
+    if choice == "cpu":
+        return "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "auto" and gpus == 0:
+        return "cpu"
+    if gpus == 0:
+        build = f"torch {torch.__version__} " + ("has no CUDA" if torch.version.cuda is None else "sees no GPU")
+        raise XprepError(f"{shown} cuda: no CUDA device ({build}); run with --device cpu")
+    if gpus < local_ranks:
+        raise XprepError(f"{shown} {choice}: {local_ranks} ranks on this machine but {gpus} GPU(s), and each rank "
+                         f"needs a GPU of its own: launch at most {gpus} per machine (--nproc-per-node {gpus}, "
+                         "with --dp/--cp to match), or run every rank on the CPU with --device cpu")
+    return "cuda"
+
+
+def bf16_capable(device_type: str) -> bool:
+    """Whether the device computes in bf16 natively: CUDA at compute capability ≥ 8.0 (Ampere on). A V100 or
+    T4 emulates it, far slower than fp32; on the CPU bf16 runs, but is the slower reference."""
+    return device_type == "cuda" and torch.cuda.get_device_capability() >= BF16_CAPABILITY
+
+
+def configure_device(device_type: str, tf32: bool = True) -> None:
+    """Process-wide CUDA settings, to make before CUDA is initialized (the allocator reads its settings then):
+    fp32 matmuls on TF32 tensor cores unless ``tf32`` is off, and the caching allocator's expandable segments
+    (less fragmentation when packed sequences change shape every step) unless the user configured the
+    allocator. Nothing on the CPU."""
+    if device_type != "cuda":
+        return
+    if not any(name in os.environ for name in ALLOC_ENVS):
+        os.environ[ALLOC_ENVS[0]] = "expandable_segments:True"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch ≥ 2.9
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
+    else:  # pragma: no cover - older torch
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def init_distributed(dims: ParallelDims) -> torch.device:
     """Start the process group when launched with several ranks; return this rank's device.
 
-    nccl when CUDA is available, else gloo (the mixed "cpu:gloo,cuda:nccl" backend string fails
-    on CPU builds of torch). A collective waits at most ``XTRAIN_DIST_TIMEOUT`` seconds (600) for a
-    peer, so a rank that hangs ends the job instead of blocking it for gloo's default 30 min;
-    a rank that dies is noticed sooner by the launcher, which stops the others.
+    The device is ``dims.device_type``'s (``resolve_device``): GPU ``local_rank`` on CUDA. The backend is
+    nccl on CUDA, else gloo (the mixed "cpu:gloo,cuda:nccl" backend string fails on CPU builds of torch).
+    A collective waits at most ``XTRAIN_DIST_TIMEOUT`` seconds (600) for a peer, so a rank that hangs
+    ends the job instead of blocking it for gloo's default 30 min; a rank that dies is noticed sooner
+    by the launcher, which stops the others.
     """
-    if torch.cuda.is_available():
+    if dims.device_type == "cuda":
         device = torch.device("cuda", dims.local_rank)
         torch.cuda.set_device(device)
     else:
@@ -154,11 +211,32 @@ def init_distributed(dims: ParallelDims) -> torch.device:
 
 
 def param_dtype_for(precision: str, device_type: str) -> torch.dtype:
-    """The dtype forward and backward compute in: ``bf16``, ``fp32``, or ``auto`` = bf16 on CUDA, fp32
-    elsewhere (on CPU fp32 is the exact reference, and bf16 matmuls are no faster on most CPUs)."""
-    if precision == "bf16" or (precision == "auto" and device_type == "cuda"):
+    """The dtype forward and backward compute in: ``bf16``, ``fp32``, or ``auto`` = bf16 on a GPU with bf16
+    tensor cores (``bf16_capable``), fp32 elsewhere (on CPU fp32 is the exact reference, and bf16 matmuls are
+    no faster on most CPUs; a pre-Ampere GPU only emulates bf16). ``bf16`` asked of a pre-Ampere GPU is an
+    error (``check_precision``)."""
+    if precision == "bf16" or (precision == "auto" and bf16_capable(device_type)):
         return torch.bfloat16
     return torch.float32
+
+
+def check_precision(precision: str, device_type: str) -> None:
+    """``--precision bf16`` on a CUDA GPU without bf16 tensor cores is refused, naming it and the way out."""
+    if precision == "bf16" and device_type == "cuda" and not bf16_capable(device_type):
+        name, (major, minor) = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+        raise XprepError(f"--precision bf16: {name} (compute capability {major}.{minor}) has no bf16 tensor cores "
+                         "(compute capability 8.0, Ampere, and later do) and would emulate it, slower than fp32; "
+                         "use --precision fp32 (or auto)")
+
+
+def precision_note(precision: str, device_type: str) -> str:
+    """What ``precision`` resolved to on this device, and why when auto chose fp32 on a GPU."""
+    dtype = "bf16" if param_dtype_for(precision, device_type) == torch.bfloat16 else "fp32"
+    if precision == "auto" and device_type == "cuda" and dtype == "fp32":
+        major, minor = torch.cuda.get_device_capability()
+        return (f"fp32 (auto: {torch.cuda.get_device_name()} has compute capability {major}.{minor} < 8.0, "
+                "no bf16 tensor cores)")
+    return dtype
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = True,
@@ -192,10 +270,12 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
     The wrapper adds ``_checkpoint_wrapped_module`` to parameter names; DCP's state-dict API
     strips it, so checkpoints load with or without activation checkpointing.
+    Nothing in a block is random (no dropout), so the RNG state is not saved and restored around each
+    recomputation (``preserve_rng_state=False``; on CUDA saving it copies the device's RNG state per block).
     """
     layers = model.layers
     for i, block in enumerate(layers):
-        layers[i] = checkpoint_wrapper(block)
+        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -259,8 +339,10 @@ def materialize(model: nn.Module, device: torch.device, initial: Callable[[str],
         if isinstance(p, DTensor):
             local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
             p.to_local().copy_(local)
+            del local
         else:
             p.copy_(full)
+        del full  # before the next parameter is made: one whole tensor at a time, never two
 
 
 def reduce_gradients(model: nn.Module, dims: ParallelDims, bucket_bytes: int = 32 << 20) -> None:
