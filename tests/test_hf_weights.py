@@ -353,20 +353,19 @@ def fp32_bytes(cfg: ModelConfig) -> dict[str, int]:
     return {name: 4 * math.prod(shape) for name, shape in param_shapes(cfg).items()}
 
 
-def two_in_a_row(cfg: ModelConfig) -> int:
-    """The most fp32 bytes of two parameters in a row, in the order materialize asks for them: one whole
-    tensor read while it still holds the one before (its loop variable)."""
-    sizes = list(fp32_bytes(cfg).values())
-    return max(a + b for a, b in zip(sizes, sizes[1:], strict=False))
+def one_tensor(cfg: ModelConfig) -> int:
+    """The fp32 bytes of the largest parameter: what materialize may hold besides the model (the whole tensor
+    it is cutting this rank's shard from; it lets it go before asking for the next)."""
+    return max(fp32_bytes(cfg).values())
 
 
 def test_hf_weights_are_read_one_tensor_at_a_time(tmp_path):
-    """A bf16 checkpoint (as Hugging Face ships them) loads holding one whole fp32 tensor besides the model
-    (and the one materialize asked for before it), never the whole state dict in fp32 as it did: on N ranks
+    """A bf16 checkpoint (as Hugging Face ships them) loads holding one whole fp32 tensor besides the model,
+    never the whole state dict in fp32 as it did: on N ranks
     that was N × 4 bytes × parameters of host memory."""
     directory = write_checkpoint(tmp_path / "hf", BIG, torch.bfloat16)
     model_bytes = sum(fp32_bytes(BIG).values())
-    bound = two_in_a_row(BIG)
+    bound = one_tensor(BIG)
     assert bound < model_bytes / 2  # the test tells the two apart
 
     with AllocatedBytes() as lazy:
@@ -393,7 +392,7 @@ def test_mapped_weights_are_unmapped_tensor_by_tensor(tmp_path):
 
     seen = []
     model = load(directory, BIG, eager=False, probe=lambda name: seen.append(resident_mapped_bytes(files)))
-    assert max(seen) <= two_in_a_row(BIG) + page_slack, (max(seen), two_in_a_row(BIG))
+    assert max(seen) <= one_tensor(BIG) + page_slack, (max(seen), one_tensor(BIG))
     del model
     assert resident_mapped_bytes(files) == 0
 

@@ -33,6 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from prep.errors import XprepError
 from prep.io import check_output_dir, write_json_atomic
 from prep.packfile import MANIFEST
+from train.attention import attention_path, check_head_dim
 from train.checkpoint import CheckpointManager, check_same_model, check_same_pack, pinned_entry
 from train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
 from train.cp import CPContext, shard_batch
@@ -40,12 +41,15 @@ from train.data import PackedDataset, collate, count_targets
 from train.dist import (
     ParallelDims,
     all_reduce_sum,
+    check_precision,
+    configure_device,
     failed_in_collective,
     full_tensor,
     init_distributed,
     materialize,
     parallelize,
     param_dtype_for,
+    precision_note,
     reduce_gradients,
     shutdown,
 )
@@ -172,11 +176,11 @@ class Trainer:
         self.loss, self.eval_loss = total.loss, None
         grad_norm = float(full_tensor(grad_norm))  # waits for the device: the step is done
         seconds = time.perf_counter() - t0
-        tflops, mfu = self.throughput.measure(n_tokens, self.attention_pairs, seconds)
+        rates = self.throughput.measure(n_tokens, self.attention_pairs, seconds)
         peak_mem, peak_rss = peak_memory(self.device, self.dims)  # max over ranks
         return StepMetrics(self.step, total.loss, channel["category"], grad_norm, lr, n_tokens, n_targets, seconds,
-                           self.sampler.consumed_samples, channel["source"], tflops=tflops, mfu=mfu,
-                           peak_mem_bytes=peak_mem, peak_rss_bytes=peak_rss)
+                           self.sampler.consumed_samples, channel["source"], tflops=rates.tflops, mfu=rates.mfu,
+                           mfu_6n=rates.mfu_6n, peak_mem_bytes=peak_mem, peak_rss_bytes=peak_rss)
 
     def accumulate_gradients(self) -> tuple[LossSums, int, int]:
         """Forward and backward of every micro-batch of the step, gradients summed over ranks.
@@ -290,6 +294,8 @@ class RunSetup:
     validation: Validation | None = None
     pinned: Path | None = None  # the entry resumed on, when it is not the one PACKED names (pinned_entry)
     loss_chunk: int = 0  # --loss-chunk as given, or as chosen for this pack, model and layout
+    attention: str = ""  # the attention path the built-in model's forward takes here (train.attention)
+    attention_note: str = ""  # why it is not the fastest kernel, when the model's head dim is refused by one
 
 
 def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None = None) -> RunSetup:
@@ -298,6 +304,7 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     directory may hold an earlier run (resume), but must be one."""
     check_output_dir(cfg.run_dir, option="--output", allow_nonempty=True)
     check_backends(cfg.log)  # --log's packages are installed
+    check_precision(cfg.model.precision, dims.device_type)
     ckpt = cfg.checkpoint.build(cfg.run_dir, dims)
     resume_from = ckpt.resolve(cfg.checkpoint.resume)
     saved = ckpt.read_trainer_state(resume_from) if resume_from is not None else {}
@@ -320,7 +327,21 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
                          f"use a preset or a JSON model config instead of --model {cfg.model.name}")
     loss_chunk = cfg.model.chunk_for(micro_batch_tokens(dataset, plan, dims), dataset.vocab_size,
                                      builtin=model_config is not None)
-    return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation, pinned, loss_chunk)
+    attention, attention_note = attention_plan(cfg, dims, model_config)
+    return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation, pinned, loss_chunk, attention,
+                    attention_note)
+
+
+def attention_plan(cfg: TrainConfig, dims: ParallelDims, model_config: dict | None) -> tuple[str, str]:
+    """The built-in model's attention path on this device, precision and layout, and a note when its head dim
+    keeps it off a faster kernel (``train.attention``); an attention that would be wrong here (flash-attn < 2.1
+    under context parallelism) is refused now, before any process group."""
+    if model_config is None:
+        return "", ""
+    head_dim = model_config["dim"] // model_config["n_heads"]
+    dtype = param_dtype_for(cfg.model.precision, dims.device_type)
+    path = attention_path(torch.device(dims.device_type), dtype, head_dim, context_parallel=dims.cp_enabled)
+    return path, check_head_dim(head_dim, dims.device_type)
 
 
 def micro_batch_tokens(dataset: PackedDataset, plan: BatchPlan, dims: ParallelDims) -> int:
@@ -337,6 +358,7 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] =
     """
     validate_against_schema(cfg.to_dict())
     dims = cfg.parallel.build()
+    configure_device(dims.device_type, cfg.model.tf32)  # before anything initializes CUDA
     if dims.distributed:  # a rank interrupted leaves at once, quietly: its launcher says it in one line
         signal.signal(signal.SIGINT, exit_interrupted)
     setup = prepare_run(cfg, dims)
@@ -389,7 +411,7 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
 
 def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: RunSetup, stream) -> None:
     dataset, plan, ckpt, run_dir = setup.dataset, setup.plan, setup.ckpt, cfg.run_dir
-    peak, peak_note = resolve_peak_tflops(device, cfg.peak_tflops)
+    peak, peak_note = resolve_peak_tflops(device, cfg.peak_tflops, _precision(cfg, dims), cfg.model.tf32)
     model, model_config = build_model(cfg.model, cfg.parallel, dataset.vocab_size, cfg.seed, dims, device)
     model.train()
     optimizer, scheduler = cfg.optimizer.build(model, plan.steps)
@@ -398,7 +420,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                                                             device, dims),
                       model_config=model_config, hparams=cfg.optimizer.hparams(), loss_chunk=setup.loss_chunk,
                       reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
-                      throughput=Throughput(ModelFlops.from_dict(model_config), peak, dims.world_size))
+                      throughput=Throughput(ModelFlops.from_dict(model_config), peak, dims.world_size,
+                                            dataset.capacity))
     out = stream or sys.stderr
     if setup.resume_from is not None:
         _resume(setup, trainer, dims.is_main, out)
@@ -412,7 +435,9 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
         out.write(_pack_line(dataset, setup) + "\n")
         if setup.validation is not None:
             out.write(_validation_line(setup.validation) + "\n")
-        out.write(_start_line(cfg, trainer, plan) + f" → {run_dir}\n")
+        out.write(_start_line(cfg, trainer, plan, setup.attention) + f" → {run_dir}\n")
+        if setup.attention_note:
+            out.write(setup.attention_note + "\n")
         out.write(peak_note + "\n")
         if cfg.model.loss_chunk is None and setup.loss_chunk:
             out.write(_loss_chunk_line(setup.loss_chunk, micro_batch_tokens(dataset, plan, dims), dataset.vocab_size)
@@ -472,12 +497,13 @@ def _validation_line(validation: Validation) -> str:
     return f"validating on {entry} (entry {entry.name}, the validation entry of the one trained on): {bins}, {when}"
 
 
-def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan) -> str:
+def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan, attention: str = "") -> str:
     """The model, the data, the batch arithmetic and the layout of the run about to start."""
     dims, dataset = trainer.dims, trainer.dataset
     n_params = sum(p.numel() for p in trainer.model.parameters())
     layout = f"{dims.dp} DP" + (f" × {dims.cp} CP" if dims.cp_enabled else "") + (", FSDP2" if dims.fsdp else "")
-    layout += f", {_precision(cfg, dims)}"
+    layout += f", {dims.device_type}, {precision_note(cfg.model.precision, dims.device_type)}"
+    layout += f", attention: {attention}" if attention else ""
     return (f"{cfg.model.name} ({n_params / 1e6:,.1f}M parameters) on {len(dataset):,} bins of "
             f"{dataset.capacity:,} tokens: {plan.steps:,} steps of {plan.global_batch_size} bins (micro-batch "
             f"{plan.micro_batch_size} × {dims.dp} DP × {plan.grad_accum} accumulation; {layout})"
