@@ -136,6 +136,15 @@ class Report:
         """A check that ``value`` < ``bound`` (NaN fails); ``shown`` is how the bound is printed."""
         return self.check(name, bool(value < bound), figure or f"{value:.2e}", shown or f"< {bound:.0e}")
 
+    def attempt(self, name: str, fn: Callable, *args) -> None:
+        """``fn(*args)``; should it raise, a failed check ``name`` saying what (the traceback to stderr), and the
+        part goes on with its other checks."""
+        try:
+            fn(*args)
+        except Exception as e:  # a check that breaks is a failure to report, not the end of the proof
+            traceback.print_exc()
+            self.check(name, False, _raised(e), "runs")
+
     def skip(self, name: str, why: str) -> None:
         self._line(name, why, "", "SKIP")
 
@@ -143,8 +152,15 @@ class Report:
         self._line(name, text)
 
 
+def _raised(e: BaseException) -> str:
+    return f"raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:60]}"
+
+
 @dataclass
 class Bench:
+    """What every part is given: the device, how big to run, where to report, the compile backend, a scratch
+    directory."""
+
     device: torch.device
     sizes: Sizes
     report: Report
@@ -333,28 +349,31 @@ def part_kernels(b: Bench) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         name = f"varlen_attention {_dtype_name(dtype)}"
         b.report.note(f"{name} path", "unknown" if path is None else path(b.device, dtype, s.head_dim))
-        check_kernel(b, name, dtype, bounds,
-                     lambda q, k, v: attention.varlen_attention(q, k, v, cu, longest, bounds=bounds))
+        b.report.attempt(name, check_kernel, b, name, dtype, bounds,
+                         lambda q, k, v: attention.varlen_attention(q, k, v, cu, longest, bounds=bounds))
     torch_varlen = getattr(attention, "_torch_varlen_kernel", None)
     if not (b.cuda and attention.varlen_attn is not None and torch_varlen is not None):
         b.report.skip("torch varlen_attn bf16", "needs CUDA and torch.nn.attention.varlen")
     else:
-        check_kernel(b, "torch varlen_attn bf16", torch.bfloat16, bounds,
-                     lambda q, k, v: torch_varlen(q, k, v, cu, cu, longest, longest, None))
+        name = "torch varlen_attn bf16"
+        b.report.attempt(name, check_kernel, b, name, torch.bfloat16, bounds,
+                         lambda q, k, v: torch_varlen(q, k, v, cu, cu, longest, longest, None))
     if not (b.cuda and attention.flash_attn_varlen_func is not None):
         b.report.skip("flash-attn bf16", "needs CUDA and flash-attn installed")
     else:
-        check_kernel(b, "flash-attn bf16", torch.bfloat16, bounds,
-                     lambda q, k, v: attention.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
-                                                                      causal=True))
+        name = "flash-attn bf16"
+        b.report.attempt(name, check_kernel, b, name, torch.bfloat16, bounds,
+                         lambda q, k, v: attention.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
+                                                                          causal=True))
     for dtype in (torch.bfloat16, torch.float32):
-        check_kernel(b, f"flex {_dtype_name(dtype)}", dtype, bounds,
-                     lambda q, k, v: attention.flex_document_attention(q, k, v, bounds), backward=b.cuda)
+        name = f"flex {_dtype_name(dtype)}"
+        b.report.attempt(name, check_kernel, b, name, dtype, bounds,
+                         lambda q, k, v: attention.flex_document_attention(q, k, v, bounds), b.cuda)
     for size in (2, 4):
         for dtype in (torch.bfloat16, torch.float32):
-            check_cp(b, size, dtype, lengths)
+            b.report.attempt(f"cp{size} {_dtype_name(dtype)}", check_cp, b, size, dtype, lengths)
     for total in s.mask_tokens:
-        check_block_mask(b, total)
+        b.report.attempt(f"block mask T={total // 1024}k", check_block_mask, b, total)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -497,12 +516,13 @@ def part_model(b: Bench) -> None:
         else:
             fp32 = model_loss(model, batch)
             r.skip("cuda fp32 = cpu fp32", "no CUDA device: the comparison needs one")
-        compare_model(r, "bf16 = fp32", model_loss(model, batch, autocast=torch.bfloat16), fp32,
-                      BF16_LOSS_TOL, BF16_GRAD_TOL)
+        r.attempt("bf16 = fp32", lambda: compare_model(r, "bf16 = fp32", model_loss(
+            model, batch, autocast=torch.bfloat16), fp32, BF16_LOSS_TOL, BF16_GRAD_TOL))
         chunk = s.model_tokens // 3 + 1  # a last chunk shorter than the others
-        compare_model(r, f"loss_chunk {chunk} = whole logits", model_loss(model, batch, loss_chunk=chunk), fp32,
-                      FP32_TOL, FP32_TOL)
-        check_compiled(b, model, cfg)
+        name = f"loss_chunk {chunk} = whole logits"
+        r.attempt(name, lambda: compare_model(r, name, model_loss(model, batch, loss_chunk=chunk), fp32, FP32_TOL,
+                                              FP32_TOL))
+        r.attempt("compiled = eager", check_compiled, b, model, cfg)
 
 
 def check_compiled(b: Bench, model: nn.Module, cfg: ModelConfig) -> None:
@@ -553,7 +573,7 @@ def part_fsdp1(b: Bench) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         r.note("step", f"'{s.model}' under FSDP2 on 1 {backend} rank ({_dtype_name(param_dtype)} compute), "
-                       f"loss {float(loss):.4f}, {type(optimizer).__name__}"
+                       f"loss {loss.detach().item():.4f}, {type(optimizer).__name__}"
                        f"{' fused' if optimizer.defaults.get('fused') else ''}")
         checkpoint = store_dir / "checkpoint"
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -624,18 +644,26 @@ def part_throughput(b: Bench) -> None:
     r.note("peak", peak_line)
     for compiled, checkpointed in ((False, False), (True, False), (False, True), (True, True)):
         name = f"{'compiled' if compiled else 'eager'}{', AC' if checkpointed else ''}"
-        seconds, memory = time_steps(b, cfg, lengths, dtype, chunk, compiled, checkpointed)
+        r.attempt(name, measure_variant, b, name, cfg, lengths, dtype, chunk, compiled, checkpointed,
+                  (model_flops, peak, pairs))
         gc.collect()  # the last variant's model and optimizer, before the next one is built
         if b.cuda:
             torch.cuda.empty_cache()
-        tokens = s.bench_tokens
-        rates = _rates(model_flops, peak, s.bench_tokens, tokens, pairs, seconds)
-        r.note(name, f"{tokens / seconds:,.0f} tokens/s, {rates['tflops']} TFLOPS, mfu {_pct(rates['mfu'])}, "
-                     f"mfu_6n {_pct(rates['mfu_6n'])}, peak memory {memory / 2**30:,.2f} GiB"
-                     if b.cuda else f"{tokens / seconds:,.0f} tokens/s, {rates['tflops']} TFLOPS (6N: "
-                     f"{rates['tflops_6n']}), mfu {_pct(rates['mfu'])}")
-        if compiled and not checkpointed:
-            _check_targets(b, rates["mfu_6n"], memory)
+
+
+def measure_variant(b: Bench, name: str, cfg: ModelConfig, lengths: list[int], dtype: torch.dtype, chunk: int,
+                    compiled: bool, checkpointed: bool, counts: tuple) -> None:
+    """One line of figures for a variant; for the compiled one without AC, the targets."""
+    model_flops, peak, pairs = counts
+    seconds, memory = time_steps(b, cfg, lengths, dtype, chunk, compiled, checkpointed)
+    tokens = sum(lengths)
+    rates = _rates(model_flops, peak, tokens, tokens, pairs, seconds)
+    b.report.note(name, f"{tokens / seconds:,.0f} tokens/s, {rates['tflops']} TFLOPS, mfu {_pct(rates['mfu'])}, "
+                        f"mfu_6n {_pct(rates['mfu_6n'])}, peak memory {memory / 2**30:,.2f} GiB"
+                        if b.cuda else f"{tokens / seconds:,.0f} tokens/s, {rates['tflops']} TFLOPS (6N: "
+                        f"{rates['tflops_6n']}), mfu {_pct(rates['mfu'])}")
+    if compiled and not checkpointed:
+        _check_targets(b, rates["mfu_6n"], memory)
 
 
 def time_steps(b: Bench, cfg: ModelConfig, lengths: list[int], dtype: torch.dtype, chunk: int, compiled: bool,
@@ -753,7 +781,8 @@ def run(parts: list[str], device: torch.device, compile_backend: str | None = No
                 RUNNERS[part](bench)
             except Exception as e:  # a part that breaks is a failure to report, not the end of the proof
                 traceback.print_exc()
-                report.check("ran to the end", False, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}", "")
+                report.check("ran to the end", False, _raised(e),
+                             "runs")
             report.note("time", f"{time.perf_counter() - t0:.1f} s")
             if cuda:
                 torch.cuda.empty_cache()

@@ -86,9 +86,8 @@ def top_left_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     return torch.cat(outs)
 
 
-def test_a_wrong_kernel_fails_the_kernel_checks(monkeypatch):
-    monkeypatch.setattr(attention, "varlen_kernel", lambda q: top_left_kernel)
-    monkeypatch.setattr(cp, "varlen_kernel", lambda q: top_left_kernel)
+def run_kernels() -> tuple[int, dict[tuple[str, str], str], str]:
+    """The kernels part in this process, on one thread: (failures returned, verdicts, output)."""
     out = io.StringIO()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: more threads only contend on a shared machine
@@ -96,11 +95,31 @@ def test_a_wrong_kernel_fails_the_kernel_checks(monkeypatch):
         failures = gpu.run(["kernels"], torch.device("cpu"), stream=out)
     finally:
         torch.set_num_threads(threads)
-    found = verdicts(out.getvalue())
-    failed = sorted(check for part, check in found if found[(part, check)] == "FAIL")
-    assert failed == sorted(f"cp{size} {dtype} {direction}" for size in (2, 4) for dtype in ("bf16", "fp32")
-                            for direction in ("forward", "backward")), out.getvalue()
-    assert failures == len(failed)  # the exit status counts them
+    return failures, verdicts(out.getvalue()), out.getvalue()
+
+
+def failed(found: dict[tuple[str, str], str]) -> list[str]:
+    return sorted(check for (_, check), verdict in found.items() if verdict == "FAIL")
+
+
+def test_a_wrong_kernel_fails_the_kernel_checks(monkeypatch):
+    monkeypatch.setattr(attention, "varlen_kernel", lambda q: top_left_kernel)
+    monkeypatch.setattr(cp, "varlen_kernel", lambda q: top_left_kernel)
+    failures, found, output = run_kernels()
+    assert failed(found) == sorted(f"cp{size} {dtype} {direction}" for size in (2, 4) for dtype in ("bf16", "fp32")
+                                   for direction in ("forward", "backward")), output
+    assert failures == len(failed(found))  # the exit status counts them
     for dtype in ("bf16", "fp32"):  # whole documents are square: the same kernel is right there
         assert found[("kernels", f"varlen_attention {dtype} forward")] == "PASS"
         assert found[("kernels", f"varlen_attention {dtype} backward")] == "PASS"
+
+
+def test_a_check_that_raises_fails_and_the_others_still_run(monkeypatch):
+    def refuses(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(attention, "flex_document_attention", refuses)
+    failures, found, output = run_kernels()
+    assert failed(found) == ["flex bf16", "flex fp32"] and failures == 2, output
+    assert "raised RuntimeError: no kernel image" in output
+    assert found[("kernels", "cp4 fp32 backward")] == "PASS"  # the checks after it ran
