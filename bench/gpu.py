@@ -658,10 +658,9 @@ def measure_variant(b: Bench, name: str, cfg: ModelConfig, lengths: list[int], d
     seconds, memory = time_steps(b, cfg, lengths, dtype, chunk, compiled, checkpointed)
     tokens = sum(lengths)
     rates = _rates(model_flops, peak, tokens, tokens, pairs, seconds)
-    b.report.note(name, f"{tokens / seconds:,.0f} tokens/s, {rates['tflops']} TFLOPS, mfu {_pct(rates['mfu'])}, "
-                        f"mfu_6n {_pct(rates['mfu_6n'])}, peak memory {memory / 2**30:,.2f} GiB"
-                        if b.cuda else f"{tokens / seconds:,.0f} tokens/s, {rates['tflops']} TFLOPS (6N: "
-                        f"{rates['tflops_6n']}), mfu {_pct(rates['mfu'])}")
+    line = (f"{tokens / seconds:,.0f} tokens/s, {rates['tflops']} TFLOPS (6N: {rates['tflops_6n']}), "
+            f"mfu {_pct(rates['mfu'])}, mfu_6n {_pct(rates['mfu_6n'])}")
+    b.report.note(name, line + (f", peak memory {memory / 2**30:,.2f} GiB" if b.cuda else ""))
     if compiled and not checkpointed:
         _check_targets(b, rates["mfu_6n"], memory)
 
@@ -677,7 +676,10 @@ def time_steps(b: Bench, cfg: ModelConfig, lengths: list[int], dtype: torch.dtyp
     model.to_empty(device=b.device)
     with torch.no_grad():  # values do not change the time: a quick init on the device
         for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, cfg.init_std)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, cfg.init_std)
     if compiled:
         compile_blocks(model, b.compile_backend)
     if checkpointed:
@@ -685,6 +687,7 @@ def time_steps(b: Bench, cfg: ModelConfig, lengths: list[int], dtype: torch.dtyp
     optimizer = build_optimizer(model, 1e-4, 0.1, (0.9, 0.95))
     batch = packed_row(lengths, cfg.vocab_size, b.device, seed=9)
     n = targets(batch)
+
     def step() -> None:
         with torch.autocast(b.device.type, dtype=dtype, enabled=dtype != torch.float32):
             ce = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], labels=batch["labels"],
