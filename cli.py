@@ -392,8 +392,9 @@ def xtrain():
                    "(RUN/wandb/; WANDB_MODE=offline writes local files only), comma-separated; needs "
                    "pip install 'xprep[tensorboard]' / 'xprep[wandb]' [default: metrics.jsonl and the console only].")
 @click.option("--peak-tflops", type=float, default=None,
-              help="Peak dense TFLOPS of one GPU, for MFU [default: looked up by GPU name (bf16: H100 989, A100 312, "
-                   "...); none on CPU or an unknown GPU, and MFU is then not reported].")
+              help="Peak dense TFLOPS of one GPU, for MFU [default: looked up by GPU name, for the precision the run "
+                   "computes in (bf16: H100 989, A100 312; fp32 with TF32: H100 494.5, A100 156, ...); none on CPU, "
+                   "an unknown GPU or a MIG slice, and MFU is then not reported].")
 @click.option("--verify-data/--no-verify-data", default=None,
               help="Re-hash the dataset streams against their manifests first (catches in-place edits).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,

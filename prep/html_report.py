@@ -563,7 +563,8 @@ def runs_section(runs: Sequence[tuple[int, dict]], colours: Colours) -> tuple[st
 RUN_SERIES = (("lr", "Learning rate", "learning rate (per step)", short),
               ("grad_norm", "Gradient norm", "gradient norm (L2, before clipping)", short),
               ("tokens_per_s", "Throughput", "throughput (tokens/s)", short),
-              ("mfu", "Model FLOPs utilization", "MFU (fraction of peak)", percent))
+              ("mfu", "Model FLOPs utilization", "MFU (fraction of peak)", percent),
+              ("mfu_6n", "MFU, 6N convention (PaLM, torchtitan)", "MFU 6N (fraction of peak)", percent))
 
 
 def loss_chart(runs, dash, colours: Colours, channel: str, validation: bool, run_keys: list[Key]) -> str:

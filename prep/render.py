@@ -519,6 +519,8 @@ def _perf_line(p: dict) -> str:
         parts.append(f"{p['tflops']:.3g} TFLOPS/GPU")
     if p.get("mfu") is not None:
         parts.append(f"MFU {100 * p['mfu']:.3g}%")
+    if p.get("mfu_6n") is not None:
+        parts.append(f"6N MFU {100 * p['mfu_6n']:.3g}%")
     line = f"  throughput    {', '.join(parts)} (median of {p['steps']:,} steps)"
     if p.get("peak_mem_bytes") is not None:
         line += f"   peak memory {p['peak_mem_bytes'] / 2**30:.1f} GiB (CUDA allocated)"

@@ -198,6 +198,7 @@ def test_best_checkpoint_follows_eval_loss(tmp_path):
                                               3: {"loss": 1.0, "eval_loss": 1.8}, 4: {"loss": 0.5, "eval_loss": None}})
     assert manager.best() == "step-2"  # not step-4, the lowest training loss, which did not evaluate
     manager._retain("step-4")
+    manager.finish()  # retired checkpoints are deleted in the background
     assert {p.name for p in manager.root.iterdir()} == {"step-2", "step-4"}
     without = write_states(tmp_path / "plain", {1: {"loss": 3.0}, 2: {"loss": 1.0}, 3: {"loss": 2.0}})
     assert without.best() == "step-2"  # no validation: training loss, as before

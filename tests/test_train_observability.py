@@ -312,9 +312,18 @@ def test_run_report_shows_throughput_and_memory(tmp_path):
     assert p["mfu"] == pytest.approx(0.43) and p["tflops"] == pytest.approx(43.0) and p["mfu_6n"] == pytest.approx(0.53)
     assert p["peak_mem_bytes"] == (3 << 30) + 4 and p["peak_rss_bytes"] == (1 << 30) + 4
     line = next(x for x in render_run(report).splitlines() if x.strip().startswith("throughput"))
-    assert "4,000 tok/s, 43 TFLOPS/GPU, MFU 43% (median of 3 steps)" in line
+    assert "4,000 tok/s, 43 TFLOPS/GPU, MFU 43%, 6N MFU 53% (median of 3 steps)" in line
     assert "peak memory 3.0 GiB (CUDA allocated)" in line and "peak RSS 1.0 GiB" in line
     assert perf_summary([{"step": 1, "tokens_per_s": 10.0}])["mfu"] is None  # a CPU run without a peak
+
+
+def test_html_report_charts_both_mfus(tmp_path):
+    from prep.html_report import write_page
+
+    logged_run(tmp_path, "")
+    write_page([run_report(tmp_path)], tmp_path / "page.html")
+    page = (tmp_path / "page.html").read_text()
+    assert "Model FLOPs utilization" in page and "MFU, 6N convention (PaLM, torchtitan)" in page
 
 
 def test_html_curves_leave_out_a_series_no_step_has():
