@@ -214,15 +214,6 @@ def targets(batch: dict[str, Tensor]) -> int:
     return int((batch["labels"] != IGNORE).sum())
 
 
-def compile_blocks(model: nn.Module, backend: str) -> None:
-    """``train.dist.apply_compile`` (inductor), or the same per-block compilation with another backend."""
-    if backend == "inductor":
-        tdist.apply_compile(model)
-    else:
-        for block in model.layers:
-            block.forward = torch.compile(block.forward, backend=backend)
-
-
 def dynamo_frames() -> int:
     """Frames dynamo has compiled so far in this process (a recompilation adds one)."""
     return counters["frames"]["total"]
@@ -530,7 +521,7 @@ def check_compiled(b: Bench, model: nn.Module, cfg: ModelConfig) -> None:
     after the first layout (the layout lives outside the graphs: attention is not traced)."""
     torch.compiler.reset()
     compiled = copy.deepcopy(model)
-    compile_blocks(compiled, b.compile_backend)
+    tdist.apply_compile(compiled, b.compile_backend)
     loss_err = grad_err = 0.0
     frames = None
     for layout in range(3):
@@ -681,7 +672,7 @@ def time_steps(b: Bench, cfg: ModelConfig, lengths: list[int], dtype: torch.dtyp
             else:
                 p.normal_(0.0, cfg.init_std)
     if compiled:
-        compile_blocks(model, b.compile_backend)
+        tdist.apply_compile(model, b.compile_backend)
     if checkpointed:
         tdist.apply_activation_checkpointing(model)
     optimizer = build_optimizer(model, 1e-4, 0.1, (0.9, 0.95))

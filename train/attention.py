@@ -334,7 +334,7 @@ def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], 
     """
     block_mask = _document_block_mask(tuple(bounds), q.device)
     qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, H, T, D)
-    out = _flex()(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = _flex(q.device.type)(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)
 
 
@@ -401,10 +401,11 @@ def _document_block_mask(bounds: tuple[int, ...], device: torch.device):
 
 
 @functools.cache
-def _flex():
+def _flex(device_type: str):
+    """flex_attention compiled for CUDA tensors (its fused kernel); eager for others, whatever the machine has."""
     from torch.nn.attention.flex_attention import flex_attention  # deferred: as above
 
-    return torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
 
 
 def lower_right_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:

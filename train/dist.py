@@ -278,7 +278,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """``torch.compile`` each block's forward on its own (per block, as torchtitan does): the blocks share
     one code object, so they share its compiled graphs, and compile time does not grow with the depth.
 
@@ -287,9 +287,11 @@ def apply_compile(model: nn.Module) -> None:
     checkpointing wrapper): names, and so checkpoints, are those of the eager model, and the hooks of
     the wrappers around the block (activation checkpointing, FSDP2) stay outside the graphs. Attention
     runs outside them too (train.model.run_attention).
+    ``backend`` is torch.compile's (another than inductor for tests and benchmarks on a CPU, where inductor
+    builds C++ first).
     """
     for block in model.layers:
-        block.forward = torch.compile(block.forward)
+        block.forward = torch.compile(block.forward, backend=backend)
 
 
 def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True,
