@@ -107,7 +107,7 @@ def flex_serves(head_dim: int) -> bool:
 @functools.cache
 def _flex_accepts(head_dim: int) -> bool:
     try:
-        from torch.nn.attention import flex_attention as flex
+        from torch.nn.attention import flex_attention as flex  # deferred: FlexAttention is a CUDA-only path here
     except ImportError:  # pragma: no cover - torch without FlexAttention
         return False
     check = getattr(flex, "_validate_embed_dim", None)

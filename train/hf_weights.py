@@ -208,7 +208,7 @@ class HFWeights(Mapping[str, Tensor]):
 
 def _headers(directory: str) -> Iterator[tuple[Path, str, str, tuple[int, ...]]]:
     """(file, name, dtype, shape) of every tensor in hf:DIR's safetensors files, from their headers alone."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # deferred: only hf:DIR runs read safetensors
 
     for path in safetensors_files(directory):
         try:

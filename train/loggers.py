@@ -135,7 +135,7 @@ class WandbLogger:
     def close(self) -> None:
         """Finish the run, then wait for wandb's service to have written (offline) or sent it all: ``finish``
         returns before that, and the exit hook that would wait is skipped by a distributed run's ``os._exit``."""
-        import wandb
+        import wandb  # optional dependency (xprep[wandb])
 
         self.run.finish()
         wandb.teardown()
