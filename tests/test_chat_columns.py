@@ -77,6 +77,20 @@ def _assert_same(a, b, name: str) -> None:
     assert np.array_equal(a.conversations, b.conversations), name  # the conversations' shape, counted either way
 
 
+def _rendered_run(columns: Processor, batch: RawBatch):
+    """``columns(batch)`` and what its column-wise path rendered of the batch (None: it went per record whole),
+    the batch rendered once, as a run renders it, rather than once more to look at."""
+    seen = []
+    render = columns.columns.render
+    columns.columns.render = lambda items: seen.append(render(items)) or seen[-1]
+    try:
+        out = columns(batch)
+    finally:
+        del columns.columns.render
+    assert len(seen) == 1
+    return seen[0], out
+
+
 @requires_shared_data
 @pytest.mark.parametrize("template", [*SPECS, *VARIANTS])
 @pytest.mark.parametrize("train_on,category", [("assistant", None), ("all", "chat")])
@@ -84,19 +98,19 @@ def test_every_conversation_column_wise_equals_per_record(template, train_on, ca
     columns, records = _pair(monkeypatch, {**SPECS, **VARIANTS}[template], train_on=train_on, category=category)
     kept = 0
     for batch in _batches(_chitchat()):
-        rendered = columns.columns.render(batch.items)
+        rendered, out = _rendered_run(columns, batch)
         assert rendered is not None  # chitchat is plain chat: every batch goes column-wise
         kept += int((rendered.status == chat_columns.KEPT).sum())
-        _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
+        _assert_same(out, records(batch), f"{template} lines {batch.lines[0]}..")
     assert kept > 4000
 
 
 def _assert_batches_same(columns: Processor, records: Processor, lines: list[bytes], name: str) -> None:
     """Batches of ``lines``, each mostly column-wise (> 300 kept): the same output both ways."""
     for batch in _batches(lines):
-        rendered = columns.columns.render(batch.items)
+        rendered, out = _rendered_run(columns, batch)
         assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
-        _assert_same(columns(batch), records(batch), f"{name} lines {batch.lines[0]}..")
+        _assert_same(out, records(batch), f"{name} lines {batch.lines[0]}..")
 
 
 def _msgs(*turns, **extra) -> list[dict]:
@@ -265,12 +279,12 @@ def test_hostile_lines_among_real_ones(template, train_on, monkeypatch):
         if want == chat_columns.NO_ANSWER and train_on == "all":
             want = chat_columns.KEPT
         batch = RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES)
-        rendered = columns.columns.render(batch.items)
+        rendered, out = _rendered_run(columns, batch)
         got = BATCH if rendered is None else int(rendered.status[20])
         if name in OTHERS.get(template, ()):
             want = chat_columns.OTHER
         assert got == want, name
-        _assert_same(columns(batch), records(batch), name)
+        _assert_same(out, records(batch), name)
 
 
 @requires_shared_data
@@ -312,11 +326,11 @@ def test_categories_column_wise_equal_per_record(template, train_on, category, f
     column-wise as per record, and column-wise it goes."""
     columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on, category=category, category_field=field)
     for batch in _batches(_with_categories(_chitchat(3000))):
-        rendered = columns.columns.render(batch.items)
+        rendered, out = _rendered_run(columns, batch)
         assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
         assert any(c is not None for c in rendered.span_categories)
         assert any(c is not None for c in rendered.categories)
-        _assert_same(columns(batch), records(batch), f"{template} lines {batch.lines[0]}..")
+        _assert_same(out, records(batch), f"{template} lines {batch.lines[0]}..")
 
 
 @requires_shared_data
@@ -493,10 +507,10 @@ def test_sharegpt_conversations_column_wise_equal_per_record(template, train_on,
             chat_columns.OTHER)]
     for name, line, want in odd:
         batch = RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES)
-        rendered = columns.columns.render(batch.items)
+        rendered, out = _rendered_run(columns, batch)
         got = BATCH if rendered is None else int(rendered.status[20])
         assert got == want, name
-        _assert_same(columns(batch), records(batch), name)
+        _assert_same(out, records(batch), name)
 
 
 @requires_shared_data
@@ -530,9 +544,8 @@ def test_the_conversations_shape_column_wise_equals_per_record(template, train_o
     columns, records_way = _pair(monkeypatch, {**SPECS, **VARIANTS}[template], train_on=train_on)
     total = np.zeros(len(CONVERSATION_COUNTS), np.int64)
     for batch in _batches(lines, 512):
-        rendered = columns.columns.render(batch.items)
+        rendered, out = _rendered_run(columns, batch)
         assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 100
-        out = columns(batch)
         _assert_same(out, records_way(batch), f"{template} lines {batch.lines[0]}..")
         total += out.conversations
     assert total[0] > 0
