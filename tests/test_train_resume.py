@@ -129,3 +129,29 @@ def test_the_run_config_is_below_the_config_file_and_the_flags(tmp_path):
     (run / "config.json").write_text("{broken")
     with pytest.raises(Exception, match="config.json: unreadable as the run's config"):
         resolve_config(None, {"output": str(run)})
+
+
+def test_resume_auto_without_a_usable_latest_takes_the_newest_complete_checkpoint(tmp_path):
+    """Issue 31 (part): with ``checkpoints/latest`` gone (a crash between two writes, a tidy-up, an rsync that
+    skipped it) --resume auto continued from step 0 over the run's checkpoints; with it naming a damaged one it
+    stopped. Now it takes the newest complete step-<N>, says which and why, and the run goes on from there."""
+    from trainkit import category_pack
+
+    packed, run = category_pack(tmp_path / "data"), tmp_path / "run"
+    common = [str(packed), "--output", str(run), "--save-every", "1", "--keep", "5", "--log-every", "100"]
+    train(*common, "--steps", "3")
+    ckpts = run / "checkpoints"
+    (ckpts / "latest").unlink()
+    result = train(*common, "--steps", "4")
+    assert f"{ckpts / 'latest'} is missing: resuming from step-3, the newest complete checkpoint" in result.stderr
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4]
+    (ckpts / "step-4" / ".metadata").unlink()  # the checkpoint latest names is damaged: the one before it
+    result = train(*common, "--steps", "5")
+    assert "names step-4, which is missing or incomplete: resuming from step-3" in result.stderr
+    assert json.loads((ckpts / "step-5" / "trainer.json").read_text())["step"] == 5
+    for step in (3, 4, 5):  # none complete (step-4 was saved again on the way): refused, never a start from scratch
+        (ckpts / f"step-{step}" / ".metadata").unlink()
+    for step in (1, 2):
+        (ckpts / f"step-{step}" / "trainer.json").unlink()
+    error = user_error(*common, "--steps", "6")
+    assert "no step-<N> in" in error and "is a complete checkpoint" in error

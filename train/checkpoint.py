@@ -65,6 +65,7 @@ from train.metrics import best_step
 
 LATEST = "latest"
 TRAINER_JSON = "trainer.json"
+DCP_METADATA = ".metadata"  # DCP's index of a checkpoint's files, written once all of them are
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 RETIRED_PREFIX = ".retired-"  # a checkpoint (or temporary directory) renamed out of the way, being deleted
 CKPT_TIMEOUT_ENV = "XTRAIN_CKPT_TIMEOUT"  # seconds checkpoint coordination may wait for a peer [default 4 h]
@@ -99,6 +100,7 @@ class CheckpointManager:
         self._coordination = None  # the gloo group of checkpointing (``_group``), made on first use
         self._deleter = _Deleter()
         self._cleaned = False
+        self.note: str | None = None  # why ``resolve("auto")`` did not take the checkpoint ``latest`` names
 
     # ----------------------------------------------------------------------------------- find
     def latest(self) -> Path | None:
@@ -119,7 +121,7 @@ class CheckpointManager:
                                  "use --resume auto to continue, or another --output")
             return None
         if resume == "auto":
-            return self.latest()
+            return self._auto()
         path = Path(resume)
         if (path / "checkpoints" / LATEST).is_file():  # a run directory
             path = CheckpointManager(path, self.dims).latest()
@@ -132,6 +134,27 @@ class CheckpointManager:
             raise XprepError(f"--resume {resume}: not a complete checkpoint (no {TRAINER_JSON}); give a "
                              "step-<N> directory, a run directory, or auto")
         return path
+
+    def _auto(self) -> Path | None:
+        """The checkpoint ``--resume auto`` continues from: the one ``latest`` names, or, when the pointer is missing
+        or names no complete checkpoint, the newest complete ``step-<N>`` (said in ``note``), never a silent
+        start from scratch over a run's checkpoints. None when the run has none; an error when it has some but
+        none is complete."""
+        pointer = self.root / LATEST
+        named = pointer.read_text().strip() if pointer.is_file() else None
+        if named is not None and not named.startswith(RETIRED_PREFIX) and _complete(self.root / named):
+            return self.root / named
+        found = next((self.root / f"step-{n}" for n in reversed(self.steps()) if _complete(self.root / f"step-{n}")),
+                     None)
+        if named is None and not self.steps():
+            return None
+        why = f"{pointer} is missing" if named is None else f"{pointer} names {named}, which is missing or incomplete"
+        if found is None:
+            raise XprepError(f"{why}, and no step-<N> in {self.root} is a complete checkpoint (with {TRAINER_JSON} "
+                             f"and DCP's {DCP_METADATA}): nothing to resume; give --resume PATH of a checkpoint, or "
+                             "another --output to start over")
+        self.note = f"{why}: resuming from {found.name}, the newest complete checkpoint"
+        return found
 
     def steps(self) -> list[int]:
         if not self.root.is_dir():
@@ -302,6 +325,12 @@ class _PendingSave:
     final: Path
     trainer_state: dict
     future: object | None
+
+
+def _complete(path: Path) -> bool:
+    """Whether ``path`` holds a whole checkpoint: rank 0's trainer state and DCP's metadata (written last by
+    DCP's save, after every rank's data)."""
+    return (path / TRAINER_JSON).is_file() and (path / DCP_METADATA).is_file()
 
 
 class _Deleter:

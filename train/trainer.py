@@ -466,6 +466,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
 def _resume(setup: RunSetup, trainer: Trainer, is_main: bool, out) -> None:
     """Load the checkpoint into the trainer; say which of this config's optimizer settings differ from it."""
     path = setup.resume_from
+    if setup.ckpt.note and is_main:  # the pointer was missing or damaged: which checkpoint instead, and why
+        out.write(setup.ckpt.note + "\n")
     check_same_model(setup.ckpt.read_trainer_state(path), path, trainer.model_config)
     state = setup.ckpt.load(path, trainer.model, trainer.optimizer, setup.dataset.key)
     changed = trainer.load_state_dict(state)
