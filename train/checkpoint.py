@@ -140,14 +140,12 @@ class CheckpointManager:
         or names no complete checkpoint, the newest complete ``step-<N>`` (said in ``note``), never a silent
         start from scratch over a run's checkpoints. None when the run has none; an error when it has some but
         none is complete."""
-        pointer = self.root / LATEST
-        named = pointer.read_text().strip() if pointer.is_file() else None
+        pointer, named, steps = self.root / LATEST, self._latest_name(), self.steps()
         if named is not None and not named.startswith(RETIRED_PREFIX) and _complete(self.root / named):
             return self.root / named
-        found = next((self.root / f"step-{n}" for n in reversed(self.steps()) if _complete(self.root / f"step-{n}")),
-                     None)
-        if named is None and not self.steps():
+        if named is None and not steps:
             return None
+        found = next((self.root / f"step-{n}" for n in reversed(steps) if _complete(self.root / f"step-{n}")), None)
         why = f"{pointer} is missing" if named is None else f"{pointer} names {named}, which is missing or incomplete"
         if found is None:
             raise XprepError(f"{why}, and no step-<N> in {self.root} is a complete checkpoint (with {TRAINER_JSON} "

@@ -229,9 +229,14 @@ def check_precision(precision: str, device_type: str) -> None:
                          "use --precision fp32 (or auto)")
 
 
+def precision_name(precision: str, device_type: str) -> str:
+    """What ``precision`` resolved to on this device: "bf16" or "fp32"."""
+    return "bf16" if param_dtype_for(precision, device_type) == torch.bfloat16 else "fp32"
+
+
 def precision_note(precision: str, device_type: str) -> str:
     """What ``precision`` resolved to on this device, and why when auto chose fp32 on a GPU."""
-    dtype = "bf16" if param_dtype_for(precision, device_type) == torch.bfloat16 else "fp32"
+    dtype = precision_name(precision, device_type)
     if precision == "auto" and device_type == "cuda" and dtype == "fp32":
         major, minor = torch.cuda.get_device_capability()
         return (f"fp32 (auto: {torch.cuda.get_device_name()} has compute capability {major}.{minor} < 8.0, "

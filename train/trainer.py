@@ -49,6 +49,7 @@ from train.dist import (
     materialize,
     parallelize,
     param_dtype_for,
+    precision_name,
     precision_note,
     reduce_gradients,
     shutdown,
@@ -523,7 +524,7 @@ def _loss_chunk_line(chunk: int, tokens: int, vocab_size: int) -> str:
 
 def _precision(cfg: TrainConfig, dims: ParallelDims) -> str:
     """What --precision resolved to on this run's device: bf16 or fp32."""
-    return "bf16" if param_dtype_for(cfg.model.precision, dims.device_type) == torch.bfloat16 else "fp32"
+    return precision_name(cfg.model.precision, dims.device_type)
 
 
 def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_config: dict,
