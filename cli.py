@@ -375,6 +375,10 @@ def xtrain():
               help="Run directory [default: runs/<pack directory name>]. An existing run's config.json gives the "
                    "defaults: `xtrain run -o RUN` alone resumes it; flags given override it (said on the console).")
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps; 0 = at the end only.")
+@click.option("--save-every-minutes", type=float, default=None, metavar="M",
+              help="Also checkpoint once M minutes have passed since the last checkpoint (all ranks at the same "
+                   "step); 0 = off [default: 0]. SIGTERM, SIGINT and SIGUSR1 always checkpoint the step reached "
+                   "before the run stops (exit 143, 130 and 0).")
 @click.option("--keep", type=int, default=None,
               help="Newest checkpoints kept, plus the best (by validation loss when the run evaluates, else by "
                    "training loss) [default: 2].")
@@ -429,6 +433,7 @@ def run(packed, config_file, **options):
     `xtrain run -o RUN` alone."""
     from train.config import resolve_config  # the trainer and torch: deferred, `xprep` never needs them
     from train.launch import RanksFailed, launch, should_launch
+    from train.preempt import Stopped
     from train.trainer import run as run_training
 
     notes: list[str] = []  # said once the run has passed its checks (an error is one line)
@@ -440,6 +445,10 @@ def run(packed, config_file, **options):
             run_dir = run_training(config, notes=notes)
     except RanksFailed as e:
         click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except Stopped as e:  # a signal: checkpointed and stopped (the run said where), or stopped before training
+        if not e.said:
+            click.echo(str(e), err=True)
         sys.exit(e.exit_code)
     click.echo(f"run written to {run_dir}", err=True)
 

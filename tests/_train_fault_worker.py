@@ -6,6 +6,9 @@
 The faults are read from this environment here, never by xtrain itself (children inherit it):
   XTRAIN_TEST_KILL_AFTER_STEP=N  SIGKILL this process after step N   [only rank XTRAIN_TEST_KILL_RANK if set]
   XTRAIN_TEST_FAIL_RANK=R        rank R raises instead of starting step XTRAIN_TEST_FAIL_STEP (≥ 2) [default 2]
+  XTRAIN_TEST_SIGNAL=NAME,N,TO   after step N send signal NAME (TERM, INT, USR1, KILL) to TO: "self" (this process),
+                                 "launcher" (rank 0's parent), or "rank-R" (rank R only sends it, to itself)
+  XTRAIN_TEST_SIGNAL_IN_SAVE=NAME  every checkpoint save sends NAME to this process while DCP writes (then goes on)
 With `run`, ranks that `--nproc-per-node` starts run through this file too (``train.launch.RANK_ENTRY``).
 """
 
@@ -22,6 +25,8 @@ KILL_AFTER_STEP_ENV = "XTRAIN_TEST_KILL_AFTER_STEP"
 KILL_RANK_ENV = "XTRAIN_TEST_KILL_RANK"
 FAIL_RANK_ENV = "XTRAIN_TEST_FAIL_RANK"
 FAIL_STEP_ENV = "XTRAIN_TEST_FAIL_STEP"
+SIGNAL_ENV = "XTRAIN_TEST_SIGNAL"
+SIGNAL_IN_SAVE_ENV = "XTRAIN_TEST_SIGNAL_IN_SAVE"
 
 
 def kill_after(step: int, rank: int | None):
@@ -38,6 +43,33 @@ def fail_at(step: int, rank: int):
     return callback
 
 
+def send_after(name: str, step: int, to: str):
+    sig = getattr(signal, "SIG" + name)
+
+    def callback(trainer) -> None:
+        if trainer.step != step:
+            return
+        if to == "self" or (to.startswith("rank-") and int(to[5:]) == trainer.dims.rank):
+            os.kill(os.getpid(), sig)
+        elif to == "launcher" and trainer.dims.rank == 0:
+            os.kill(os.getppid(), sig)
+    return callback
+
+
+def signal_in_save(name: str) -> None:
+    """Wrap DCP's writes so that each sends ``name`` to this process midway (a signal during a save)."""
+    import torch.distributed.checkpoint as dcp  # train.checkpoint calls dcp.save / dcp.async_save through it
+
+    sig = getattr(signal, "SIG" + name)
+    for fn in ("save", "async_save"):
+        original = getattr(dcp, fn)
+
+        def wrapped(*args, _original=original, **kwargs):
+            os.kill(os.getpid(), sig)
+            return _original(*args, **kwargs)
+        setattr(dcp, fn, wrapped)
+
+
 def install() -> None:
     env = os.environ
     if KILL_AFTER_STEP_ENV in env:
@@ -45,6 +77,11 @@ def install() -> None:
         trainer.STEP_END_CALLBACKS.append(kill_after(int(env[KILL_AFTER_STEP_ENV]), rank))
     if FAIL_RANK_ENV in env:
         trainer.STEP_END_CALLBACKS.append(fail_at(int(env.get(FAIL_STEP_ENV, "2")), int(env[FAIL_RANK_ENV])))
+    if SIGNAL_ENV in env:
+        name, step, to = env[SIGNAL_ENV].split(",")
+        trainer.STEP_END_CALLBACKS.append(send_after(name, int(step), to))
+    if SIGNAL_IN_SAVE_ENV in env:
+        signal_in_save(env[SIGNAL_IN_SAVE_ENV])
     launch.RANK_ENTRY = [os.path.abspath(__file__), "rank"]
 
 

@@ -7,7 +7,7 @@ TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the ru
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
   parallel    device, nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
               reduce_every_micro_batch                                            → ParallelDims
-  checkpoint  save_every, keep, resume, async_save                                → CheckpointManager
+  checkpoint  save_every, save_every_minutes, keep, resume, async_save            → CheckpointManager
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
 ```
 Precedence: dataclass defaults < the run directory's own ``config.json`` (when ``--output`` names a run
@@ -242,6 +242,7 @@ class CheckpointSection:
 
     SECTION: ClassVar[str] = "checkpoint"
     save_every: int = 0  # 0 = only at the end
+    save_every_minutes: float = 0.0  # also when this much time passed since the last save; 0 = off
     keep: int = 2
     resume: str = "auto"  # auto | never | PATH of a checkpoint
     async_save: bool = False
@@ -250,6 +251,9 @@ class CheckpointSection:
         _check_types(self)
         _check_at_least(self, 1, "keep")
         _check_at_least(self, 0, "save_every")
+        if not (self.save_every_minutes >= 0 and math.isfinite(self.save_every_minutes)):
+            raise XprepError(f"--save-every-minutes {self.save_every_minutes} must be a number of minutes ≥ 0 "
+                             "(0: off)")
 
     def build(self, run_dir: Path, dims: ParallelDims) -> CheckpointManager:
         return CheckpointManager(run_dir, dims, self.keep, self.async_save)

@@ -407,18 +407,19 @@ def barrier(dims: ParallelDims) -> None:
         dist.barrier()
 
 
-def shutdown(dims: ParallelDims, code: int = 0) -> None:
+def shutdown(dims: ParallelDims, code: int = 0, clean: bool = False) -> None:
     """End a distributed run: barrier, destroy the group, hard exit with ``code``.
 
     gloo + DeviceMesh aborts (SIGABRT) at interpreter exit in about one run of seven, after all the
     work is done; ``os._exit`` after a clean teardown avoids it. After a failure (code != 0) peers
     may be stuck in a collective, so no barrier or teardown: exit at once and let the launcher stop
-    the others. A single process just returns.
+    the others — unless ``clean`` says every rank ends here together (a stop on a signal). A single
+    process just returns.
     """
     if not (dims.distributed and dist.is_initialized()):
         return
     try:
-        if code == 0:
+        if code == 0 or clean:
             dist.barrier()
             dist.destroy_process_group()
     finally:

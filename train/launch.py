@@ -1,48 +1,61 @@
-"""``xtrain run --nproc-per-node N``: start the N ranks on this machine, as torchrun would.
+"""``xtrain run --nproc-per-node N``: start the N ranks on this machine, watch them, pass signals on.
 
-The CLI calls ``launch`` when ``should_launch`` says so, and ``train.trainer.run`` otherwise. The
-ranks are started by torch's elastic launcher (``elastic_launch``, the API behind torchrun,
-standalone rendezvous on a free local port), each as ``python -m train.launch CONFIG_JSON``
-running the same resolved config through ``main``. The launcher watches them: when one rank
-fails, it stops the others at once and the launch fails with that rank's exit code (its error is
-on stderr already). Under torchrun (or any launcher that sets RANK/WORLD_SIZE) nothing is
-spawned: this process already is one of the ranks, so plain ``torchrun ... xtrain run`` and
-multi-node runs need no code here.
+The CLI calls ``launch`` when ``should_launch`` says so, and ``train.trainer.run`` otherwise. This process
+checks what would fail in every rank once (``prepare_run``), holds the run directory's lock, opens the
+rendezvous (a TCPStore on a free local port, which every rank joins as a client, as torchrun's agent store),
+and starts each rank as ``python -m train.launch CONFIG_JSON`` (``RANK_ENTRY``), running the same resolved
+config through ``main``. Under torchrun (or any launcher that sets RANK/WORLD_SIZE) nothing is spawned: this
+process already is one of the ranks, so plain ``torchrun ... xtrain run`` and multi-node runs need no code
+here.
 
-Ctrl-C ends a launched job as it ends one process: one line ("interrupted") and exit 130. The launcher's
-agent turns the SIGINT into a ``SignalException`` and passes SIGINT on to the ranks (each in a session of
-its own, so the terminal's Ctrl-C reaches only the launcher); each rank exits at once, quietly, with 130
-(``exit_interrupted``, installed before a rank imports anything heavy, ``RANK_ENTRY``), and the launcher's
-own warnings about shutting them down are kept off the console.
+While the ranks run, the launcher
+- passes every signal that stops a run (SIGTERM, SIGINT, SIGUSR1: ``train.preempt``) on to each rank and
+  waits for them, however long their checkpoint takes; a second signal is passed on too, and changes nothing.
+  The launch then ends with the ranks' status (143 after SIGTERM, 130 after SIGINT, 0 after SIGUSR1);
+- ends the job when one rank fails: the others are killed at once (SIGKILL: a SIGTERM would make them
+  checkpoint, waiting on the rank that died), and one line names the rank that failed first, how, and its
+  error (its traceback is above; each rank records its error in a file of its own, TORCHELASTIC_ERROR_FILE,
+  as under torchrun);
+- is their lifeline: each rank dies with it (``train.lifeline``), so a launcher killed alone leaves no rank
+  training on without the run lock.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
+import shutil
 import signal
+import subprocess
 import sys
-import uuid
+import tempfile
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed import TCPStore
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from prep.errors import XprepError
+from train.attempts import Attempt
 from train.config import TrainConfig, validate_against_schema
+from train.lifeline import PARENT_ENV, die_with_parent
+from train.preempt import STOP_FILE_ENV, STOP_SIGNALS, Stopped, signal_name, stop_status
 from train.rundir import RunLock
 from train.trainer import prepare_run, run
 
-LAUNCHED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and by elastic_launch
-# python arguments that start one rank, before its CONFIG_JSON (tests replace them): a Ctrl-C ends the rank quietly
-# from its first instruction on, before torch is imported (``exit_interrupted`` takes over once it is)
-RANK_ENTRY = ["-c", "import os, signal; signal.signal(signal.SIGINT, lambda *_: os._exit(130)); "
+LAUNCHED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and by this launcher
+# python arguments that start one rank, before its CONFIG_JSON (tests replace them): the rank dies with the
+# launcher, and until training starts a stop signal ends it quietly (SIGINT too: no KeyboardInterrupt
+# traceback), from its first instructions on, before torch is imported; then train.preempt takes over
+RANK_ENTRY = ["-c", "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+              "from train.lifeline import die_with_parent; die_with_parent(); "
               f"from {__name__} import main; main()"]
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # what the launcher's agent handles
+FORWARDED = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT)  # passed on to the ranks as received
+POLL_S = 0.05
+STOP_STATUSES = tuple(sorted({stop_status(s) for s in STOP_SIGNALS} - {0}))  # 130, 143
+STOP_GRACE_S = 120.0  # a rank that stopped on a signal waits this long at most for the others to end as well
 
 
 class RanksFailed(Exception):
@@ -59,7 +72,8 @@ def should_launch(nproc_per_node: int | None) -> bool:
 
 
 def launch(cfg: TrainConfig, notes: Sequence[str] = ()) -> Path:
-    """Run ``cfg`` on ``cfg.parallel.nproc_per_node`` local ranks; raise ``RanksFailed`` when one fails.
+    """Run ``cfg`` on ``cfg.parallel.nproc_per_node`` local ranks; raise ``RanksFailed`` when one fails and
+    ``train.preempt.Stopped`` when a signal stopped them.
 
     What would fail in every rank (options, data, run directory, model) is checked here first, once; then
     ``notes`` (how the config was resolved) are said.
@@ -67,74 +81,136 @@ def launch(cfg: TrainConfig, notes: Sequence[str] = ()) -> Path:
     nproc = cfg.parallel.nproc_per_node
     validate_against_schema(cfg.to_dict())
     prepare_run(cfg, cfg.parallel.build(world=nproc), verify_data=False)
-    with RunLock(cfg.run_dir):  # held here, for the ranks (they run with lock=False)
+    with RunLock(cfg.run_dir):  # held here, for the ranks (they run with lock=False); and the attempt's log
+        attempt = Attempt.begin(cfg.run_dir, cfg.to_dict(), notes)
         for note in notes:
             print(note, file=sys.stderr)
-        _launch(cfg, nproc)
+        try:
+            _launch(cfg, nproc)
+        except BaseException as e:
+            attempt.end_with(e)
+            raise
+        attempt.end_with(None)
     return cfg.run_dir
 
 
 def _launch(cfg: TrainConfig, nproc: int) -> None:
-    """Start the ``nproc`` ranks with torch's elastic launcher and wait for them."""
+    """Start the ``nproc`` ranks, watch them until they end, and say how the job ended when not well."""
+    errors = Path(tempfile.mkdtemp(prefix="xtrain-ranks-"))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # free port: no race for one
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
+           "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+           PARENT_ENV: str(os.getpid())}
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: N ranks must not each take every core
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    job = _Job([], errors)
+    previous = {sig: signal.signal(sig, job.on_signal) for sig in FORWARDED}
     try:
-        with _agent_signals(), _quiet_agent():
-            elastic_launch(config, sys.executable)(*RANK_ENTRY, json.dumps(cfg.to_dict()))
-    except ChildFailedError as e:
-        raise _ranks_failed(e, nproc) from None
-    except SignalException as e:  # the agent has stopped the ranks with the same signal
-        if e.sigval == signal.SIGINT:
-            raise KeyboardInterrupt from None
-        raise RanksFailed(f"stopped by {e.sigval.name}; the ranks were stopped", 128 + int(e.sigval)) from None
-
-
-@contextlib.contextmanager
-def _agent_signals():
-    """The agent installs its own handlers of ``STOP_SIGNALS`` (raising SignalException) and leaves them:
-    put back this process's once the launch is over."""
-    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    try:
-        yield
+        config = json.dumps(cfg.to_dict())
+        for rank in range(nproc):
+            job.ranks.append(subprocess.Popen(
+                [sys.executable, *RANK_ENTRY, config],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                     "TORCHELASTIC_ERROR_FILE": str(errors / f"rank-{rank}.json"), STOP_FILE_ENV: str(job.stop_file)}))
+        if job.signum:  # received while the ranks were being started: the later ones have not had it
+            job.on_signal(job.signum, None)
+        job.wait()
     finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        job.kill()
+        shutil.rmtree(errors, ignore_errors=True)
+        del store
 
 
-@contextlib.contextmanager
-def _quiet_agent():
-    """The agent's warnings (a death signal received, each rank being sent it) off the console while it runs:
-    the launch ends in one line of its own. Its errors still show."""
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-               if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(max(logger.level, logging.ERROR))
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+@dataclass
+class _Job:
+    """The ranks of one launch, and the signal that is stopping them (0: none)."""
 
+    ranks: list[subprocess.Popen]
+    errors: Path
+    signum: int = 0
 
-def _ranks_failed(e: ChildFailedError, nproc: int) -> RanksFailed:
-    """One line naming the rank that failed first, how, and its error (its traceback is above)."""
-    rank, failure = e.get_first_failure()
-    if failure.exitcode < 0:
-        how, code = f"signal {failure.signal_name()}", 1
-    else:
-        how, code = f"exit code {failure.exitcode}", failure.exitcode or 1
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
-    return RanksFailed(f"rank {rank} of {nproc} failed ({how})" + (f": {message.splitlines()[0]}" if message else "")
-                       + "; the other ranks were stopped", code)
+    def on_signal(self, signum: int, frame) -> None:
+        """Pass it on to every rank still running; the first stop signal decides the job's status."""
+        if not self.signum:
+            self.signum = signum
+        for proc in self.ranks:
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    def wait(self) -> None:
+        """Until every rank has ended; raise when the job did not end well.
+
+        A rank that ends with a stop status (143, 130: train.preempt) stopped in step with the others, after
+        their checkpoint: they end within ``STOP_GRACE_S``, or the job is failed.
+        """
+        stopping_since = None
+        while True:
+            codes = [proc.poll() for proc in self.ranks]
+            failed = [r for r, code in enumerate(codes) if code not in (None, 0, *self._stop_codes())]
+            if stopping_since is None and any(code in STOP_STATUSES for code in codes):
+                stopping_since = time.monotonic()
+            if not failed and stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE_S:
+                failed = [r for r, code in enumerate(codes) if code is None]
+            if failed:
+                self.kill()
+                raise self._failure(failed)
+            if all(code is not None for code in codes):
+                break
+            time.sleep(POLL_S)
+        if self.stop_file.is_file():  # rank 0 stopped the run on a signal (to it, the launcher or a rank)
+            stop = json.loads(self.stop_file.read_text())
+            raise Stopped(stop["signal"], stop["message"], said=True)
+        if self.signum:
+            name = signal_name(self.signum)
+            if self.signum not in STOP_SIGNALS:
+                raise RanksFailed(f"stopped by {name}; the ranks were stopped", 128 + self.signum)
+            if any(code == -self.signum for code in codes):  # ended by it before training began
+                raise Stopped(self.signum, "interrupted" if self.signum == signal.SIGINT else
+                              f"stopped by {name} before training began: nothing to save")
+
+    @property
+    def stop_file(self) -> Path:
+        """Where rank 0 says why and where the run stopped on a signal (``STOP_FILE_ENV``)."""
+        return self.errors / "stopped.json"
+
+    def _stop_codes(self) -> tuple[int, ...]:
+        """What a rank may end with, other than 0, without failing: a stop status (after its checkpoint), and
+        death by the signal passed on before training began (nothing to save yet)."""
+        return (*STOP_STATUSES, -self.signum) if self.signum else STOP_STATUSES
+
+    def kill(self) -> None:
+        for proc in self.ranks:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.ranks:
+            proc.wait()
+
+    def _failure(self, failed: list[int]) -> RanksFailed:
+        """One line naming the rank that failed first (the earliest error recorded; else the first seen), how,
+        and its error."""
+        failures = [ProcessFailure(r, self.ranks[r].pid, self.ranks[r].returncode,
+                                   str(self.errors / f"rank-{r}.json")) for r in failed]
+        recorded = [f for f in failures if isinstance(f.message, dict)]
+        first = min(recorded, key=lambda f: f.timestamp) if recorded else failures[0]
+        if first.exitcode < 0:
+            how, code = f"signal {first.signal_name()}", 1
+        else:
+            how, code = f"exit code {first.exitcode}", first.exitcode
+        message = first.message.get("message", "") if isinstance(first.message, dict) else ""
+        return RanksFailed(f"rank {first.local_rank} of {len(self.ranks)} failed ({how})"
+                           + (f": {message.splitlines()[0]}" if message else "") + "; the other ranks were stopped",
+                           code)
 
 
 def main(argv: list[str] | None = None) -> None:
     """One rank started by ``launch``: the resolved config as JSON in argv[0] (sys.argv[1])."""
     argv = sys.argv[1:] if argv is None else argv
+    die_with_parent()
     try:
         run(TrainConfig.from_dict(json.loads(argv[0])), lock=False)  # the launcher holds the run's lock
     except XprepError as e:  # before the process group exists (after it, run reports and exits itself)

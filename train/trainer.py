@@ -33,6 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from prep.errors import XprepError
 from prep.io import check_output_dir, write_json_atomic
 from prep.packfile import MANIFEST
+from train import attempts
 from train.attention import attention_path, check_head_dim
 from train.checkpoint import CheckpointManager, check_same_model, check_same_pack, pinned_entry
 from train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
@@ -56,12 +57,14 @@ from train.dist import (
 )
 from train.evaluate import EvalProgress, Validation
 from train.flops import ModelFlops, Throughput, bin_attention_pairs, resolve_peak_tflops
+from train.lifeline import PARENT_ENV, die_with_parent
 from train.loggers import build_loggers, check_backends
 from train.loss import AUTO_CHUNK_ABOVE, Channels, LossSums, logits_bytes, token_ce
 from train.memory import peak_memory, reset_peak_memory
 from train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
-from train.rundir import RunLock
+from train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
+from train.rundir import RanksLock, RunLock
 from train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
 
 CPU_KEYS = ("cu_seqlens", "cu_seqlens_padded", "cu_units")  # batch keys that stay on the CPU (read as Python ints)
@@ -354,38 +357,44 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] =
     """Train per ``cfg`` in this process (one process, or one rank of a launched job); returns the run directory.
 
     Rank 0 holds the run directory's ``RunLock`` for the whole run; ``lock=False`` for the ranks that
-    ``train.launch`` starts, whose launcher holds it. Rank 0 says ``notes`` (how the config was resolved)
-    once the run has passed its checks.
+    ``train.launch`` starts, whose launcher holds it. Every rank of a distributed run also holds the run's
+    ranks lock (``train.rundir.RanksLock``), so that no later run starts while one of them lives. Rank 0
+    says ``notes`` (how the config was resolved) once the run has passed its checks. A stop signal ends
+    the run after a checkpoint with ``train.preempt.Stopped`` (one process) or its exit status (a rank).
     """
     validate_against_schema(cfg.to_dict())
     dims = cfg.parallel.build()
+    if os.environ.get(PARENT_ENV) or "TORCHELASTIC_RUN_ID" in os.environ:  # a launched rank: die with the launcher
+        die_with_parent()
     configure_device(dims.device_type, cfg.model.tf32)  # before anything initializes CUDA
-    if dims.distributed:  # a rank interrupted leaves at once, quietly: its launcher says it in one line
-        signal.signal(signal.SIGINT, exit_interrupted)
+    if dims.distributed:  # until training starts, a stop signal ends a rank at once, quietly (nothing to save)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
     setup = prepare_run(cfg, dims)
-    with RunLock(cfg.run_dir) if lock and dims.is_main else contextlib.nullcontext():
+    owner = lock and dims.is_main  # this process owns the run directory: its lock and the attempt's log
+    with RunLock(cfg.run_dir) if owner else contextlib.nullcontext():
+        attempt = attempts.Attempt.begin(cfg.run_dir, cfg.to_dict(), notes) if owner else None
         if dims.is_main:
             for note in notes:
                 print(note, file=stream or sys.stderr)
-        device = init_distributed(dims)
+        ranks_lock = None
         try:
+            device = init_distributed(dims)
+            ranks_lock = RanksLock(cfg.run_dir).acquire() if dims.distributed else None  # after rank 0's RunLock
             _train(cfg, dims, device, setup, stream)
         except BaseException as e:
+            if attempt is not None:
+                attempt.end_with(e)
             if dims.distributed:  # report, then leave at once: peers may be blocked in a collective
                 _report_and_exit(e, dims)
             raise
+        finally:
+            if ranks_lock is not None:
+                ranks_lock.release()
+        if attempt is not None:
+            attempt.end_with(None)
         shutdown(dims, 0)
     return cfg.run_dir
-
-
-def exit_interrupted(signum=None, frame=None) -> None:
-    """SIGINT in a rank of a distributed run: exit with 130 at once, printing nothing. The launcher (``xtrain run
-    --nproc-per-node``, or torchrun) forwards a Ctrl-C to every rank and says it once; a KeyboardInterrupt would
-    unwind through the collectives in flight, and each rank would print its traceback, and the peer failures
-    that follow theirs. Whatever a checkpoint was writing is a temporary directory the next save removes."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130)
 
 
 def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
@@ -394,8 +403,8 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
     A rank whose collective failed most likely lost a peer that failed first: it waits a moment,
     so that the launcher sees (and names) the rank that failed first, and stops this one itself.
     """
-    if isinstance(e, KeyboardInterrupt):
-        exit_interrupted()
+    if isinstance(e, Stopped):  # every rank stopped at the same step, after the checkpoint: nothing to report
+        shutdown(dims, e.exit_code, clean=True)
     if isinstance(e, XprepError):
         print(f"error: [rank {dims.rank}] {e}", file=sys.stderr)
         code = 2
@@ -426,6 +435,9 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     out = stream or sys.stderr
     if setup.resume_from is not None:
         _resume(setup, trainer, dims.is_main, out)
+        if dims.is_main:
+            attempts.note(run_dir, (setup.ckpt.note + "; " if setup.ckpt.note else "")
+                          + f"resuming at step {trainer.step} from {setup.resume_from}")
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_run_config(run_dir, cfg, plan, model_config, dataset, dims, setup.validation, setup.loss_chunk)
@@ -447,8 +459,16 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
         out.write(f"{run_dir}: already at step {trainer.step}/{plan.steps}, nothing to do "
                   "(raise --steps to continue)\n")
     save_every, validation = cfg.checkpoint.save_every, setup.validation
+    control = StopControl(dims, device, cfg.checkpoint.save_every_minutes)
+    saved_at = trainer.step  # of the newest checkpoint (the one resumed from; 0: the initial state, none needed)
+    control.arm()
     try:
         while trainer.step < plan.steps:
+            signum, save_due = control.poll()
+            if signum:
+                _stop(signum, trainer, ckpt, saved_at, plan, run_dir, dims.is_main, out)
+            if save_due and saved_at != trainer.step:
+                saved_at = _save(ckpt, trainer, control)
             metrics = trainer.train_step()
             if validation is not None and validation.due(trainer.step, plan.steps):
                 progress = EvalProgress(trainer.step, len(validation.rounds), validation.bins, out) \
@@ -456,12 +476,47 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                 metrics.eval = trainer.evaluate(validation, progress)  # before the save: "best" follows it
             log.write(metrics)
             if trainer.step == plan.steps or (save_every and trainer.step % save_every == 0):
-                ckpt.save(trainer.step, model, optimizer, trainer.state_dict())
+                saved_at = _save(ckpt, trainer, control)
             for callback in STEP_END_CALLBACKS:
                 callback(trainer)
         ckpt.finish()  # an asynchronous save still being written
+        if dims.is_main:
+            attempts.note(run_dir, f"trained to step {trainer.step}/{plan.steps}")
     finally:
+        control.disarm()
         log.close()
+
+
+def _save(ckpt: CheckpointManager, trainer: Trainer, control: StopControl | None = None) -> int:
+    """Checkpoint the trainer at its step (restarting --save-every-minutes' clock); return that step."""
+    ckpt.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict())
+    if control is not None:
+        control.saved()
+    return trainer.step
+
+
+def _stop(signum: int, trainer: Trainer, ckpt: CheckpointManager, saved_at: int, plan: BatchPlan,
+          run_dir: Path, is_main: bool, out) -> None:
+    """Every rank stops here, after the same step: a checkpoint of it, complete and published (after any save in
+    flight) unless the newest one is of this step already, then ``Stopped`` with the status of ``signum``."""
+    name = signal_name(signum)
+    if saved_at == trainer.step:
+        ckpt.finish()
+        where = "nothing trained yet" if trainer.step == 0 else f"checkpoint step-{trainer.step} is saved"
+    else:
+        if is_main:
+            out.write(f"{name} received: saving a checkpoint of step {trainer.step} before stopping\n")
+        _save(ckpt, trainer)
+        ckpt.finish()  # written and published before this rank goes on, asynchronous save or not
+        where = f"checkpoint step-{trainer.step} saved"
+    message = (f"stopped by {name} after step {trainer.step}/{plan.steps} ({where}); the same command, or "
+               f"`xtrain run -o {run_dir}`, resumes")
+    if is_main:
+        out.write(message + "\n")
+        out.flush()
+        attempts.note(run_dir, message)
+        record_stop(signum, message)
+    raise Stopped(signum, message, said=is_main)
 
 
 def _resume(setup: RunSetup, trainer: Trainer, is_main: bool, out) -> None:
@@ -543,5 +598,6 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
         "categories": dataset.category_names, "sources": dataset.source_names, "validation": val,
         "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
         "precision": _precision(cfg, dims), "loss_chunk": loss_chunk,
+        "code": attempts.code_version(), "config_sha256": attempts.config_digest(cfg.to_dict()),
         "model": model_config,
     })
