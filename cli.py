@@ -371,6 +371,13 @@ def xtrain():
                    "whose logits take at most 256 MiB (512 tokens for a 128k vocabulary), said on the console].")
 @click.option("--compile/--no-compile", default=None,
               help="torch.compile each decoder block (attention stays outside the graphs) [default: off].")
+@click.option("--init-from", default=None, metavar="PATH|hf:DIR",
+              help="Start from the model weights only of an xtrain checkpoint (a step-<N> directory, or a run "
+                   "directory: its newest complete checkpoint) or of hf:DIR, with a fresh optimizer, schedule and "
+                   "sampler, at step 0; the model must be the same, the pack may differ. Precedence: the run's own "
+                   "checkpoint > --resume PATH > --init-from: a run (or requeued job) with a checkpoint of its own "
+                   "resumes and --init-from is not used (said on the console); with --resume never such a run is "
+                   "refused.")
 @click.option("--output", "-o", default=None,
               help="Run directory [default: runs/<pack directory name>]. An existing run's config.json gives the "
                    "defaults: `xtrain run -o RUN` alone resumes it; flags given override it (said on the console).")
@@ -427,6 +434,12 @@ def xtrain():
                    "same gradients [default: every micro-batch].")
 @click.option("--async-save/--no-async-save", default=None,
               help="Write checkpoints in a background thread [default: off].")
+@click.option("--save-hf/--no-save-hf", default=None,
+              help="Also write the model as a Hugging Face directory after the last step: RUN/hf/step-<N>/ "
+                   "(model.safetensors, config.json, tokenizer, as `xtrain export` writes), RUN/hf/latest linking to "
+                   "the newest; with or without DCP checkpoints [default: off].")
+@click.option("--save-hf-every", type=int, default=None, metavar="N",
+              help="With --save-hf: also every N steps; 0 = after the last step only [default: 0].")
 @_user_errors
 def run(packed, config_file, **options):
     """Train on the current entry of the pack cache PACKED (works under torchrun too); resume RUN with

@@ -55,7 +55,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from prep.errors import XprepError
 from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
@@ -313,6 +318,19 @@ class CheckpointManager:
             torch.set_rng_state(torch.load(rng, weights_only=True)["torch"])
         return state
 
+    def load_model(self, path: Path, model: nn.Module) -> None:
+        """Load the model's weights alone from checkpoint ``path`` (``--init-from``): DCP reads its "model" part only,
+        whatever layout saved it, into this layout's shards; optimizer, trainer state and RNG are not read."""
+        loaded = {"model": get_model_state_dict(model)}
+        with _quiet_single_process():
+            dcp.load(loaded, checkpoint_id=path, no_dist=not self.dims.distributed, process_group=self._group())
+        set_model_state_dict(model, loaded["model"])
+
+    def wait_for_main(self) -> None:
+        """Every rank waits here until all are here, over checkpointing's group (``XTRAIN_CKPT_TIMEOUT``, not training's
+        timeout): the others wait for what rank 0 writes alone, however long the storage takes (``--save-hf``)."""
+        self._barrier()
+
 
 @dataclass
 class _PendingSave:
@@ -434,8 +452,10 @@ def _current_entry(packed: Path) -> Path | None:
 _NOT_MODEL_SHAPE = {"hf", "transformers_version"}  # where a Hugging Face model was read from, not what it is
 
 
-def check_same_model(state: dict, path: Path, model_config: dict) -> None:
-    """Refuse to resume another model (other shapes would fail inside DCP with a traceback)."""
+def check_same_model(state: dict, path: Path | str, model_config: dict,
+                     fix: str = "resume with the same --model, or start a new run with another --output") -> None:
+    """Refuse to resume (or, ``fix`` saying what to do, initialize from) another model: other shapes would fail inside
+    DCP with a traceback."""
     saved = state.get("model")
     if saved is None:  # a checkpoint from before the model config was saved
         return
@@ -443,8 +463,7 @@ def check_same_model(state: dict, path: Path, model_config: dict) -> None:
                     if saved.get(k) != model_config.get(k) and k not in _NOT_MODEL_SHAPE and not k.startswith("_"))
     if differ:
         what = ", ".join(f"{k} {saved.get(k)!r} → {model_config.get(k)!r}" for k in differ)
-        raise XprepError(f"{path}: this checkpoint holds another model ({what}); resume with the same --model, "
-                         "or start a new run with another --output")
+        raise XprepError(f"{path}: this checkpoint holds another model ({what}); {fix}")
 
 
 @contextlib.contextmanager

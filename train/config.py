@@ -3,11 +3,12 @@
 ```
 TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the run itself)
   data        packed, micro_batch_size, global_batch_size, sampler, verify_data   → PackedDataset
-  model       name (--model), precision, tf32, loss_chunk, compile                → model (+ its config)
+  model       name (--model), precision, tf32, loss_chunk, compile, init_from     → model (+ its config)
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
   parallel    device, nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
               reduce_every_micro_batch                                            → ParallelDims
-  checkpoint  save_every, save_every_minutes, keep, resume, async_save            → CheckpointManager
+  checkpoint  save_every, save_every_minutes, keep, resume, async_save,           → CheckpointManager
+              save_hf, save_hf_every
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
 ```
 Precedence: dataclass defaults < the run directory's own ``config.json`` (when ``--output`` names a run
@@ -86,7 +87,7 @@ class DataSection:
 @dataclass
 class ModelSection:
     """Which model (a preset, a JSON model config or hf:DIR), the precision it computes in, how its loss
-    is computed, and whether its blocks are compiled.
+    is computed, whether its blocks are compiled, and the weights it starts from (``init_from``, train/weights.py).
 
     hf:DIR loads Llama / Qwen2 / Mistral weights into the built-in model; other architectures run as
     the transformers module (train/hf.py)."""
@@ -97,6 +98,7 @@ class ModelSection:
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (train.dist.configure_device)
     loss_chunk: int | None = None  # tokens per chunk of the output layer + loss; 0 = all at once; None: auto
     compile: bool = False  # torch.compile each block
+    init_from: str | None = None  # weights only, from a checkpoint (or hf:DIR), when the run has none of its own
 
     def __post_init__(self):
         _check_types(self)
@@ -238,7 +240,8 @@ class ParallelSection:
 
 @dataclass
 class CheckpointSection:
-    """When checkpoints are written, how many are kept, which one a run resumes from."""
+    """When checkpoints are written, how many are kept, which one a run resumes from; whether the model also goes
+    out as a Hugging Face directory (train/weights.py)."""
 
     SECTION: ClassVar[str] = "checkpoint"
     save_every: int = 0  # 0 = only at the end
@@ -246,14 +249,19 @@ class CheckpointSection:
     keep: int = 2
     resume: str = "auto"  # auto | never | PATH of a checkpoint
     async_save: bool = False
+    save_hf: bool = False  # a Hugging Face model directory (train/weights.py) after the last step
+    save_hf_every: int = 0  # and every N steps; 0 = at the end only
 
     def __post_init__(self):
         _check_types(self)
         _check_at_least(self, 1, "keep")
-        _check_at_least(self, 0, "save_every")
+        _check_at_least(self, 0, "save_every", "save_hf_every")
         if not (self.save_every_minutes >= 0 and math.isfinite(self.save_every_minutes)):
             raise XprepError(f"--save-every-minutes {self.save_every_minutes} must be a number of minutes ≥ 0 "
                              "(0: off)")
+        if self.save_hf_every and not self.save_hf:
+            raise XprepError(f"--save-hf-every {self.save_hf_every} applies to --save-hf: add --save-hf, or leave "
+                             "--save-hf-every out")
 
     def build(self, run_dir: Path, dims: ParallelDims) -> CheckpointManager:
         return CheckpointManager(run_dir, dims, self.keep, self.async_save)

@@ -4,6 +4,7 @@
 HF config.json           ─builtin_config─▶ ModelConfig      (None + the reason, for what it cannot express)
 HF *.safetensors         ─read_hf_weights─▶ built-in state dict (names mapped, fp32, read lazily)
 run checkpoint (DCP)     ─export_run─▶ DIR/model.safetensors + config.json   (AutoModelForCausalLM loads it)
+whole built-in state     ─write_hf_model─▶ the same, for export and for --save-hf (train/weights.py)
 run → pack → datasets    ─data_tokenizer─▶ DIR/tokenizer.json + tokenizer_config.json   (AutoTokenizer loads it)
 ```
 The built-in model rotates q/k by the half-split `rotate_half` convention, as Hugging Face does,
@@ -14,6 +15,7 @@ window is Llama; Qwen2 is Llama with q/k/v biases. Exports are written as `Llama
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,7 +30,7 @@ from torch import Tensor
 
 from prep.errors import XprepError
 from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
-from prep.io import file_sha256, read_json
+from prep.io import file_sha256, fsync_dir, fsync_tree, read_json
 from prep.mixture import open_entry
 from prep.templates import BUILTIN_TEMPLATES
 from train.checkpoint import LATEST, TRAINER_JSON, CheckpointManager, _quiet_single_process
@@ -313,14 +315,10 @@ def export_run(run: str | Path, step: int | None, output: str | Path, dtype: str
     the tokenizer the run's data was encoded with (``data_tokenizer``), so ``AutoTokenizer`` loads it too.
 
     The DCP checkpoint is read on this one process (no process group), whatever layout saved it; the
-    directory is built beside ``output`` and renamed into place, so a failed export leaves nothing.
-    A run started from hf:DIR also gets that directory's generation config (and its tokenizer files, when the
-    data's tokenizer cannot be found), when it still exists. With no tokenizer found anywhere, the model is
-    exported alone and a warning says why: the weights are the expensive part, and the tokenizer files can be
-    copied in afterwards.
+    directory is built beside ``output`` and renamed into place (``publishing``), so a failed export leaves
+    nothing. What comes beside the weights is ``ExportExtras``.
     """
-    import torch.distributed.checkpoint as dcp  # deferred: only export needs DCP and safetensors' writer
-    from safetensors.torch import save_file
+    import torch.distributed.checkpoint as dcp  # deferred: only export needs DCP
 
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
@@ -329,45 +327,93 @@ def export_run(run: str | Path, step: int | None, output: str | Path, dtype: str
         raise XprepError(f"--dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     path = checkpoint_path(run, step)
     trainer_state = CheckpointManager.read_trainer_state(path)
-    cfg = _checkpoint_model_config(trainer_state, path)
-    source = Path(str((trainer_state.get("model") or {}).get("hf", "")))
-    source_config = _read_json(source / "config.json") if str(source) not in ("", ".") else {}
-    try:
-        tokenizer, missing = data_tokenizer(run, trainer_state.get("pack_key")), ""
-    except XprepError as e:
-        tokenizer, missing = None, str(e)
+    cfg = builtin_model_config(trainer_state.get("model") or {}, path, "export")
+    extras = ExportExtras.of_run(run, trainer_state)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    with publishing(output) as tmp:
+        said = write_hf_model(tmp, state["model"], cfg, extras, output, dtype)
+    print(said, file=sys.stderr)
+    return output
+
+
+@dataclass(frozen=True)
+class ExportExtras:
+    """What an export writes beside the weights: the tokenizer the run's data was encoded with (``data_tokenizer``;
+    None, and why, when it is not found), and the hf:DIR the run's weights came from (``--model`` or ``--init-from``
+    hf:DIR), whose generation config and token ids come along while it exists (and its tokenizer files, when the
+    data's are not found). With no tokenizer found anywhere the model is exported alone and a warning says why: the
+    weights are the expensive part, and the tokenizer files can be copied in afterwards."""
+
+    tokenizer: DataTokenizer | None
+    missing: str  # why ``tokenizer`` is None
+    source: Path | None
+    source_config: dict  # the source's config.json ({} without one)
+
+    @classmethod
+    def of_run(cls, run: str | Path, trainer_state: dict) -> ExportExtras:
+        """The extras of ``run``, whose checkpoint (or trainer, during the run) has ``trainer_state``."""
+        init = trainer_state.get("init") or {}
+        source = (trainer_state.get("model") or {}).get("hf") or (init.get("path") if init.get("from") == "hf" else "")
+        source = Path(str(source)) if source else None
+        try:
+            tokenizer, missing = data_tokenizer(run, trainer_state.get("pack_key")), ""
+        except XprepError as e:
+            tokenizer, missing = None, str(e)
+        return cls(tokenizer, missing, source, _read_json(source / "config.json") if source else {})
+
+
+def write_hf_model(out: Path, state: Mapping[str, Tensor], cfg: ModelConfig, extras: ExportExtras, shown: Path,
+                   dtype: str = "fp32") -> str:
+    """Write the built-in model's ``state`` (its names) into the empty directory ``out`` as model.safetensors (one
+    file, ``dtype``) + config.json, with ``extras``; the console line saying which tokenizer came along (``shown``:
+    where the directory will be)."""
+    from safetensors.torch import save_file  # deferred: only exports write safetensors
+
+    tensors = {k: t.to(EXPORT_DTYPES[dtype]) for k, t in builtin_to_hf(state, cfg).items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    del tensors
+    source, source_config, tokenizer = extras.source, extras.source_config, extras.tokenizer
+    config = hf_config_dict(cfg, source_config.get("max_position_embeddings", 8192))
+    config["torch_dtype"] = str(EXPORT_DTYPES[dtype]).removeprefix("torch.")
+    for key, value in (tokenizer.token_ids if tokenizer else {}).items():
+        config[key] = value
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in source_config:
+            config[key] = source_config[key]
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in _SOURCE_FILES if tokenizer is None else set(_SOURCE_FILES) - set(_TOKENIZER_FILES):
+        if source is not None and (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+    return tokenizer.write(out) if tokenizer else _without_tokenizer(out, shown, extras.missing)
+
+
+@contextlib.contextmanager
+def publishing(output: Path, replace: bool = False) -> Iterator[Path]:
+    """A temporary directory beside ``output`` to write it in: renamed to ``output`` (once on disk: fsync'd) when the
+    block ends, deleted when it raises, so ``output`` is never seen half written. ``output`` may be an empty
+    directory; with ``replace`` a whole one too, renamed aside first and deleted once the new one is in place."""
+    tmp, aside = output.with_name(f".{output.name}.tmp"), output.with_name(f".{output.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed writer's
     tmp.mkdir(parents=True)
     try:
-        tensors = {k: t.to(EXPORT_DTYPES[dtype]) for k, t in builtin_to_hf(state["model"], cfg).items()}
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = hf_config_dict(cfg, source_config.get("max_position_embeddings", 8192))
-        config["torch_dtype"] = str(EXPORT_DTYPES[dtype]).removeprefix("torch.")
-        for key, value in (tokenizer.token_ids if tokenizer else {}).items():
-            config[key] = value
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if key in source_config:
-                config[key] = source_config[key]
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in _SOURCE_FILES if tokenizer is None else set(_SOURCE_FILES) - set(_TOKENIZER_FILES):
-            if (source / name).is_file():
-                shutil.copy2(source / name, tmp / name)
-        said = tokenizer.write(tmp) if tokenizer else _without_tokenizer(tmp, output, missing)
-        if output.exists():
+        yield tmp
+        fsync_tree(tmp)
+        if output.exists() and replace:
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(output, aside)
+        elif output.exists():
             output.rmdir()
         os.replace(tmp, output)
+        fsync_dir(output.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(said, file=sys.stderr)
-    return output
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _without_tokenizer(tmp: Path, output: Path, why: str) -> str:
@@ -519,13 +565,13 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _checkpoint_model_config(state: dict, path: Path) -> ModelConfig:
-    """The built-in model config a checkpoint's trainer.json records."""
-    saved = state.get("model") or {}
+def builtin_model_config(saved: dict, where: Path | str, purpose: str) -> ModelConfig:
+    """The built-in model config that a checkpoint's trainer.json records (its ``model``), for ``purpose`` (in
+    words: "export", "--init-from")."""
     fields = set(ModelConfig.__dataclass_fields__)
     if "dim" not in saved:
-        raise XprepError(f"{path}: this run trained a transformers module (hf:DIR outside the built-in model), "
-                         "not the built-in model: export is for the built-in model only")
+        raise XprepError(f"{where}: this run trained a transformers module (hf:DIR outside the built-in model), "
+                         f"not the built-in model: {purpose} is for the built-in model only")
     return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
 
 

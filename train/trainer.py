@@ -66,6 +66,7 @@ from train.optim import apply_settings, hparam_changes, optimizer_settings, sche
 from train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
 from train.rundir import RanksLock, RunLock
 from train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
+from train.weights import HFSaver, InitFrom, check_exportable, init_record, plan_init
 
 CPU_KEYS = ("cu_seqlens", "cu_seqlens_padded", "cu_units")  # batch keys that stay on the CPU (read as Python ints)
 PEER_FAILURE_GRACE_S = 3.0  # a rank whose collective failed waits this long before exiting (see _report_and_exit)
@@ -83,11 +84,13 @@ def autocast_for(param_dtype: torch.dtype, device: torch.device, dims: ParallelD
 
 
 def build_model(model: ModelSection, parallel: ParallelSection, vocab_size: int, seed: int, dims: ParallelDims,
-                device: torch.device) -> tuple[nn.Module, dict]:
+                device: torch.device, initial: Callable[[str], torch.Tensor] | None = None) -> tuple[nn.Module, dict]:
     """The model spread over the layout: built on the meta device, sharded, then given its initial values
     shard by shard (train.dist.materialize), so no rank holds it whole (but for a transformers module,
-    which is loaded whole and sharded after)."""
-    module, config, initial = model.build_meta(vocab_size, seed)
+    which is loaded whole and sharded after). ``initial``: the built-in model's values by name instead of its own
+    (``--init-from hf:DIR``)."""
+    module, config, own = model.build_meta(vocab_size, seed)
+    initial = own if initial is None or own is None else initial
     if initial is None:
         module = module.to(device)
     module = parallelize(module, dims, parallel.reshard_after_forward, parallel.activation_checkpointing,
@@ -105,7 +108,8 @@ class Trainer:
                  dataset: PackedDataset, sampler: BinSampler, dims: ParallelDims, grad_accum: int,
                  device: torch.device, grad_clip: float = 0.0, autocast=contextlib.nullcontext, category_names=None,
                  model_config: dict | None = None, hparams: dict | None = None, loss_chunk: int = 0,
-                 reduce_every_micro_batch: bool = False, throughput: Throughput | None = None):
+                 reduce_every_micro_batch: bool = False, throughput: Throughput | None = None,
+                 init: dict | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.dataset, self.sampler, self.dims = dataset, sampler, dims
         self.grad_accum, self.device, self.grad_clip, self.autocast = grad_accum, device, grad_clip, autocast
@@ -114,6 +118,7 @@ class Trainer:
         self.category_names = category_names if category_names is not None else dataset.category_names
         self.channels = Channels.of(self.category_names, dataset.source_names)
         self.model_config, self.hparams = model_config, hparams  # recorded in checkpoints, compared on resume
+        self.init = init  # where the run's initial weights came from (train.weights.init_record), carried on
         self.settings = optimizer_settings(optimizer, scheduler)  # this run's, put back after a checkpoint loads
         # model FLOPs → TFLOPS and MFU of each step (no peak: no MFU; no model FLOPs: neither)
         self.throughput = throughput or Throughput(ModelFlops.from_dict(model_config), None, dims.world_size)
@@ -262,7 +267,7 @@ class Trainer:
                 "eval_loss": self.eval_loss,
                 "global_batch_size": self.grad_accum * self.sampler.micro_batch_times_dp,
                 "micro_batch_size": self.sampler.micro_batch_size, "model": self.model_config,
-                "hparams": self.hparams, "schedule": self.scheduler.lr_lambdas[0].settings()}
+                "hparams": self.hparams, "schedule": self.scheduler.lr_lambdas[0].settings(), "init": self.init}
 
     def load_state_dict(self, state: dict) -> list[str]:
         """Continue from ``state`` (once the checkpoint's model and optimizer are loaded).
@@ -273,6 +278,7 @@ class Trainer:
         ``nn.Module.load_state_dict`` returns its mismatches).
         """
         self.step = int(state["step"])
+        self.init = state.get("init")  # the run's, not this process's start (None: a checkpoint that predates it)
         self.loss, self.eval_loss = state.get("loss"), state.get("eval_loss")
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -300,6 +306,8 @@ class RunSetup:
     loss_chunk: int = 0  # --loss-chunk as given, or as chosen for this pack, model and layout
     attention: str = ""  # the attention path the built-in model's forward takes here (train.attention)
     attention_note: str = ""  # why it is not the fastest kernel, when the model's head dim is refused by one
+    init: InitFrom | None = None  # --init-from, when this run takes it (train.weights.plan_init)
+    init_note: str = ""  # why --init-from is not used (the run resumes)
 
 
 def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None = None) -> RunSetup:
@@ -332,8 +340,10 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     loss_chunk = cfg.model.chunk_for(micro_batch_tokens(dataset, plan, dims), dataset.vocab_size,
                                      builtin=model_config is not None)
     attention, attention_note = attention_plan(cfg, dims, model_config)
+    check_exportable(cfg.checkpoint.save_hf, model_config, cfg.model.name)
+    init, init_note = plan_init(cfg.model.init_from, model_config, cfg.model.name, resume_from, cfg.checkpoint.resume)
     return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation, pinned, loss_chunk, attention,
-                    attention_note)
+                    attention_note, init, init_note)
 
 
 def attention_plan(cfg: TrainConfig, dims: ParallelDims, model_config: dict | None) -> tuple[str, str]:
@@ -422,7 +432,11 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
 def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: RunSetup, stream) -> None:
     dataset, plan, ckpt, run_dir = setup.dataset, setup.plan, setup.ckpt, cfg.run_dir
     peak, peak_note = resolve_peak_tflops(device, cfg.peak_tflops, _precision(cfg, dims), cfg.model.tf32)
-    model, model_config = build_model(cfg.model, cfg.parallel, dataset.vocab_size, cfg.seed, dims, device)
+    init = setup.init
+    model, model_config = build_model(cfg.model, cfg.parallel, dataset.vocab_size, cfg.seed, dims, device,
+                                      init.initial() if init else None)
+    if init is not None and init.step is not None:
+        ckpt.load_model(init.path, model)
     model.train()
     optimizer, scheduler = cfg.optimizer.build(model, plan.steps)
     trainer = Trainer(model, optimizer, scheduler, dataset, setup.sampler, dims, plan.grad_accum, device,
@@ -431,7 +445,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                       model_config=model_config, hparams=cfg.optimizer.hparams(), loss_chunk=setup.loss_chunk,
                       reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
                       throughput=Throughput(ModelFlops.from_dict(model_config), peak, dims.world_size,
-                                            dataset.capacity))
+                                            dataset.capacity), init=init_record(init, model_config, cfg.seed))
     out = stream or sys.stderr
     if setup.resume_from is not None:
         _resume(setup, trainer, dims.is_main, out)
@@ -440,12 +454,16 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                           + f"resuming at step {trainer.step} from {setup.resume_from}")
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_run_config(run_dir, cfg, plan, model_config, dataset, dims, setup.validation, setup.loss_chunk)
+        _write_run_config(run_dir, cfg, plan, model_config, dataset, dims, setup.validation, setup.loss_chunk,
+                          trainer.init)
     loggers = build_loggers(cfg.log, run_dir, cfg.to_dict(), trainer.step) if dims.is_main else []
     log = MetricsLog(run_dir, plan.steps, cfg.log_every, dims.is_main, stream, loggers=loggers)
     log.open(trainer.step)
     if dims.is_main:
         out.write(_pack_line(dataset, setup) + "\n")
+        for line in (setup.init_note, init and init.note, init and init.line()):
+            if line:
+                out.write(line + "\n")
         if setup.validation is not None:
             out.write(_validation_line(setup.validation) + "\n")
         out.write(_start_line(cfg, trainer, plan, setup.attention) + f" → {run_dir}\n")
@@ -459,6 +477,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
         out.write(f"{run_dir}: already at step {trainer.step}/{plan.steps}, nothing to do "
                   "(raise --steps to continue)\n")
     save_every, validation = cfg.checkpoint.save_every, setup.validation
+    hf = HFSaver(run_dir, cfg.checkpoint.save_hf_every, model_config, ckpt, dims, out) if cfg.checkpoint.save_hf \
+        else None
     control = StopControl(dims, device, cfg.checkpoint.save_every_minutes)
     saved_at = trainer.step  # of the newest checkpoint (the one resumed from; 0: the initial state, none needed)
     control.arm()
@@ -477,6 +497,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
             log.write(metrics)
             if trainer.step == plan.steps or (save_every and trainer.step % save_every == 0):
                 saved_at = _save(ckpt, trainer, control)
+            if hf is not None and hf.due(trainer.step, plan.steps):
+                hf.save(trainer.step, model, trainer.state_dict())
             for callback in STEP_END_CALLBACKS:
                 callback(trainer)
         ckpt.finish()  # an asynchronous save still being written
@@ -584,7 +606,7 @@ def _precision(cfg: TrainConfig, dims: ParallelDims) -> str:
 
 def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_config: dict,
                       dataset: PackedDataset, dims: ParallelDims, validation: Validation | None = None,
-                      loss_chunk: int = 0) -> None:
+                      loss_chunk: int = 0, init: dict | None = None) -> None:
     """config.json is the resolved TrainConfig (nested, schema-checked); run.json what it resolved to."""
     val = None
     if validation is not None:
@@ -599,5 +621,5 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
         "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
         "precision": _precision(cfg, dims), "loss_chunk": loss_chunk,
         "code": attempts.code_version(), "config_sha256": attempts.config_digest(cfg.to_dict()),
-        "model": model_config,
+        "model": model_config, "init": init,
     })
