@@ -6,6 +6,9 @@ A step without target tokens has a null loss (train/metrics.py): it is left out 
 (first, last, best, trend), a gap in the curves, and counted as ``steps_without_targets`` (evaluations
 without targets as ``evaluations_without_targets``).
 
+Only the live metrics.jsonl is summed up; the ``metrics.jsonl.replayed-N`` files (lines of steps trained
+again after a resume) are listed under ``replayed``, with their steps, and otherwise left out.
+
 Reads ``config.json``, ``run.json`` and ``metrics.jsonl``, and writes nothing: the loss curves are
 drawn (with matplotlib) only into the file ``--plot FILE`` names.
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from prep.errors import XprepError
 from prep.io import check_output_file
-from train.metrics import best_step
+from train.metrics import best_step, line_step, replayed_files
 
 PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
 PLOT_FORMATS = {"": "png", ".png": "png", ".pdf": "pdf", ".svg": "svg"}
@@ -43,6 +46,18 @@ def read_metrics(path: Path) -> list[dict]:
     return sorted(records, key=lambda r: r.get("step", 0))
 
 
+def replayed(path: Path) -> list[dict]:
+    """The run's ``metrics.jsonl.replayed-N`` files, oldest first: name, lines, and the steps they hold."""
+    out = []
+    for file in replayed_files(path / "metrics.jsonl"):
+        with open(file) as lines:
+            steps = [line_step(line) for line in lines]
+        known = [s for s in steps if s is not None]
+        out.append({"file": file.name, "lines": len(steps), "first_step": min(known, default=None),
+                    "last_step": max(known, default=None)})
+    return out
+
+
 def curve_summary(steps: list[int], values: list[float]) -> dict:
     """First, last, best (lowest) value and trend = mean of the last quarter vs the first quarter."""
     q = max(1, len(values) // 4)
@@ -63,7 +78,7 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
               "pack": info.get("pack"), "validation": info.get("validation"),
               "plan": info.get("plan"), "steps": len(records),
               "last_step": records[-1]["step"] if records else 0,
-              "checkpoints": _checkpoints(path), "plot": None}
+              "checkpoints": _checkpoints(path), "replayed": replayed(path), "plot": None}
     if target is not None and not records:
         raise XprepError(f"--plot {plot}: {path} has no metrics yet (no metrics.jsonl records); nothing to draw")
     if records:
