@@ -6,6 +6,7 @@
 The faults are read from this environment here, never by xtrain itself (children inherit it):
   XTRAIN_TEST_KILL_AFTER_STEP=N  SIGKILL this process after step N   [only rank XTRAIN_TEST_KILL_RANK if set]
   XTRAIN_TEST_FAIL_RANK=R        rank R raises instead of starting step XTRAIN_TEST_FAIL_STEP (≥ 2) [default 2]
+  XTRAIN_TEST_PARAMS_DIR=DIR     after every step, rank 0 saves the whole parameters to DIR/step-N.pt
 With `run`, ranks that `--nproc-per-node` starts run through this file too (``train.launch.RANK_ENTRY``).
 """
 
@@ -14,14 +15,19 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
+
+import torch
 
 from cli import xtrain
 from train import launch, trainer
+from train.dist import full_tensor, plain_name
 
 KILL_AFTER_STEP_ENV = "XTRAIN_TEST_KILL_AFTER_STEP"
 KILL_RANK_ENV = "XTRAIN_TEST_KILL_RANK"
 FAIL_RANK_ENV = "XTRAIN_TEST_FAIL_RANK"
 FAIL_STEP_ENV = "XTRAIN_TEST_FAIL_STEP"
+PARAMS_DIR_ENV = "XTRAIN_TEST_PARAMS_DIR"
 
 
 def kill_after(step: int, rank: int | None):
@@ -38,6 +44,14 @@ def fail_at(step: int, rank: int):
     return callback
 
 
+def save_params(directory: str):
+    def callback(trainer) -> None:  # every rank gathers (FSDP2 shards), rank 0 writes
+        whole = {plain_name(n): full_tensor(p.detach()).clone() for n, p in trainer.model.named_parameters()}
+        if trainer.dims.is_main:
+            torch.save(whole, Path(directory) / f"step-{trainer.step}.pt")
+    return callback
+
+
 def install() -> None:
     env = os.environ
     if KILL_AFTER_STEP_ENV in env:
@@ -45,6 +59,8 @@ def install() -> None:
         trainer.STEP_END_CALLBACKS.append(kill_after(int(env[KILL_AFTER_STEP_ENV]), rank))
     if FAIL_RANK_ENV in env:
         trainer.STEP_END_CALLBACKS.append(fail_at(int(env.get(FAIL_STEP_ENV, "2")), int(env[FAIL_RANK_ENV])))
+    if PARAMS_DIR_ENV in env:
+        trainer.STEP_END_CALLBACKS.append(save_params(env[PARAMS_DIR_ENV]))
     launch.RANK_ENTRY = [os.path.abspath(__file__), "rank"]
 
 

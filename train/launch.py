@@ -35,7 +35,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from prep.errors import XprepError
 from train.config import TrainConfig, validate_against_schema
 from train.rundir import RunLock
-from train.trainer import prepare_run, run
+from train.trainer import BAD_STEPS_EXIT, prepare_run, run
 
 LAUNCHED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and by elastic_launch
 # python arguments that start one rank, before its CONFIG_JSON (tests replace them): a Ctrl-C ends the rank quietly
@@ -123,6 +123,8 @@ def _quiet_agent():
 def _ranks_failed(e: ChildFailedError, nproc: int) -> RanksFailed:
     """One line naming the rank that failed first, how, and its error (its traceback is above)."""
     rank, failure = e.get_first_failure()
+    if failure.exitcode == BAD_STEPS_EXIT:  # every rank stopped at the same bad step, and rank 0 said why
+        return RanksFailed("", BAD_STEPS_EXIT)
     if failure.exitcode < 0:
         how, code = f"signal {failure.signal_name()}", 1
     else:

@@ -17,6 +17,10 @@ process's peak RSS), both the maximum over ranks (train/memory.py). The console 
 (``MFU 38.2% (6N 47.5%)``) and the peak memory of its interval. Extra backends (TensorBoard, W&B:
 train/loggers.py) get the same numbers as metrics.jsonl, as flat scalars.
 
+A bad step (non-finite loss or gradient norm; its update skipped: train/trainer.py) has ``skipped`` true and
+``bad_steps``, the bad steps in a row up to it (0 on a good step); its non-finite values are null (JSON has
+no NaN), and the console says it on a line of its own, whatever ``log_every`` says.
+
 metrics.jsonl is never truncated: a run that resumes from step S (a killed run may have logged past its
 last checkpoint, or ``--resume`` named an earlier one) moves the lines of the steps after S to
 ``metrics.jsonl.replayed-N`` (N = 1, 2, ... one file per resume that replays steps), unchanged, then
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -75,6 +80,8 @@ class StepMetrics:
     peak_mem_bytes: int | None = None  # CUDA max allocated during the step, max over ranks; None off CUDA
     peak_rss_bytes: int | None = None  # process peak RSS, max over ranks
     mfu_6n: float | None = None  # MFU in the 6N + 12·L·H·D·T convention (PaLM, torchtitan); None when unknown
+    skipped: bool = False  # a bad step: non-finite loss or gradient norm, no update applied
+    bad_steps: int = 0  # bad steps in a row up to this one (0: this step was good)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -82,8 +89,9 @@ class StepMetrics:
 
     def record(self) -> dict:
         """The metrics.jsonl line of this step (``time`` is added when it is written)."""
-        return {"step": self.step, "loss": self.loss, "category_loss": self.category_loss,
-                "source_loss": self.source_loss, "grad_norm": self.grad_norm, "lr": self.lr, "tokens": self.tokens,
+        return {"step": self.step, "loss": finite(self.loss), "category_loss": finite_values(self.category_loss),
+                "source_loss": finite_values(self.source_loss), "grad_norm": finite(self.grad_norm), "lr": self.lr,
+                "skipped": self.skipped, "bad_steps": self.bad_steps, "tokens": self.tokens,
                 "target_tokens": self.targets, "tokens_per_s": self.tokens_per_s, "tflops": self.tflops,
                 "mfu": self.mfu, "mfu_6n": self.mfu_6n, "peak_mem_bytes": self.peak_mem_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes,
@@ -128,6 +136,8 @@ class MetricsLog:
         for logger in self.loggers:
             logger.log(m.step, scalars(record))
         self._interval.add(m)
+        if m.skipped:
+            self._console_skipped(m)
         interval = m.step % self.every == 0 or m.step == self.total
         if interval or self.tty:
             self._console(m, interval)
@@ -145,6 +155,15 @@ class MetricsLog:
         self.stream.flush()
         if interval:
             self._interval = Interval()
+
+    def _console_skipped(self, m: StepMetrics) -> None:
+        """One line per bad step: what was non-finite, and how many in a row."""
+        bad = [f"{name} {value}" for name, value in (("loss", m.loss), ("gradient norm", m.grad_norm))
+               if value is not None and not math.isfinite(value)]
+        self.stream.write(("\r" if self.tty else "") + f"step {m.step}/{self.total} skipped: non-finite "
+                          f"{' and '.join(bad)} (no update, lr schedule held); {m.bad_steps} bad step"
+                          f"{'s' * (m.bad_steps > 1)} in a row\n")
+        self.stream.flush()
 
     def _console_eval(self, step: int, e: EvalMetrics) -> None:
         """One line per evaluation: the loss, then per category and per source (more than one source)."""
@@ -261,6 +280,16 @@ def line_step(line: str) -> int | None:
         step = json.loads(line).get("step")
         return int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
     return None
+
+
+def finite(value: float | None) -> float | None:
+    """A metric as metrics.jsonl records it: null when not finite (JSON has no NaN)."""
+    return value if value is None or math.isfinite(value) else None
+
+
+def finite_values(values: dict[str, float]) -> dict[str, float]:
+    """A channel's losses without the non-finite ones (a bad step's)."""
+    return {k: v for k, v in values.items() if math.isfinite(v)}
 
 
 def loss_text(loss: float | None) -> str:

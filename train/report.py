@@ -4,7 +4,8 @@ run (first, last, best, trend), and the same of the validation loss when the run
 
 A step without target tokens has a null loss (train/metrics.py): it is left out of the loss summary
 (first, last, best, trend), a gap in the curves, and counted as ``steps_without_targets`` (evaluations
-without targets as ``evaluations_without_targets``).
+without targets as ``evaluations_without_targets``). A bad step (skipped: non-finite loss or gradient
+norm) is counted as ``skipped_steps`` instead, and its loss, when finite, stays in the figures.
 
 Only the live metrics.jsonl is summed up; the ``metrics.jsonl.replayed-N`` files (lines of steps trained
 again after a resume) are listed under ``replayed``, with their steps, and otherwise left out.
@@ -83,7 +84,8 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
         raise XprepError(f"--plot {plot}: {path} has no metrics yet (no metrics.jsonl records); nothing to draw")
     if records:
         losses = [r for r in records if _number(r.get("loss"))]
-        report["steps_without_targets"] = len(records) - len(losses)
+        report["skipped_steps"] = sum(1 for r in records if r.get("skipped"))
+        report["steps_without_targets"] = sum(1 for r in records if r.get("loss") is None and not r.get("skipped"))
         if losses:
             report["loss"] = curve_summary([r["step"] for r in losses], [r["loss"] for r in losses])
         report["tokens"] = sum(r.get("tokens", 0) for r in records)
