@@ -27,7 +27,7 @@ def _user_errors(fn):
             return fn(*args, **kwargs)
         except XprepError as e:
             click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+            sys.exit(e.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -356,6 +356,13 @@ def xtrain():
 @click.option("--beta1", type=float, default=None, help="[default: 0.9]")
 @click.option("--beta2", type=float, default=None, help="[default: 0.95]")
 @click.option("--grad-clip", type=float, default=None, help="Max gradient norm, 0 = off [default: 1.0].")
+@click.option("--max-bad-steps", type=int, default=None, metavar="K",
+              help="A step whose loss or gradient norm is non-finite (NaN/inf, on any rank) is skipped: no update, "
+                   "the lr schedule held, its batches consumed, said on the console and in metrics.jsonl "
+                   "(skipped, bad_steps), and no checkpoint saved while the last step was bad. K in a row stop the "
+                   "run with exit status 3, the last good checkpoint staying latest [default: 5].")
+@click.option("--inject-nonfinite", default=None, hidden=True, metavar="KIND:RANK:STEP,...",
+              help="Tests only: make RANK's loss (loss) or reduced gradients (grad) non-finite at STEP.")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default=None,
               help="Forward/backward dtype; weights, gradients, optimizer state and the loss stay fp32. bf16: "
                    "FSDP2's mixed precision (fp32 shards, bf16 compute, fp32 reduction), autocast without FSDP2. "
@@ -457,7 +464,8 @@ def run(packed, config_file, **options):
         else:
             run_dir = run_training(config, notes=notes)
     except RanksFailed as e:
-        click.echo(f"error: {e}", err=True)
+        if str(e):  # empty when a rank said it already (--max-bad-steps)
+            click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except Stopped as e:  # a signal: checkpointed and stopped (the run said where), or stopped before training
         if not e.said:

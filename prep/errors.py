@@ -6,3 +6,5 @@ class XprepError(Exception):
 
     Messages name the file (and line or record), what is wrong, and what to do about it.
     """
+
+    exit_code = 2  # the CLI's exit status (a subclass may name another: train.trainer.TooManyBadSteps)

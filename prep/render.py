@@ -476,6 +476,13 @@ def render_run(r: dict) -> str:
     lines.append(f"  steps logged  {r['steps']:,}" + (f" / {total:,}" if total else "")
                  + (f"   tokens {r['tokens']:,}" if "tokens" in r else ""))
     lines += _without_targets(r)
+    if r.get("skipped_steps"):
+        lines += field("skipped", f"{count(r['skipped_steps'], 'step')} with a non-finite loss or gradient norm: "
+                                  "no update applied")
+    if r.get("replayed"):
+        lines += field("replayed", ", ".join(f"{f['file']} (steps {f['first_step']}–{f['last_step']})"
+                                             for f in r["replayed"])
+                       + ": logged, then trained again after a resume; not in the figures")
     if r.get("perf"):
         lines.append(_perf_line(r["perf"]))  # one line, wide as it may be: scripts find the figures on it
     ck = r["checkpoints"]

@@ -9,6 +9,7 @@ The faults are read from this environment here, never by xtrain itself (children
   XTRAIN_TEST_SIGNAL=NAME,N,TO   after step N send signal NAME (TERM, INT, USR1, KILL) to TO: "self" (this process),
                                  "launcher" (rank 0's parent), or "rank-R" (rank R only sends it, to itself)
   XTRAIN_TEST_SIGNAL_IN_SAVE=NAME  every checkpoint save sends NAME to this process while DCP writes (then goes on)
+  XTRAIN_TEST_PARAMS_DIR=DIR     after every step, rank 0 saves the whole parameters to DIR/step-N.pt
 With `run`, ranks that `--nproc-per-node` starts run through this file too (``train.launch.RANK_ENTRY``).
 """
 
@@ -17,9 +18,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
+
+import torch
 
 from cli import xtrain
 from train import launch, trainer
+from train.dist import full_tensor, plain_name
 
 KILL_AFTER_STEP_ENV = "XTRAIN_TEST_KILL_AFTER_STEP"
 KILL_RANK_ENV = "XTRAIN_TEST_KILL_RANK"
@@ -27,6 +32,7 @@ FAIL_RANK_ENV = "XTRAIN_TEST_FAIL_RANK"
 FAIL_STEP_ENV = "XTRAIN_TEST_FAIL_STEP"
 SIGNAL_ENV = "XTRAIN_TEST_SIGNAL"
 SIGNAL_IN_SAVE_ENV = "XTRAIN_TEST_SIGNAL_IN_SAVE"
+PARAMS_DIR_ENV = "XTRAIN_TEST_PARAMS_DIR"
 
 
 def kill_after(step: int, rank: int | None):
@@ -70,6 +76,14 @@ def signal_in_save(name: str) -> None:
         setattr(dcp, fn, wrapped)
 
 
+def save_params(directory: str):
+    def callback(trainer) -> None:  # every rank gathers (FSDP2 shards), rank 0 writes
+        whole = {plain_name(n): full_tensor(p.detach()).clone() for n, p in trainer.model.named_parameters()}
+        if trainer.dims.is_main:
+            torch.save(whole, Path(directory) / f"step-{trainer.step}.pt")
+    return callback
+
+
 def install() -> None:
     env = os.environ
     if KILL_AFTER_STEP_ENV in env:
@@ -82,6 +96,8 @@ def install() -> None:
         trainer.STEP_END_CALLBACKS.append(send_after(name, int(step), to))
     if SIGNAL_IN_SAVE_ENV in env:
         signal_in_save(env[SIGNAL_IN_SAVE_ENV])
+    if PARAMS_DIR_ENV in env:
+        trainer.STEP_END_CALLBACKS.append(save_params(env[PARAMS_DIR_ENV]))
     launch.RANK_ENTRY = [os.path.abspath(__file__), "rank"]
 
 

@@ -103,7 +103,7 @@ def category_pack(root: Path, n_docs: int = 40, capacity: int = 64, seed: int = 
 def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str = "sequential", seed: int = 0,
                  lr: float = 1e-3, activation_checkpointing: bool = False, reshard_after_forward: bool = True,
                  precision: str = "fp32", loss_chunk: int = 0, reduce_every_micro_batch: bool = True,
-                 compile: bool = False):
+                 compile: bool = False, warmup: int = 0):
     """A Trainer over the tiny model (built on the meta device, sharded, then initialized, as ``xtrain run``
     does), without a TrainConfig."""
     dims = dims or ParallelDims()
@@ -113,7 +113,7 @@ def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str =
     parallel = ParallelSection(reshard_after_forward=reshard_after_forward,
                                activation_checkpointing=activation_checkpointing)
     model, _ = build_model(section, parallel, ds.vocab_size, seed, dims, device)
-    opt, sched = OptimizerSection(lr=lr).build(model, 100)
+    opt, sched = OptimizerSection(lr=lr, warmup=warmup).build(model, 100)
     smp = build_sampler(sampler, len(ds), micro, dims.dp_rank, dims.dp, seed)
     return Trainer(model, opt, sched, ds, smp, dims, accum, device, grad_clip=1.0,
                    autocast=autocast_for(param_dtype_for(precision, "cpu"), device, dims), loss_chunk=loss_chunk,

@@ -5,6 +5,7 @@ TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the ru
   data        packed, micro_batch_size, global_batch_size, sampler, verify_data   → PackedDataset
   model       name (--model), precision, tf32, loss_chunk, compile, init_from     → model (+ its config)
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
+              max_bad_steps, inject_nonfinite (tests only)                        → Trainer's bad-step rule
   parallel    device, nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
               reduce_every_micro_batch                                            → ParallelDims
   checkpoint  save_every, save_every_minutes, keep, resume, async_save,           → CheckpointManager
@@ -29,6 +30,7 @@ import difflib
 import functools
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -56,6 +58,7 @@ from train.optim import SCHEDULES, WSD_SCHEDULES, LRSchedule, build_optimizer, b
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "train.schema.json"
 SAMPLERS = ("sequential", "random")
 PRECISIONS = ("auto", "fp32", "bf16")
+NONFINITE_KINDS = ("loss", "grad")  # what ``inject_nonfinite`` (a test hook) makes non-finite
 
 
 @dataclass
@@ -163,7 +166,12 @@ def _initial_value(cfg: ModelConfig, shapes: dict[str, torch.Size], seed: int, n
 
 @dataclass
 class OptimizerSection:
-    """AdamW and its learning-rate schedule; gradient clipping."""
+    """AdamW and its learning-rate schedule; gradient clipping; how many bad steps in a row stop the run.
+
+    A bad step (non-finite loss or gradient norm on any rank) applies no update and does not advance the
+    schedule (as Megatron-LM skips an iteration); ``max_bad_steps`` in a row stop the run (train/trainer.py).
+    ``inject_nonfinite`` is a test hook: ``KIND:RANK:STEP,...`` makes RANK's loss (KIND ``loss``) or its
+    reduced gradients (``grad``) non-finite at STEP."""
 
     SECTION: ClassVar[str] = "optimizer"
     lr: float = 3e-4
@@ -175,10 +183,14 @@ class OptimizerSection:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = no clipping
+    max_bad_steps: int = 5  # skipped steps in a row (non-finite loss or gradient norm) that stop the run
+    inject_nonfinite: str | None = None  # tests only: "loss|grad:RANK:STEP,..." (``nonfinite_at``)
 
     def __post_init__(self):
         _check_types(self)
         _check_at_least(self, 0, "warmup")
+        _check_at_least(self, 1, "max_bad_steps")
+        self.nonfinite_at(0)  # a malformed test hook fails here, before any process starts
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -196,6 +208,18 @@ class OptimizerSection:
             if not 0 < self.decay_fraction <= 1:
                 raise XprepError(f"--decay-fraction {self.decay_fraction} must be in (0, 1]: the share of the "
                                  "steps over which the lr decays to --min-lr (e.g. 0.2)")
+
+    def nonfinite_at(self, rank: int) -> dict[str, frozenset[int]]:
+        """The steps at which ``rank`` makes its loss, and its gradients, non-finite (``inject_nonfinite``)."""
+        steps: dict[str, set[int]] = {kind: set() for kind in NONFINITE_KINDS}
+        for entry in self.inject_nonfinite.split(",") if self.inject_nonfinite is not None else ():
+            match = re.fullmatch(r"\s*(\w+):(\d+):(\d+)\s*", entry)
+            if match is None or match[1] not in NONFINITE_KINDS or int(match[3]) < 1:
+                raise XprepError(f"config key 'inject_nonfinite' {self.inject_nonfinite!r}: {entry.strip()!r} is not "
+                                 "KIND:RANK:STEP (KIND loss or grad, STEP ≥ 1), e.g. grad:1:3 (a test hook)")
+            if int(match[2]) == rank:
+                steps[match[1]].add(int(match[3]))
+        return {kind: frozenset(s) for kind, s in steps.items()}
 
     def hparams(self) -> dict:
         """What a checkpoint records of the optimizer, to say on resume what this config changes."""

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed import TCPStore
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from prep.errors import XprepError
 from train.attempts import Attempt
@@ -43,7 +42,7 @@ from train.config import TrainConfig, validate_against_schema
 from train.lifeline import PARENT_ENV, die_with_parent
 from train.preempt import STOP_FILE_ENV, STOP_SIGNALS, Stopped, signal_name, stop_status
 from train.rundir import RunLock
-from train.trainer import prepare_run, run
+from train.trainer import BAD_STEPS_EXIT, prepare_run, run
 
 LAUNCHED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and by this launcher
 # python arguments that start one rank, before its CONFIG_JSON (tests replace them): the rank dies with the
@@ -55,7 +54,9 @@ RANK_ENTRY = ["-c", "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)
 FORWARDED = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT)  # passed on to the ranks as received
 POLL_S = 0.05
 STOP_STATUSES = tuple(sorted({stop_status(s) for s in STOP_SIGNALS} - {0}))  # 130, 143
-STOP_GRACE_S = 120.0  # a rank that stopped on a signal waits this long at most for the others to end as well
+# statuses every rank ends with at the same step, rank 0 having said why: a stop on a signal, too many bad steps
+TOGETHER = (*STOP_STATUSES, BAD_STEPS_EXIT)
+STOP_GRACE_S = 120.0  # a rank that ended so waits this long at most for the others to end as well
 
 
 class RanksFailed(Exception):
@@ -152,7 +153,7 @@ class _Job:
         while True:
             codes = [proc.poll() for proc in self.ranks]
             failed = [r for r, code in enumerate(codes) if code not in (None, 0, *self._stop_codes())]
-            if stopping_since is None and any(code in STOP_STATUSES for code in codes):
+            if stopping_since is None and any(code in TOGETHER for code in codes):
                 stopping_since = time.monotonic()
             if not failed and stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE_S:
                 failed = [r for r, code in enumerate(codes) if code is None]
@@ -162,6 +163,8 @@ class _Job:
             if all(code is not None for code in codes):
                 break
             time.sleep(POLL_S)
+        if BAD_STEPS_EXIT in codes:  # every rank stopped at the same bad step, and rank 0 said why
+            raise RanksFailed("", BAD_STEPS_EXIT)
         if self.stop_file.is_file():  # rank 0 stopped the run on a signal (to it, the launcher or a rank)
             stop = json.loads(self.stop_file.read_text())
             raise Stopped(stop["signal"], stop["message"], said=True)
@@ -181,7 +184,7 @@ class _Job:
     def _stop_codes(self) -> tuple[int, ...]:
         """What a rank may end with, other than 0, without failing: a stop status (after its checkpoint), and
         death by the signal passed on before training began (nothing to save yet)."""
-        return (*STOP_STATUSES, -self.signum) if self.signum else STOP_STATUSES
+        return (*TOGETHER, -self.signum) if self.signum else TOGETHER
 
     def kill(self) -> None:
         for proc in self.ranks:
@@ -193,18 +196,32 @@ class _Job:
     def _failure(self, failed: list[int]) -> RanksFailed:
         """One line naming the rank that failed first (the earliest error recorded; else the first seen), how,
         and its error."""
-        failures = [ProcessFailure(r, self.ranks[r].pid, self.ranks[r].returncode,
-                                   str(self.errors / f"rank-{r}.json")) for r in failed]
-        recorded = [f for f in failures if isinstance(f.message, dict)]
-        first = min(recorded, key=lambda f: f.timestamp) if recorded else failures[0]
-        if first.exitcode < 0:
-            how, code = f"signal {first.signal_name()}", 1
+        recorded = []  # (when, rank, message)
+        for r in failed:
+            found = self._recorded_error(r)
+            if found is not None:
+                recorded.append((found[0], r, found[1]))
+        rank, message = min(recorded)[1:] if recorded else (failed[0], "")
+        code = self.ranks[rank].returncode
+        if code < 0:
+            how, code = f"signal {signal_name(-code)}", 1
         else:
-            how, code = f"exit code {first.exitcode}", first.exitcode
-        message = first.message.get("message", "") if isinstance(first.message, dict) else ""
-        return RanksFailed(f"rank {first.local_rank} of {len(self.ranks)} failed ({how})"
+            how = f"exit code {code}"
+        return RanksFailed(f"rank {rank} of {len(self.ranks)} failed ({how})"
                            + (f": {message.splitlines()[0]}" if message else "") + "; the other ranks were stopped",
                            code)
+
+    def _recorded_error(self, rank: int) -> tuple[float, str] | None:
+        """(when, message) of the error ``rank`` recorded in its TORCHELASTIC_ERROR_FILE (torch's ErrorHandler
+        format); None when it recorded none, or the file is incomplete (the rank was killed while writing it)."""
+        try:
+            data = json.loads((self.errors / f"rank-{rank}.json").read_text())
+            error = data["message"]
+            if isinstance(error, str):
+                return float(data.get("timestamp", 0)), error
+            return float(error["extraInfo"]["timestamp"]), str(error["message"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ metrics.jsonl record as flat scalars (``scalars``): ``loss``, ``category_loss/<n
 ``eval_loss`` and ``eval_category_loss/<name>`` on the steps that evaluated; nulls are left out.
 
 - TensorBoard: event files in ``RUN/tensorboard/``; a resumed run purges the events after its
-  checkpoint's step (a fresh one, all earlier events), as metrics.jsonl drops its lines
+  checkpoint's step (a fresh one, all earlier events), as metrics.jsonl moves its lines aside
   (``SummaryWriter(purge_step=)``).
 - W&B: the run lives in ``RUN/wandb/`` (``$WANDB_DIR`` wins), project ``$WANDB_PROJECT`` or
   ``xtrain``, named after the run directory; its id is kept in ``RUN/wandb_run_id`` so a resumed run

@@ -16,19 +16,30 @@ PaLM's and torchtitan's 6N + 12·L·H·D·T convention, to compare with theirs: 
 process's peak RSS), both the maximum over ranks (train/memory.py). The console line shows both MFUs
 (``MFU 38.2% (6N 47.5%)``) and the peak memory of its interval. Extra backends (TensorBoard, W&B:
 train/loggers.py) get the same numbers as metrics.jsonl, as flat scalars.
+
+A bad step (non-finite loss or gradient norm; its update skipped: train/trainer.py) has ``skipped`` true and
+``bad_steps``, the bad steps in a row up to it (0 on a good step); its non-finite values are null (JSON has
+no NaN), and the console says it on a line of its own, whatever ``log_every`` says.
+
+metrics.jsonl is never truncated: a run that resumes from step S (a killed run may have logged past its
+last checkpoint, or ``--resume`` named an earlier one) moves the lines of the steps after S to
+``metrics.jsonl.replayed-N`` (N = 1, 2, ... one file per resume that replays steps), unchanged, then
+appends; the live file has every step once, and the replayed files are the history of what was redone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prep.io import write_atomic
+from prep.io import fsync_dir
 from train.loggers import Logger, scalars
 
 
@@ -69,6 +80,8 @@ class StepMetrics:
     peak_mem_bytes: int | None = None  # CUDA max allocated during the step, max over ranks; None off CUDA
     peak_rss_bytes: int | None = None  # process peak RSS, max over ranks
     mfu_6n: float | None = None  # MFU in the 6N + 12·L·H·D·T convention (PaLM, torchtitan); None when unknown
+    skipped: bool = False  # a bad step: non-finite loss or gradient norm, no update applied
+    bad_steps: int = 0  # bad steps in a row up to this one (0: this step was good)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -76,8 +89,9 @@ class StepMetrics:
 
     def record(self) -> dict:
         """The metrics.jsonl line of this step (``time`` is added when it is written)."""
-        return {"step": self.step, "loss": self.loss, "category_loss": self.category_loss,
-                "source_loss": self.source_loss, "grad_norm": self.grad_norm, "lr": self.lr, "tokens": self.tokens,
+        return {"step": self.step, "loss": finite(self.loss), "category_loss": finite_values(self.category_loss),
+                "source_loss": finite_values(self.source_loss), "grad_norm": finite(self.grad_norm), "lr": self.lr,
+                "skipped": self.skipped, "bad_steps": self.bad_steps, "tokens": self.tokens,
                 "target_tokens": self.targets, "tokens_per_s": self.tokens_per_s, "tflops": self.tflops,
                 "mfu": self.mfu, "mfu_6n": self.mfu_6n, "peak_mem_bytes": self.peak_mem_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes,
@@ -101,16 +115,14 @@ class MetricsLog:
         self._interval = Interval()
 
     def open(self, resumed_step: int) -> None:
-        """Keep the lines of steps ≤ the resumed step (a killed run may have logged more)."""
+        """Append to metrics.jsonl from the resumed step on; the lines of later steps are set aside first
+        (``set_aside``), and said on the console."""
         if not self.enabled:
             return
-        kept = []
-        if resumed_step and self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError):
-                    if json.loads(line).get("step", 0) <= resumed_step:
-                        kept.append(line)
-        write_atomic(self.path, "".join(k + "\n" for k in kept))
+        aside = set_aside(self.path, resumed_step) if self.path.is_file() else None
+        if aside is not None:
+            self.stream.write(f"{self.path}: the lines of the steps after {resumed_step}, trained again now, moved "
+                              f"to {aside.name}\n")
         self._file = open(self.path, "a")
 
     def write(self, m: StepMetrics) -> None:
@@ -124,6 +136,8 @@ class MetricsLog:
         for logger in self.loggers:
             logger.log(m.step, scalars(record))
         self._interval.add(m)
+        if m.skipped:
+            self._console_skipped(m)
         interval = m.step % self.every == 0 or m.step == self.total
         if interval or self.tty:
             self._console(m, interval)
@@ -141,6 +155,15 @@ class MetricsLog:
         self.stream.flush()
         if interval:
             self._interval = Interval()
+
+    def _console_skipped(self, m: StepMetrics) -> None:
+        """One line per bad step: what was non-finite, and how many in a row."""
+        bad = [f"{name} {value}" for name, value in (("loss", m.loss), ("gradient norm", m.grad_norm))
+               if value is not None and not math.isfinite(value)]
+        self.stream.write(("\r" if self.tty else "") + f"step {m.step}/{self.total} skipped: non-finite "
+                          f"{' and '.join(bad)} (no update, lr schedule held); {m.bad_steps} bad step"
+                          f"{'s' * (m.bad_steps > 1)} in a row\n")
+        self.stream.flush()
 
     def _console_eval(self, step: int, e: EvalMetrics) -> None:
         """One line per evaluation: the loss, then per category and per source (more than one source)."""
@@ -201,6 +224,72 @@ class Interval:
         elif self.peak_rss is not None:
             out += f"  rss {gib(self.peak_rss)}"
         return out
+
+
+REPLAYED = ".replayed-"  # metrics.jsonl.replayed-N: lines of steps trained again after a resume
+
+
+def set_aside(path: Path, resumed_step: int) -> Path | None:
+    """Move the lines of steps after ``resumed_step`` (and any line that is not a record: a killed run's torn
+    last line) from ``path`` to the next ``path.replayed-N``, unchanged; None when there are none.
+
+    Streamed into two temporary files, each renamed over its name: the replayed file first, so a crash
+    in between leaves the lines in both files, never in neither.
+    """
+    aside = replayed_path(path)
+    tmp_kept, tmp_aside = (p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in (path, aside))
+    moved = 0
+    try:
+        with open(path) as lines, open(tmp_kept, "w") as kept, open(tmp_aside, "w") as later:
+            for line in lines:
+                line = line if line.endswith("\n") else line + "\n"
+                step = line_step(line)
+                if step is not None and step <= resumed_step:
+                    kept.write(line)
+                else:
+                    later.write(line)
+                    moved += 1
+            for f in (kept, later):
+                f.flush()
+                os.fsync(f.fileno())
+        if moved:
+            os.replace(tmp_aside, aside)
+            os.replace(tmp_kept, path)
+            fsync_dir(path.parent)
+    finally:
+        tmp_kept.unlink(missing_ok=True)
+        tmp_aside.unlink(missing_ok=True)
+    return aside if moved else None
+
+
+def replayed_path(path: Path) -> Path:
+    """The next free ``path.replayed-N`` (N counts up from 1)."""
+    taken = [int(p.name.rpartition("-")[2]) for p in replayed_files(path)]
+    return path.with_name(f"{path.name}{REPLAYED}{max(taken, default=0) + 1}")
+
+
+def replayed_files(path: Path) -> list[Path]:
+    """``path``'s replayed files, oldest first."""
+    found = [p for p in path.parent.glob(f"{path.name}{REPLAYED}*") if p.name.rpartition("-")[2].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.rpartition("-")[2]))
+
+
+def line_step(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None when it is not a record (torn, or no step)."""
+    with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        step = json.loads(line).get("step")
+        return int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
+    return None
+
+
+def finite(value: float | None) -> float | None:
+    """A metric as metrics.jsonl records it: null when not finite (JSON has no NaN)."""
+    return value if value is None or math.isfinite(value) else None
+
+
+def finite_values(values: dict[str, float]) -> dict[str, float]:
+    """A channel's losses without the non-finite ones (a bad step's)."""
+    return {k: v for k, v in values.items() if math.isfinite(v)}
 
 
 def loss_text(loss: float | None) -> str:

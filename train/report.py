@@ -4,7 +4,11 @@ run (first, last, best, trend), and the same of the validation loss when the run
 
 A step without target tokens has a null loss (train/metrics.py): it is left out of the loss summary
 (first, last, best, trend), a gap in the curves, and counted as ``steps_without_targets`` (evaluations
-without targets as ``evaluations_without_targets``).
+without targets as ``evaluations_without_targets``). A bad step (skipped: non-finite loss or gradient
+norm) is counted as ``skipped_steps`` instead, and its loss, when finite, stays in the figures.
+
+Only the live metrics.jsonl is summed up; the ``metrics.jsonl.replayed-N`` files (lines of steps trained
+again after a resume) are listed under ``replayed``, with their steps, and otherwise left out.
 
 Reads ``config.json``, ``run.json`` and ``metrics.jsonl``, and writes nothing: the loss curves are
 drawn (with matplotlib) only into the file ``--plot FILE`` names.
@@ -19,7 +23,7 @@ from pathlib import Path
 
 from prep.errors import XprepError
 from prep.io import check_output_file
-from train.metrics import best_step
+from train.metrics import best_step, line_step, replayed_files
 
 PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
 PLOT_FORMATS = {"": "png", ".png": "png", ".pdf": "pdf", ".svg": "svg"}
@@ -43,6 +47,18 @@ def read_metrics(path: Path) -> list[dict]:
     return sorted(records, key=lambda r: r.get("step", 0))
 
 
+def replayed(path: Path) -> list[dict]:
+    """The run's ``metrics.jsonl.replayed-N`` files, oldest first: name, lines, and the steps they hold."""
+    out = []
+    for file in replayed_files(path / "metrics.jsonl"):
+        with open(file) as lines:
+            steps = [line_step(line) for line in lines]
+        known = [s for s in steps if s is not None]
+        out.append({"file": file.name, "lines": len(steps), "first_step": min(known, default=None),
+                    "last_step": max(known, default=None)})
+    return out
+
+
 def curve_summary(steps: list[int], values: list[float]) -> dict:
     """First, last, best (lowest) value and trend = mean of the last quarter vs the first quarter."""
     q = max(1, len(values) // 4)
@@ -63,12 +79,13 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
               "pack": info.get("pack"), "validation": info.get("validation"),
               "plan": info.get("plan"), "steps": len(records),
               "last_step": records[-1]["step"] if records else 0,
-              "checkpoints": _checkpoints(path), "plot": None}
+              "checkpoints": _checkpoints(path), "replayed": replayed(path), "plot": None}
     if target is not None and not records:
         raise XprepError(f"--plot {plot}: {path} has no metrics yet (no metrics.jsonl records); nothing to draw")
     if records:
         losses = [r for r in records if _number(r.get("loss"))]
-        report["steps_without_targets"] = len(records) - len(losses)
+        report["skipped_steps"] = sum(1 for r in records if r.get("skipped"))
+        report["steps_without_targets"] = sum(1 for r in records if r.get("loss") is None and not r.get("skipped"))
         if losses:
             report["loss"] = curve_summary([r["step"] for r in losses], [r["loss"] for r in losses])
         report["tokens"] = sum(r.get("tokens", 0) for r in records)

@@ -68,6 +68,7 @@ from train.rundir import RanksLock, RunLock
 from train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
 from train.weights import HFSaver, InitFrom, check_exportable, init_record, plan_init
 
+BAD_STEPS_EXIT = 3  # exit status of a run that --max-bad-steps stopped (every rank's, and xtrain run's)
 CPU_KEYS = ("cu_seqlens", "cu_seqlens_padded", "cu_units")  # batch keys that stay on the CPU (read as Python ints)
 PEER_FAILURE_GRACE_S = 3.0  # a rank whose collective failed waits this long before exiting (see _report_and_exit)
 STEP_END_CALLBACKS: list[Callable[[Trainer], None]] = []  # called after every step of ``run``'s loop (tests)
@@ -109,7 +110,7 @@ class Trainer:
                  device: torch.device, grad_clip: float = 0.0, autocast=contextlib.nullcontext, category_names=None,
                  model_config: dict | None = None, hparams: dict | None = None, loss_chunk: int = 0,
                  reduce_every_micro_batch: bool = False, throughput: Throughput | None = None,
-                 init: dict | None = None):
+                 init: dict | None = None, nonfinite: dict[str, frozenset[int]] | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.dataset, self.sampler, self.dims = dataset, sampler, dims
         self.grad_accum, self.device, self.grad_clip, self.autocast = grad_accum, device, grad_clip, autocast
@@ -125,6 +126,8 @@ class Trainer:
         self._rank_pairs = 0  # attended (query, key) pairs of this rank's bins of the next step
         self.attention_pairs = 0  # the same of the last step, all ranks
         self.step = 0
+        self.bad_steps = 0  # bad steps in a row up to the last one (``train_step``); 0: the last step was good
+        self.nonfinite = nonfinite or {}  # test hook: {"loss"|"grad": steps at which this rank makes them non-finite}
         self.loss: float | None = None  # of the last step (None: it had no target token)
         self.eval_loss: float | None = None  # of the last step, when it evaluated
 
@@ -170,26 +173,53 @@ class Trainer:
             return None
         return CPContext.from_shard(batch, self.dims.cp_group(), self.dims.cp_rank, self.dims.cp)
 
+    @property
+    def last_step_bad(self) -> bool:
+        """Whether the last step was skipped: nothing may be saved from this state (the loop's save condition)."""
+        return self.bad_steps > 0
+
     def train_step(self) -> StepMetrics:
+        """One optimizer step, or a skipped one when it is bad: a non-finite loss or gradient norm on any rank.
+
+        A bad step applies no update and leaves the lr schedule where it was (as Megatron-LM skips an
+        iteration: the next step trains at the lr this one would have had); its batches stay consumed, so a
+        resumed run sees the batches an uninterrupted one would. Every rank decides alike (``reduce_step``).
+        """
         reset_peak_memory(self.device)
         t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         sums, n_tokens, n_targets = self.accumulate_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
-        self.optimizer.step()
-        self.scheduler.step()
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf))
+        total, bad = self.reduce_step(sums, grad_norm)
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        if not bad:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        total = LossSums.from_flat(all_reduce_sum(sums.flat(), self.dims))
         channel = self.channels.losses(total)
         self.loss, self.eval_loss = total.loss, None
-        grad_norm = float(full_tensor(grad_norm))  # waits for the device: the step is done
+        grad_norm = float(grad_norm)  # waits for the device: the step is done
         seconds = time.perf_counter() - t0
         rates = self.throughput.measure(n_tokens, self.attention_pairs, seconds)
         peak_mem, peak_rss = peak_memory(self.device, self.dims)  # max over ranks
         return StepMetrics(self.step, total.loss, channel["category"], grad_norm, lr, n_tokens, n_targets, seconds,
                            self.sampler.consumed_samples, channel["source"], tflops=rates.tflops, mfu=rates.mfu,
-                           mfu_6n=rates.mfu_6n, peak_mem_bytes=peak_mem, peak_rss_bytes=peak_rss)
+                           mfu_6n=rates.mfu_6n, peak_mem_bytes=peak_mem, peak_rss_bytes=peak_rss,
+                           skipped=bad, bad_steps=self.bad_steps)
+
+    def reduce_step(self, sums: LossSums, grad_norm: torch.Tensor) -> tuple[LossSums, bool]:
+        """The step's loss sums over all ranks, and whether the step is bad, from one all-reduce (the loss's).
+
+        Bad: the loss summed over ranks is non-finite, or some rank's gradient norm is (it rides along as a
+        count). Under FSDP2 the norm is global already; without it, each rank's norm is of the gradients
+        all-reduced before, so they agree but for a fault on one rank. Both sums are the same on every rank,
+        so every rank takes the same decision, and none waits for another to skip.
+        """
+        flag = (~torch.isfinite(grad_norm)).reshape(1).to(sums.ce)
+        flat = all_reduce_sum(torch.cat([sums.flat(), flag]), self.dims)
+        total = LossSums.from_flat(flat[:-1])
+        return total, bool(flat[-1] > 0) or not math.isfinite(float(total.ce))
 
     def accumulate_gradients(self) -> tuple[LossSums, int, int]:
         """Forward and backward of every micro-batch of the step, gradients summed over ranks.
@@ -206,11 +236,17 @@ class Trainer:
                 self.model.set_requires_gradient_sync(self.reduce_every_micro_batch or i == len(batches) - 1)
             self.forward_backward(batch, n_targets, sums)
         reduce_gradients(self.model, self.dims)
+        if self.step + 1 in self.nonfinite.get("grad", ()):  # test hook: this rank's reduced gradients
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(math.nan)
         return sums, int(n_tokens), int(n_targets)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], n_targets: float, sums: LossSums) -> None:
         """Backpropagate Σ CE / (targets of the whole step); accumulate the channel sums."""
         ce = self.token_losses(batch)
+        if self.step + 1 in self.nonfinite.get("loss", ()):  # test hook: NaN loss, hence NaN gradients
+            ce = ce * math.nan
         (ce.sum() / max(n_targets, 1)).backward()
         sums.add(ce, batch["labels"], *self.channels.ids(batch))
 
@@ -392,6 +428,12 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] =
             device = init_distributed(dims)
             ranks_lock = RanksLock(cfg.run_dir).acquire() if dims.distributed else None  # after rank 0's RunLock
             _train(cfg, dims, device, setup, stream)
+        except TooManyBadSteps as e:  # every rank stopped at the same step: rank 0 says it, all leave with its status
+            if not dims.distributed:
+                raise
+            if dims.is_main:
+                print(f"error: {e}", file=sys.stderr)
+            shutdown(dims, e.exit_code)
         except BaseException as e:
             if attempt is not None:
                 attempt.end_with(e)
@@ -445,7 +487,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                       model_config=model_config, hparams=cfg.optimizer.hparams(), loss_chunk=setup.loss_chunk,
                       reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
                       throughput=Throughput(ModelFlops.from_dict(model_config), peak, dims.world_size,
-                                            dataset.capacity), init=init_record(init, model_config, cfg.seed))
+                                            dataset.capacity), init=init_record(init, model_config, cfg.seed),
+                      nonfinite=cfg.optimizer.nonfinite_at(dims.rank))
     out = stream or sys.stderr
     if setup.resume_from is not None:
         _resume(setup, trainer, dims.is_main, out)
@@ -487,7 +530,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
             signum, save_due = control.poll()
             if signum:
                 _stop(signum, trainer, ckpt, saved_at, plan, run_dir, dims.is_main, out)
-            if save_due and saved_at != trainer.step:
+            if save_due and saved_at != trainer.step and not trainer.last_step_bad:
                 saved_at = _save(ckpt, trainer, control)
             metrics = trainer.train_step()
             if validation is not None and validation.due(trainer.step, plan.steps):
@@ -495,10 +538,13 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                     if dims.is_main else None
                 metrics.eval = trainer.evaluate(validation, progress)  # before the save: "best" follows it
             log.write(metrics)
-            if trainer.step == plan.steps or (save_every and trainer.step % save_every == 0):
-                saved_at = _save(ckpt, trainer, control)
-            if hf is not None and hf.due(trainer.step, plan.steps):
-                hf.save(trainer.step, model, trainer.state_dict())
+            if trainer.last_step_bad:  # no save (nor weights out) from a state reached through a bad step
+                _after_bad_step(trainer, cfg.optimizer.max_bad_steps, plan.steps, ckpt, out)
+            else:
+                if trainer.step == plan.steps or (save_every and trainer.step % save_every == 0):
+                    saved_at = _save(ckpt, trainer, control)
+                if hf is not None and hf.due(trainer.step, plan.steps):
+                    hf.save(trainer.step, model, trainer.state_dict())
             for callback in STEP_END_CALLBACKS:
                 callback(trainer)
         ckpt.finish()  # an asynchronous save still being written
@@ -522,9 +568,10 @@ def _stop(signum: int, trainer: Trainer, ckpt: CheckpointManager, saved_at: int,
     """Every rank stops here, after the same step: a checkpoint of it, complete and published (after any save in
     flight) unless the newest one is of this step already, then ``Stopped`` with the status of ``signum``."""
     name = signal_name(signum)
-    if saved_at == trainer.step:
+    if saved_at == trainer.step or trainer.last_step_bad:  # nothing new to save, or nothing that may be saved
         ckpt.finish()
-        where = "nothing trained yet" if trainer.step == 0 else f"checkpoint step-{trainer.step} is saved"
+        where = ("nothing trained yet" if trainer.step == 0 else f"checkpoint step-{trainer.step} is saved"
+                 if saved_at == trainer.step else f"not saved: the step was bad; step-{saved_at} stays the latest")
     else:
         if is_main:
             out.write(f"{name} received: saving a checkpoint of step {trainer.step} before stopping\n")
@@ -539,6 +586,33 @@ def _stop(signum: int, trainer: Trainer, ckpt: CheckpointManager, saved_at: int,
         attempts.note(run_dir, message)
         record_stop(signum, message)
     raise Stopped(signum, message, said=is_main)
+class TooManyBadSteps(XprepError):
+    """``--max-bad-steps`` bad steps in a row: the run stops (every rank at the same step), exit status 3."""
+
+    exit_code = BAD_STEPS_EXIT
+
+
+def _after_bad_step(trainer: Trainer, max_bad_steps: int, total_steps: int, ckpt: CheckpointManager, out) -> None:
+    """Stop the run after ``max_bad_steps`` bad steps in a row; say it when the last step of the run was bad.
+
+    Either way nothing is saved: a NaN loss may come from weights broken already (e.g. loaded from a
+    damaged checkpoint), so the last checkpoint written before the streak stays ``latest`` (a save still in
+    flight is completed first).
+    """
+    if trainer.bad_steps < max_bad_steps and trainer.step < total_steps:
+        return
+    ckpt.finish()
+    latest = ckpt.latest()
+    kept = f"{latest} stays the latest checkpoint" if latest else "no checkpoint was written before"
+    n = trainer.bad_steps
+    if n >= max_bad_steps:
+        streak = f"{n} bad steps in a row, {trainer.step - n + 1}–{trainer.step}" if n > 1 else "a bad step"
+        raise TooManyBadSteps(
+            f"step {trainer.step}: {streak} (non-finite loss or gradient norm, update{'s' * (n > 1)} skipped), the "
+            f"limit of --max-bad-steps {max_bad_steps}: run stopped; {kept}. Find the cause (the batches, --lr, "
+            "--precision); a resumed run trains on the same batches (raise --max-bad-steps to skip past them)")
+    if trainer.dims.is_main:
+        out.write(f"the last step, {trainer.step}, was bad: no checkpoint at the end; {kept}\n")
 
 
 def _resume(setup: RunSetup, trainer: Trainer, is_main: bool, out) -> None:
