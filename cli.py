@@ -464,7 +464,7 @@ def run(packed, config_file, **options):
         else:
             run_dir = run_training(config, notes=notes)
     except RanksFailed as e:
-        if str(e):  # empty when a rank said it already (--max-bad-steps)
+        if not e.said:  # rank 0 said it already (--max-bad-steps)
             click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except Stopped as e:  # a signal: checkpointed and stopped (the run said where), or stopped before training

@@ -109,12 +109,12 @@ def exit_of(error: BaseException | None) -> tuple[int, str]:
     """The exit status and reason the CLI gives for a run that ended with ``error`` (None: finished)."""
     if error is None:
         return 0, "finished"
-    code = getattr(error, "exit_code", None)
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, XprepError):
+        return error.exit_code, f"error: {first}"
+    code = getattr(error, "exit_code", None)
     if code is not None:  # train.preempt.Stopped, train.launch.RanksFailed
         return int(code), first
-    if isinstance(error, XprepError):
-        return 2, f"error: {first}"
     if isinstance(error, KeyboardInterrupt):
         return 130, "interrupted"
     if isinstance(error, SystemExit):

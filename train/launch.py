@@ -60,11 +60,12 @@ STOP_GRACE_S = 120.0  # a rank that ended so waits this long at most for the oth
 
 
 class RanksFailed(Exception):
-    """A rank of a job this process launched failed; ``exit_code`` is that rank's."""
+    """A rank of a job this process launched failed; ``exit_code`` is that rank's; ``said``: rank 0 printed why."""
 
-    def __init__(self, message: str, exit_code: int):
+    def __init__(self, message: str, exit_code: int, said: bool = False):
         super().__init__(message)
         self.exit_code = exit_code
+        self.said = said
 
 
 def should_launch(nproc_per_node: int | None) -> bool:
@@ -164,7 +165,7 @@ class _Job:
                 break
             time.sleep(POLL_S)
         if BAD_STEPS_EXIT in codes:  # every rank stopped at the same bad step, and rank 0 said why
-            raise RanksFailed("", BAD_STEPS_EXIT)
+            raise RanksFailed("too many bad steps in a row (--max-bad-steps)", BAD_STEPS_EXIT, said=True)
         if self.stop_file.is_file():  # rank 0 stopped the run on a signal (to it, the launcher or a rank)
             stop = json.loads(self.stop_file.read_text())
             raise Stopped(stop["signal"], stop["message"], said=True)

@@ -428,12 +428,6 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] =
             device = init_distributed(dims)
             ranks_lock = RanksLock(cfg.run_dir).acquire() if dims.distributed else None  # after rank 0's RunLock
             _train(cfg, dims, device, setup, stream)
-        except TooManyBadSteps as e:  # every rank stopped at the same step: rank 0 says it, all leave with its status
-            if not dims.distributed:
-                raise
-            if dims.is_main:
-                print(f"error: {e}", file=sys.stderr)
-            shutdown(dims, e.exit_code)
         except BaseException as e:
             if attempt is not None:
                 attempt.end_with(e)
@@ -456,6 +450,10 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
     so that the launcher sees (and names) the rank that failed first, and stops this one itself.
     """
     if isinstance(e, Stopped):  # every rank stopped at the same step, after the checkpoint: nothing to report
+        shutdown(dims, e.exit_code, clean=True)
+    if isinstance(e, TooManyBadSteps):  # every rank stopped at the same step: rank 0 says why, all leave with 3
+        if dims.is_main:
+            print(f"error: {e}", file=sys.stderr)
         shutdown(dims, e.exit_code, clean=True)
     if isinstance(e, XprepError):
         print(f"error: [rank {dims.rank}] {e}", file=sys.stderr)
