@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,9 @@ def test_export_round_trip(kind, overrides, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == kind
     assert (tmp_path / "out" / "generation_config.json").is_file()  # carried over from hf:DIR
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out" / "model.safetensors").stat().st_mode) == 0o666 & ~umask  # not 0600
 
     # The run's model at step 2, restored by the trainer's own resume path.
     section = ModelSection(f"hf:{directory}")

@@ -377,6 +377,7 @@ def write_hf_model(out: Path, state: Mapping[str, Tensor], cfg: ModelConfig, ext
     tensors = {k: t.to(EXPORT_DTYPES[dtype]) for k, t in builtin_to_hf(state, cfg).items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     del tensors
+    _readable_as_umask_allows(out / "model.safetensors")  # safetensors creates it 0600: others could not load it
     source, source_config, tokenizer = extras.source, extras.source_config, extras.tokenizer
     config = hf_config_dict(cfg, source_config.get("max_position_embeddings", 8192))
     config["torch_dtype"] = str(EXPORT_DTYPES[dtype]).removeprefix("torch.")
@@ -390,6 +391,13 @@ def write_hf_model(out: Path, state: Mapping[str, Tensor], cfg: ModelConfig, ext
         if source is not None and (source / name).is_file():
             shutil.copy2(source / name, out / name)
     return tokenizer.write(out) if tokenizer else _without_tokenizer(out, shown, extras.missing)
+
+
+def _readable_as_umask_allows(path: Path) -> None:
+    """Give ``path`` the mode a plain ``open`` would have given it (0666 less the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 @contextlib.contextmanager
