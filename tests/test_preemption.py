@@ -23,6 +23,7 @@ import pytest
 from _train_fault_worker import KILL_AFTER_STEP_ENV, SIGNAL_ENV, SIGNAL_IN_SAVE_ENV
 from trainkit import cp_pack
 
+from train.attempts import config_digest
 from train.dist import ParallelDims
 from train.preempt import StopControl, stop_status
 
@@ -193,12 +194,23 @@ def test_stop_statuses():
     assert [stop_status(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)] == [143, 130, 0]
 
 
-def test_a_killed_attempt_is_named_by_the_next(packed, tmp_path):
-    """SIGKILL leaves no end line in the attempt's log (nothing can write it); the next attempt says so."""
+def test_attempt_logs(packed, tmp_path):
+    """One log per attempt: what ran (command, code, config hash), what the flags changed from the run's config,
+    where it resumed, how it ended. SIGKILL leaves no end line (nothing can write it); the next attempt says so."""
     run = tmp_path / "run"
-    killed = xtrain(str(packed), *COMMON, "--save-every", "2", "--output", str(run), env={KILL_AFTER_STEP_ENV: "2"})
+    killed = xtrain(str(packed), *COMMON, "--save-every", "2", "--output", str(run), env={KILL_AFTER_STEP_ENV: "3"})
     assert killed.returncode == -signal.SIGKILL
-    resumed = xtrain(str(packed), *COMMON, "--save-every", "2", "--output", str(run))
+    resumed = xtrain("--output", str(run), "--lr", "1e-3")  # the run's config gives the rest
     assert resumed.returncode == 0, resumed.stderr
-    second = (run / "logs" / "attempt-2.log").read_text()
-    assert "attempt-1.log has no end: that attempt was killed" in second
+    first, second = ((run / "logs" / f"attempt-{n}.log").read_text().splitlines() for n in (1, 2))
+    assert first[1].startswith("command   ") and "--save-every 2" in first[1]
+    assert first[3].startswith("code      git ") or first[3].startswith("code      xprep ")
+    config = json.loads((run / "config.json").read_text())
+    run_json = json.loads((run / "run.json").read_text())
+    assert second[4] == f"config    sha256 {run_json['config_sha256']} of the resolved config (config.json)"
+    assert run_json["config_sha256"] == config_digest(config)
+    assert not any(line.startswith("ended") for line in first)
+    assert "note      attempt-1.log has no end: that attempt was killed" in "\n".join(second)
+    assert any("changed from it: --lr 0.002 → 0.001" in line for line in second)
+    assert any(line.startswith("note      resuming at step 2 from ") for line in second)
+    assert second[-2] == f"note      trained to step {STEPS}/{STEPS}" and second[-1].endswith("exit 0: finished")
