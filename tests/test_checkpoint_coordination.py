@@ -132,9 +132,9 @@ def test_latest_never_names_a_retired_directory(tmp_path):
     (m.root / f"{RETIRED_PREFIX}step-4-0a1b2c3d").mkdir(parents=True)
     (m.root / f"{RETIRED_PREFIX}step-4-0a1b2c3d" / TRAINER_JSON).write_text("{}")
     (m.root / LATEST).write_text(f"{RETIRED_PREFIX}step-4-0a1b2c3d\n")
-    with pytest.raises(XprepError, match="missing or incomplete, and no step-<N>"):
+    with pytest.raises(XprepError, match=r"which is retired \(being deleted\), and no step-<N>"):
         m.resolve("auto")  # nothing else to resume either: refused
     (m.root / "step-2").mkdir()
     for name in (TRAINER_JSON, ".metadata"):
         (m.root / "step-2" / name).write_text("{}")
-    assert m.resolve("auto") == m.root / "step-2" and "resuming from step-2" in m.note
+    assert m.resolve("auto") == m.root / "step-2" and "using step-2" in m.note

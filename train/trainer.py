@@ -457,9 +457,10 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
             log.write(metrics)
             if trainer.step == plan.steps or (save_every and trainer.step % save_every == 0):
                 ckpt.save(trainer.step, model, optimizer, trainer.state_dict())
+            ckpt.poll()  # an asynchronous save that has ended: its error, if any, raised now
             for callback in STEP_END_CALLBACKS:
                 callback(trainer)
-        ckpt.finish()  # an asynchronous save still being written
+        ckpt.finish()  # an asynchronous save still being written: published before the run ends
     finally:
         log.close()
 
