@@ -375,9 +375,9 @@ def xtrain():
               help="Run directory [default: runs/<pack directory name>]. An existing run's config.json gives the "
                    "defaults: `xtrain run -o RUN` alone resumes it; flags given override it (said on the console).")
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps; 0 = at the end only.")
-@click.option("--keep", type=int, default=None,
+@click.option("--keep", default=None, metavar="N|all",
               help="Newest checkpoints kept, plus the best (by validation loss when the run evaluates, else by "
-                   "training loss) [default: 2].")
+                   "training loss); all: every one [default: 2].")
 @click.option("--resume", default=None, help="auto (latest checkpoint, if any), never, or a checkpoint path "
               "[default: auto]. A checkpoint resumes on the pack entry it was trained on while the cache holds it.")
 @click.option("--eval-every", type=int, default=None,
@@ -422,7 +422,10 @@ def xtrain():
                    "fp32 gradients between micro-batches (4 bytes × parameters: ~5 GB per GPU at 1B, ~32 GB at 8B); "
                    "same gradients [default: every micro-batch].")
 @click.option("--async-save/--no-async-save", default=None,
-              help="Write checkpoints in a background thread [default: off].")
+              help="Write checkpoints in a background thread; each is published as soon as it is written "
+                   "[default: off].")
+@click.option("--no-save/--save", default=None,
+              help="Write no checkpoint at all, not even the last; resuming from one still works [default: save].")
 @_user_errors
 def run(packed, config_file, **options):
     """Train on the current entry of the pack cache PACKED (works under torchrun too); resume RUN with

@@ -10,7 +10,7 @@
 
 Issue 31: --resume auto never starts over a run's checkpoints silently nor loads a damaged one (a flipped bit is
 caught by the digests; the checkpoint before it resumes exactly); a kill inside an asynchronous save's publication
-leaves nothing that stays.
+leaves nothing that stays; --keep all and --no-save.
 """
 
 from __future__ import annotations
@@ -208,3 +208,17 @@ def test_a_kill_inside_an_async_publication_leaves_nothing_that_stays(tmp_path):
     assert_same_losses(first, losses(run), [3, 4])
     assert (ckpts / "latest").read_text() == "step-6\n" and damage(ckpts / "step-6") is None
 
+
+def test_keep_all_keeps_every_checkpoint_and_no_save_writes_none(tmp_path):
+    packed, kept, other = category_pack(tmp_path / "data"), tmp_path / "kept", tmp_path / "other"
+    train(str(packed), "--output", str(kept), "--steps", "4", "--save-every", "1", "--keep", "all",
+          "--log-every", "100")
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["latest", "step-1", "step-2", "step-3",
+                                                                       "step-4"]
+    assert json.loads((kept / "config.json").read_text())["checkpoint"]["keep"] == "all"
+    result = train(str(packed), "--output", str(other), "--steps", "3", "--save-every", "1", "--no-save",
+                   "--resume", str(kept / "checkpoints" / "step-2"), "--log-every", "100")
+    assert "resuming at step 2" in result.stderr and sorted(losses(other)) == [3]
+    assert not (other / "checkpoints").exists()
+    assert_same_losses(losses(kept), losses(other), [3])
+    assert "--keep 'some'" in user_error(str(packed), "--output", str(other), "--keep", "some")

@@ -7,7 +7,7 @@ TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the ru
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
   parallel    device, nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
               reduce_every_micro_batch                                            → ParallelDims
-  checkpoint  save_every, keep, resume, async_save                                → CheckpointManager
+  checkpoint  save_every, keep, resume, async_save, no_save                       → CheckpointManager
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
 ```
 Precedence: dataclass defaults < the run directory's own ``config.json`` (when ``--output`` names a run
@@ -238,21 +238,29 @@ class ParallelSection:
 
 @dataclass
 class CheckpointSection:
-    """When checkpoints are written, how many are kept, which one a run resumes from."""
+    """When checkpoints are written (or none is: ``no_save``), how many are kept, which one a run resumes from."""
 
     SECTION: ClassVar[str] = "checkpoint"
     save_every: int = 0  # 0 = only at the end
-    keep: int = 2
+    keep: int | str = 2  # newest checkpoints kept, or "all"
     resume: str = "auto"  # auto | never | PATH of a checkpoint
     async_save: bool = False
+    no_save: bool = False  # write no checkpoint, not even the last (resuming from one still works)
 
     def __post_init__(self):
         _check_types(self)
-        _check_at_least(self, 1, "keep")
+        if isinstance(self.keep, str) and self.keep != "all":  # from the command line (always a string) or a file
+            try:
+                self.keep = int(self.keep)
+            except ValueError:
+                raise XprepError(f"--keep {self.keep!r} is neither a number of checkpoints nor 'all'") from None
+        if self.keep != "all":
+            _check_at_least(self, 1, "keep")
         _check_at_least(self, 0, "save_every")
 
     def build(self, run_dir: Path, dims: ParallelDims) -> CheckpointManager:
-        return CheckpointManager(run_dir, dims, self.keep, self.async_save)
+        return CheckpointManager(run_dir, dims, None if self.keep == "all" else self.keep, self.async_save,
+                                 self.no_save)
 
 
 @dataclass
