@@ -199,7 +199,8 @@ class CheckpointManager:
         save = _Save(step, tmp, final, {"step": step, **trainer_state})
         if self._writer is None:  # not a daemon: a process ending normally waits for the save in flight
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        save.job = self._writer.submit(self._write, save, state, writer)
+        gpu = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        save.job = self._writer.submit(self._write, save, state, writer, gpu)
         self._in_flight, self._last_step = save, step
         if not background:
             self._flush(shielded=blocking)
@@ -247,9 +248,13 @@ class CheckpointManager:
             if save.job.done():
                 self._in_flight = None
 
-    def _write(self, save: _Save, state: dict, writer: _DigestingWriter) -> None:
+    def _write(self, save: _Save, state: dict, writer: _DigestingWriter, gpu: int | None) -> None:
         """In the writer thread: this rank's part of ``save``, then, on rank 0, its publication (module docstring:
-        when rank 0's DCP save returns, every rank's files are written)."""
+        when rank 0's DCP save returns, every rank's files are written). ``gpu``: the caller's current CUDA
+        device, which a new thread does not inherit (it starts on GPU 0): DCP copies a synchronous save's tensors
+        to the CPU on the current device's stream, and waits for that stream only."""
+        if gpu is not None:
+            torch.cuda.set_device(gpu)
         quiet_dcp()
         dcp.save(state, storage_writer=writer, no_dist=not self.dims.distributed, process_group=self._group())
         if self.dims.is_main:
