@@ -266,15 +266,15 @@ class CheckpointManager:
 
         Re-saving a step that exists (after resuming from an earlier one) replaces it; ``latest``
         names a complete checkpoint at every instant: when it names the step being replaced, it
-        first moves to a hard-linked copy of that step, and back once the new one is in place.
+        first moves to a hard-linked copy of that step, and back once the new one is in place. Such a
+        copy that a run killed meanwhile left ``latest`` naming (and resumed from) goes once ``latest`` moves on.
         """
-        tmp, final = save.tmp, save.final
+        tmp, final, previous = save.tmp, save.final, self._latest_name()
         write_json_atomic(tmp / TRAINER_JSON, _sealed(save.trainer_state, self._merge_digests(tmp)))
         fsync_tree(tmp)
         if final.exists():
-            old = self.root / f".{final.name}.old"
-            self._deleter.retire(old)  # a stale one
-            if self._latest_name() == final.name:
+            old = self.root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            if previous == final.name:
                 shutil.copytree(final, old, copy_function=_link_or_copy)
                 write_atomic(self.root / LATEST, old.name + "\n")
                 self._deleter.retire(final)
@@ -286,6 +286,8 @@ class CheckpointManager:
         else:
             os.replace(tmp, final)
             write_atomic(self.root / LATEST, final.name + "\n")
+        if previous is not None and previous.startswith(".step-"):
+            self._deleter.retire(self.root / previous)
         self._retain(final.name)
 
     def _merge_digests(self, tmp: Path) -> dict[str, dict]:
