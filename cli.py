@@ -393,9 +393,9 @@ def xtrain():
               help="Also checkpoint once M minutes have passed since the last checkpoint (all ranks at the same "
                    "step); 0 = off [default: 0]. SIGTERM, SIGINT and SIGUSR1 always checkpoint the step reached "
                    "before the run stops (exit 143, 130 and 0).")
-@click.option("--keep", type=int, default=None,
+@click.option("--keep", default=None, metavar="N|all",
               help="Newest checkpoints kept, plus the best (by validation loss when the run evaluates, else by "
-                   "training loss) [default: 2].")
+                   "training loss); all: every one [default: 2].")
 @click.option("--resume", default=None, help="auto (latest checkpoint, if any), never, or a checkpoint path "
               "[default: auto]. A checkpoint resumes on the pack entry it was trained on while the cache holds it.")
 @click.option("--eval-every", type=int, default=None,
@@ -440,7 +440,10 @@ def xtrain():
                    "fp32 gradients between micro-batches (4 bytes × parameters: ~5 GB per GPU at 1B, ~32 GB at 8B); "
                    "same gradients [default: every micro-batch].")
 @click.option("--async-save/--no-async-save", default=None,
-              help="Write checkpoints in a background thread [default: off].")
+              help="Write checkpoints in a background thread; each is published as soon as it is written "
+                   "[default: off].")
+@click.option("--no-save/--save", default=None,
+              help="Write no checkpoint at all, not even the last; resuming from one still works [default: save].")
 @click.option("--save-hf/--no-save-hf", default=None,
               help="Also write the model as a Hugging Face directory after the last step: RUN/hf/step-<N>/ "
                    "(model.safetensors, config.json, tokenizer, as `xtrain export` writes), RUN/hf/latest linking to "

@@ -10,6 +10,8 @@ The faults are read from this environment here, never by xtrain itself (children
                                  "launcher" (rank 0's parent), or "rank-R" (rank R only sends it, to itself)
   XTRAIN_TEST_SIGNAL_IN_SAVE=NAME  every checkpoint save sends NAME to this process while DCP writes (then goes on)
   XTRAIN_TEST_PARAMS_DIR=DIR     after every step, rank 0 saves the whole parameters to DIR/step-N.pt
+  XTRAIN_TEST_KILL_PUBLISHING=step-N  SIGKILL this process inside the publication of step-N: its `latest` written
+                                 to the temporary file, not renamed yet
 With `run`, ranks that `--nproc-per-node` starts run through this file too (``train.launch.RANK_ENTRY``).
 """
 
@@ -33,6 +35,7 @@ FAIL_STEP_ENV = "XTRAIN_TEST_FAIL_STEP"
 SIGNAL_ENV = "XTRAIN_TEST_SIGNAL"
 SIGNAL_IN_SAVE_ENV = "XTRAIN_TEST_SIGNAL_IN_SAVE"
 PARAMS_DIR_ENV = "XTRAIN_TEST_PARAMS_DIR"
+KILL_PUBLISHING_ENV = "XTRAIN_TEST_KILL_PUBLISHING"
 
 
 def kill_after(step: int, rank: int | None):
@@ -82,6 +85,15 @@ def save_params(directory: str):
         if trainer.dims.is_main:
             torch.save(whole, Path(directory) / f"step-{trainer.step}.pt")
     return callback
+def kill_publishing(name: str):
+    """os.replace that SIGKILLs this process instead of renaming a `latest` naming ``name`` into place."""
+    real = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst).name == "latest" and Path(src).read_text().strip() == name:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(src, dst, *args, **kwargs)
+    return replace
 
 
 def install() -> None:
@@ -98,6 +110,8 @@ def install() -> None:
         signal_in_save(env[SIGNAL_IN_SAVE_ENV])
     if PARAMS_DIR_ENV in env:
         trainer.STEP_END_CALLBACKS.append(save_params(env[PARAMS_DIR_ENV]))
+    if KILL_PUBLISHING_ENV in env:
+        os.replace = kill_publishing(env[KILL_PUBLISHING_ENV])
     launch.RANK_ENTRY = [os.path.abspath(__file__), "rank"]
 
 

@@ -132,9 +132,27 @@ def test_latest_never_names_a_retired_directory(tmp_path):
     (m.root / f"{RETIRED_PREFIX}step-4-0a1b2c3d").mkdir(parents=True)
     (m.root / f"{RETIRED_PREFIX}step-4-0a1b2c3d" / TRAINER_JSON).write_text("{}")
     (m.root / LATEST).write_text(f"{RETIRED_PREFIX}step-4-0a1b2c3d\n")
-    with pytest.raises(XprepError, match="missing or incomplete, and no step-<N>"):
+    with pytest.raises(XprepError, match=r"which is retired \(being deleted\), and no step-<N>"):
         m.resolve("auto")  # nothing else to resume either: refused
     (m.root / "step-2").mkdir()
     for name in (TRAINER_JSON, ".metadata"):
         (m.root / "step-2" / name).write_text("{}")
-    assert m.resolve("auto") == m.root / "step-2" and "resuming from step-2" in m.note
+    assert m.resolve("auto") == m.root / "step-2" and "using step-2" in m.note
+
+
+def test_the_copy_latest_names_after_a_killed_resave_goes_once_latest_moves_on(tmp_path):
+    """A run killed while re-saving a step left `latest` naming the hard-linked copy of the step being replaced:
+    the next run resumes from it, and its first publication deletes it."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    first = CheckpointManager(tmp_path, ParallelDims(), keep=5)
+    first.save(2, model, opt, {"loss": 1.0})
+    root, copy = first.root, first.root / ".step-2.old-0a1b2c3d"
+    shutil.copytree(root / "step-2", copy, copy_function=os.link)
+    (root / LATEST).write_text(f"{copy.name}\n")
+
+    second = CheckpointManager(tmp_path, ParallelDims(), keep=5)
+    assert second.resolve("auto") == copy and second.note is None
+    second.save(3, model, opt, {"loss": 0.5})
+    second.finish()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2", "step-3"]

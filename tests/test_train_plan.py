@@ -138,7 +138,8 @@ def test_token_aware_packs_take_one_bin_per_micro_batch(dataset, tmp_path):
 def test_resume_path_forms(tmp_path):
     ck = tmp_path / "run" / "checkpoints"
     (ck / "step-4").mkdir(parents=True)
-    (ck / "step-4" / "trainer.json").write_text("{}")
+    (ck / "step-4" / "trainer.json").write_text("{}")  # as saved before trainer.json recorded digests
+    (ck / "step-4" / ".metadata").write_text("{}")
     (ck / "latest").write_text("step-4\n")
     m = CheckpointManager(tmp_path / "other", ParallelDims())
     for form in (tmp_path / "run", ck, ck / "step-4"):

@@ -7,6 +7,10 @@
    says how to get it back.
 8. `xtrain run --output RUN` on a run directory takes the run's config.json as the defaults (PACKED too):
    no flag needs repeating, and the flags given are listed as changes.
+
+Issue 31: --resume auto never starts over a run's checkpoints silently nor loads a damaged one (a flipped bit is
+caught by the digests; the checkpoint before it resumes exactly); a kill inside an asynchronous save's publication
+leaves nothing that stays; --keep all and --no-save.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _train_fault_worker import KILL_PUBLISHING_ENV
 from click.testing import CliRunner
-from test_train_run import metrics, user_error
-from trainkit import make_dataset, random_docs
+from test_train_run import FAULTY, metrics, user_error, xtrain_proc
+from trainkit import category_pack, make_dataset, random_docs
 
 from cli import xtrain
 from prep.cache import PackConfig, pack
+from train.checkpoint import damage
 from train.config import resolve_config
 from train.evaluate import validation_entry
 
@@ -135,19 +141,17 @@ def test_resume_auto_without_a_usable_latest_takes_the_newest_complete_checkpoin
     """Issue 31 (part): with ``checkpoints/latest`` gone (a crash between two writes, a tidy-up, an rsync that
     skipped it) --resume auto continued from step 0 over the run's checkpoints; with it naming a damaged one it
     stopped. Now it takes the newest complete step-<N>, says which and why, and the run goes on from there."""
-    from trainkit import category_pack
-
     packed, run = category_pack(tmp_path / "data"), tmp_path / "run"
     common = [str(packed), "--output", str(run), "--save-every", "1", "--keep", "5", "--log-every", "100"]
     train(*common, "--steps", "3")
     ckpts = run / "checkpoints"
     (ckpts / "latest").unlink()
     result = train(*common, "--steps", "4")
-    assert f"{ckpts / 'latest'} is missing: resuming from step-3, the newest complete checkpoint" in result.stderr
+    assert f"{ckpts / 'latest'} is missing: using step-3, the newest complete checkpoint" in result.stderr
     assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4]
     (ckpts / "step-4" / ".metadata").unlink()  # the checkpoint latest names is damaged: the one before it
     result = train(*common, "--steps", "5")
-    assert "names step-4, which is missing or incomplete: resuming from step-3" in result.stderr
+    assert "names step-4, which is incomplete (.metadata is missing): using step-3" in result.stderr
     assert json.loads((ckpts / "step-5" / "trainer.json").read_text())["step"] == 5
     for step in (3, 4, 5):  # none complete (step-4 was saved again on the way): refused, never a start from scratch
         (ckpts / f"step-{step}" / ".metadata").unlink()
@@ -155,3 +159,66 @@ def test_resume_auto_without_a_usable_latest_takes_the_newest_complete_checkpoin
         (ckpts / f"step-{step}" / "trainer.json").unlink()
     error = user_error(*common, "--steps", "6")
     assert "no step-<N> in" in error and "is a complete checkpoint" in error
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run)}
+
+
+def assert_same_losses(a: dict[int, float], b: dict[int, float], steps) -> None:
+    for step in steps:
+        assert abs(a[step] - b[step]) <= 1e-6 * a[step], (step, a[step], b[step])
+
+
+def test_a_flipped_bit_is_caught_and_the_checkpoint_before_it_resumes_exactly(tmp_path):
+    """Issue 31: a bit flipped in a .distcp loaded silently (and trained to NaN). Its sha256 no longer matches:
+    --resume auto says so in one line and resumes from step-2, whose next steps are those of the first pass."""
+    packed, run = category_pack(tmp_path / "data"), tmp_path / "run"
+    common = [str(packed), "--output", str(run), "--save-every", "2", "--steps", "4", "--log-every", "100"]
+    train(*common)
+    first = losses(run)
+    distcp = run / "checkpoints" / "step-4" / "__0_0.distcp"
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    distcp.write_bytes(bytes(data))
+    result = train(*common)
+    assert (f"{run / 'checkpoints' / 'latest'} names step-4, which is damaged (__0_0.distcp: its sha256 differs from "
+            "the one trainer.json records): using step-2, the newest complete checkpoint\n") in result.stderr
+    assert "resuming at step 2" in result.stderr
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    assert_same_losses(first, losses(run), [3, 4])
+    assert damage(run / "checkpoints" / "step-4") is None  # saved again
+
+
+def test_a_kill_inside_an_async_publication_leaves_nothing_that_stays(tmp_path):
+    """SIGKILL with step-4's `latest` written to its temporary file (.latest.tmp-PID), not renamed: the run resumes
+    from step-2, which `latest` still names, and its first save deletes the stray file."""
+    packed, run = category_pack(tmp_path / "data"), tmp_path / "run"
+    common = [str(packed), "--output", str(run), "--save-every", "2", "--steps", "6", "--log-every", "100",
+              "--async-save"]
+    killed = xtrain_proc(*common, env={KILL_PUBLISHING_ENV: "step-4"}, cmd=FAULTY)
+    ckpts = run / "checkpoints"
+    assert killed.returncode == -9, killed.stderr
+    assert (ckpts / "latest").read_text() == "step-2\n" and damage(ckpts / "step-4") is None
+    assert len(list(ckpts.glob(".latest.tmp-*"))) == 1  # what the kill left
+    first = losses(run)
+    resumed = train(*common)
+    assert "resuming at step 2" in resumed.stderr
+    assert sorted(losses(run)) == list(range(1, 7)) and not list(ckpts.glob(".latest.tmp-*"))
+    assert_same_losses(first, losses(run), [3, 4])
+    assert (ckpts / "latest").read_text() == "step-6\n" and damage(ckpts / "step-6") is None
+
+
+def test_keep_all_keeps_every_checkpoint_and_no_save_writes_none(tmp_path):
+    packed, kept, other = category_pack(tmp_path / "data"), tmp_path / "kept", tmp_path / "other"
+    train(str(packed), "--output", str(kept), "--steps", "4", "--save-every", "1", "--keep", "all",
+          "--log-every", "100")
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["latest", "step-1", "step-2", "step-3",
+                                                                       "step-4"]
+    assert json.loads((kept / "config.json").read_text())["checkpoint"]["keep"] == "all"
+    result = train(str(packed), "--output", str(other), "--steps", "3", "--save-every", "1", "--no-save",
+                   "--resume", str(kept / "checkpoints" / "step-2"), "--log-every", "100")
+    assert "resuming at step 2" in result.stderr and sorted(losses(other)) == [3]
+    assert not (other / "checkpoints").exists()
+    assert_same_losses(losses(kept), losses(other), [3])
+    assert "--keep 'some'" in user_error(str(packed), "--output", str(other), "--keep", "some")

@@ -1,34 +1,51 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): save, retain, find, resume.
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, verify, retain, find, resume.
 
 ```
 runs/NAME/checkpoints/
   latest              "step-<N>"  (written atomically, after the directory it names is complete)
-  step-<N>/           DCP files for {"model", "optim"} (get_state_dict: sharding-aware)
-    trainer.json      step, scheduler (+ schedule shape), sampler, pack key, batch sizes, model, hparams (rank 0)
+  step-<N>/           DCP files for {"model", "optim"} (get_state_dict: sharding-aware): *.distcp, .metadata
     rng-<rank>.pt     this rank's torch RNG state                          (each rank)
+    trainer.json      step, scheduler (+ schedule shape), sampler, pack key, batch sizes, model, hparams (rank 0);
+                      "files": the size and sha256 of every other file; "trainer_sha256": its own, of the rest
 ```
-A checkpoint is written under ``.step-<N>.tmp`` and renamed when every rank is done, so a
-killed run never leaves a directory that looks complete. The model and optimizer are saved
-sharded, each rank its own part, with the global layout in DCP's metadata: any other number of
-ranks, or another dp × cp split of them, loads them back (topology-independent). With
-``async_save`` the files are written by a background thread (``dcp.async_save``, over a gloo
-group of its own so its collectives never interleave with training's); the checkpoint is
-published — trainer.json, rename, ``latest`` — only when every rank has finished writing it,
-which is waited for before the next save starts and before the run ends (``finish``).
+Writing. A checkpoint is written under ``.step-<N>.tmp`` and renamed into place once whole, so a killed run never
+leaves a directory that looks complete; what a killed run left (``.latest.tmp-*`` of a kill inside publishing
+included) is deleted by the next run's first save. Each rank writes its rng-<rank>.pt, then its part of the model
+and optimizer: sharded, with the global layout in DCP's metadata, so any other number of ranks, or another
+dp × cp split of them, loads it back. Inside DCP's collective write each rank hashes the files it wrote
+(``digests-<rank>.json``); DCP then gathers every rank's results to rank 0, which writes ``.metadata`` last
+(``_DistWrapper.all_reduce``: write on every rank, gather, rank 0's ``finish``). So when rank 0's save returns,
+every rank's files and digests are on disk, and rank 0 publishes at once, alone: the digests merged into
+trainer.json, fsync, rename, ``latest``. The write and the publication run in a thread of the manager's own.
+With ``async_save`` a save returns once the state is copied, and the checkpoint is published as soon as it is
+written, whatever training does meanwhile; ``poll`` (after every step) reports that and raises its error. A
+synchronous save, or ``save(..., blocking=True)`` (a preemption's: synchronous even with ``async_save``), returns
+on every rank once rank 0 has published it. ``flush`` waits for the save in flight, ``finish`` ends the run's
+checkpointing.
 
-Rank 0 publishes alone (fsync, renames) while the other ranks wait for it; that waiting, and
+Reading. A checkpoint is used only whole and undamaged (``damage``): trainer.json parses and matches its own
+digest, and every file it records is there with its size and sha256 (a flipped bit, a truncated or garbage file,
+a missing .metadata). sha256 (hashlib, on the CPU's SHA instructions) hashes ~1.4 GB/s on one core here: a strong
+hash at half crc32's speed and twice blake2b's. ``--resume auto`` (``latest``) takes the checkpoint ``latest``
+names, or the newest step-<N> that passes, saying which and why in one line per checkpoint skipped; ``--resume
+PATH`` of a damaged checkpoint is refused. Every rank (and the launcher) checks the same files, so all decide
+alike. A checkpoint saved before trainer.json recorded digests (no "files") is taken when trainer.json and
+.metadata are there.
+
+The other ranks wait for rank 0's publication (fsync, renames) of a synchronous save; that waiting, and
 DCP's own collectives, run over a gloo group of the checkpoints' own, whose timeout is
 ``XTRAIN_CKPT_TIMEOUT`` seconds (4 h), not training's ``XTRAIN_DIST_TIMEOUT`` (600 s): a large
 save on slow shared storage must not end the job (on GPUs the default group is nccl, whose
 watchdog would). The same group carries the asynchronous writes, one save at a time.
 
-``keep`` retention retires the oldest ``step-*`` but never the one ``latest`` names nor the
-best: the lowest validation loss among the checkpoints saved at a step that evaluated
+``keep`` retention retires the oldest ``step-*`` (none with ``keep=None``, ``--keep all``) but never the one
+``latest`` names nor the best: the lowest validation loss among the checkpoints saved at a step that evaluated
 (``eval_loss`` in trainer.json), else, when none did, the lowest training loss at save time.
 Retiring is a rename to ``.retired-step-<N>-<id>`` (atomic: no ``step-<N>`` is ever half
 deleted), and a thread on rank 0 deletes the retired directories while training goes on; the
 end of the run (``finish``) waits for it. Retired or temporary directories left by a killed run
-are deleted the same way by the next one.
+are deleted the same way by the next one. ``no_save`` (``--no-save``) writes nothing at all; reading and
+resuming work as ever.
 A checkpoint names the pack entry it was trained on (``pack_key``, ``pack_entry``): a run resumes on that
 entry while the pack cache still holds it, even when another one has become current since (re-running
 an older ``xprep pack`` command is a cache hit that makes its entry current) — ``pinned_entry``. Resuming
@@ -38,6 +55,8 @@ on other data is refused, saying how to get the entry back.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import math
 import os
@@ -47,7 +66,8 @@ import shutil
 import threading
 import uuid
 import warnings
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,6 +75,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -64,13 +85,16 @@ from torch.distributed.checkpoint.state_dict import (
 
 from prep.errors import XprepError
 from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
-from prep.io import fsync_tree, read_json, write_atomic, write_json_atomic
+from prep.io import file_sha256, fsync_tree, read_json, write_atomic, write_json_atomic
 from train.dist import ParallelDims
 from train.metrics import best_step
 
 LATEST = "latest"
 TRAINER_JSON = "trainer.json"
 DCP_METADATA = ".metadata"  # DCP's index of a checkpoint's files, written once all of them are
+FILES = "files"  # trainer.json's record of every other file: {name: {"size": bytes, "sha256": hex}}
+TRAINER_DIGEST = "trainer_sha256"  # trainer.json's own digest: of its canonical JSON without this key
+RANK_DIGESTS = "digests-{rank}.json"  # a rank's FILES entries, until rank 0 merges them into trainer.json
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 RETIRED_PREFIX = ".retired-"  # a checkpoint (or temporary directory) renamed out of the way, being deleted
 CKPT_TIMEOUT_ENV = "XTRAIN_CKPT_TIMEOUT"  # seconds checkpoint coordination may wait for a peer [default 4 h]
@@ -93,29 +117,29 @@ def checkpoint_timeout() -> timedelta:
 
 
 class CheckpointManager:
-    """Save and load the checkpoints of one run directory; every rank calls every method."""
+    """Save and load the checkpoints of one run directory; every rank calls every method (``poll`` too, but it
+    waits for no other rank)."""
 
-    def __init__(self, run_dir: str | Path, dims: ParallelDims, keep: int = 2, async_save: bool = False):
+    def __init__(self, run_dir: str | Path, dims: ParallelDims, keep: int | None = 2, async_save: bool = False,
+                 no_save: bool = False):
         self.root = Path(run_dir) / "checkpoints"
         self.dims = dims
-        self.keep = keep
+        self.keep = keep  # newest checkpoints kept (+ latest's and the best); None: every one
         self.async_save = async_save
+        self.no_save = no_save  # write no checkpoint at all
         self.timeout = checkpoint_timeout()
-        self._pending: _PendingSave | None = None
+        self._in_flight: _Save | None = None
+        self._last_step: int | None = None  # of the last save started
+        self._writer: ThreadPoolExecutor | None = None  # the thread that writes and publishes (``_write``)
         self._coordination = None  # the gloo group of checkpointing (``_group``), made on first use
         self._deleter = _Deleter()
         self._cleaned = False
-        self.note: str | None = None  # why ``resolve("auto")`` did not take the checkpoint ``latest`` names
+        self.note: str | None = None  # which checkpoints ``latest``/``resolve`` skipped, and why (a line each)
 
     # ----------------------------------------------------------------------------------- find
     def latest(self) -> Path | None:
-        pointer = self.root / LATEST
-        if not pointer.is_file():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if path.name.startswith(RETIRED_PREFIX) or not (path / TRAINER_JSON).is_file():
-            raise XprepError(f"{pointer} names {path.name}, which is missing or incomplete; point it at "
-                             "another step-<N> directory or delete it to start over")
+        """The checkpoint this run continues from (``--resume auto``; ``find_latest``), its ``note`` kept."""
+        path, self.note = find_latest(self.root)
         return path
 
     def resolve(self, resume: str) -> Path | None:
@@ -126,54 +150,46 @@ class CheckpointManager:
                                  "use --resume auto to continue, or another --output")
             return None
         if resume == "auto":
-            return self._auto()
+            return self.latest()
         path = Path(resume)
-        if (path / "checkpoints" / LATEST).is_file():  # a run directory
-            path = CheckpointManager(path, self.dims).latest()
-        elif (path / LATEST).is_file():  # a checkpoints directory
-            path = path / (path / LATEST).read_text().strip()
-        if path is not None and path.name.startswith(RETIRED_PREFIX):
+        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path if (path / LATEST).is_file() else None
+        if root is not None:  # a run directory, or its checkpoints: the one auto would take there
+            found, self.note = find_latest(root)
+            if found is None:
+                raise XprepError(f"--resume {resume}: holds no checkpoint; give a step-<N> directory, a run "
+                                 "directory that saved one, or auto")
+            return found
+        if path.name.startswith(RETIRED_PREFIX):
             raise XprepError(f"--resume {resume}: a retired checkpoint, being deleted (it may be incomplete already); "
                              "give a step-<N> directory, a run directory, or auto")
-        if path is None or not (path / TRAINER_JSON).is_file():
-            raise XprepError(f"--resume {resume}: not a complete checkpoint (no {TRAINER_JSON}); give a "
-                             "step-<N> directory, a run directory, or auto")
+        problem = damage(path)
+        if problem is not None:
+            raise XprepError(f"--resume {resume}: not a complete checkpoint, it is {problem}; give another step-<N> "
+                             "directory, a run directory, or auto (the newest complete checkpoint)")
         return path
 
-    def _auto(self) -> Path | None:
-        """The checkpoint ``--resume auto`` continues from: the one ``latest`` names, or, when the pointer is missing
-        or names no complete checkpoint, the newest complete ``step-<N>`` (said in ``note``), never a silent
-        start from scratch over a run's checkpoints. None when the run has none; an error when it has some but
-        none is complete."""
-        pointer, named, steps = self.root / LATEST, self._latest_name(), self.steps()
-        if named is not None and not named.startswith(RETIRED_PREFIX) and _complete(self.root / named):
-            return self.root / named
-        if named is None and not steps:
-            return None
-        found = next((self.root / f"step-{n}" for n in reversed(steps) if _complete(self.root / f"step-{n}")), None)
-        why = f"{pointer} is missing" if named is None else f"{pointer} names {named}, which is missing or incomplete"
-        if found is None:
-            raise XprepError(f"{why}, and no step-<N> in {self.root} is a complete checkpoint (with {TRAINER_JSON} "
-                             f"and DCP's {DCP_METADATA}): nothing to resume; give --resume PATH of a checkpoint, or "
-                             "another --output to start over")
-        self.note = f"{why}: resuming from {found.name}, the newest complete checkpoint"
-        return found
-
     def steps(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)))
+        return _steps(self.root)
 
     # ----------------------------------------------------------------------------------- save
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict) -> Path:
-        """Write step-<step> from every rank, then publish it and move ``latest`` (rank 0).
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
+             blocking: bool = False) -> Path | None:
+        """Write step-<step> from every rank; rank 0 publishes it as soon as it is whole. None with ``no_save``.
 
-        With ``async_save`` this returns once the state is staged (copied): the write goes on in
-        the background and ``finish`` (or the next save) publishes it. Checkpoints retired by the
-        publication are deleted in the background either way.
+        Synchronous, this returns on every rank once the checkpoint is published; with ``async_save``, once this
+        rank's state is copied (``poll`` says when it is published). ``blocking`` (a preemption's last save) is
+        synchronous whatever ``async_save`` says, and an exception raised in this thread while it waits (a signal
+        handler's) is held until the checkpoint is published; it only waits when the last save was of the same step.
+        The save in flight, if any, is published first. Checkpoints retired by the publication are deleted in the
+        background either way.
         """
-        self._complete_pending()  # the previous asynchronous save first
+        if self.no_save:
+            return None
         final = self.root / f"step-{step}"
+        if blocking and step == self._last_step:  # (a preemption right after the step's own save)
+            self._flush(shielded=True)
+            return final
+        self._wait(shielded=blocking)  # one save at a time
         tmp = self.root / f".step-{step}.tmp"
         if self.dims.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -181,55 +197,90 @@ class CheckpointManager:
         self._barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        no_dist, group = not self.dims.distributed, self._group()
-        with _quiet_single_process():
-            if self.async_save:
-                future = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist, process_group=group)
-            else:
-                dcp.save(state, checkpoint_id=tmp, no_dist=no_dist, process_group=group)
-                future = None
         tmp.mkdir(parents=True, exist_ok=True)
-        torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-{self.dims.rank}.pt")
-        self._pending = _PendingSave(step, tmp, final, {"step": step, **trainer_state}, future)
-        if not self.async_save:
-            self._complete_pending()
+        writer = _DigestingWriter(tmp, self.dims.rank, _write_rng(tmp, self.dims.rank))  # rng first: see docstring
+        background = self.async_save and not blocking
+        if background:
+            state = writer.stage(state)  # a copy: training changes the model meanwhile
+        save = _Save(step, tmp, final, {"step": step, **trainer_state})
+        if self._writer is None:  # not a daemon: a process ending normally waits for the save in flight
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        gpu = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        save.job = self._writer.submit(self._write, save, state, writer, gpu)
+        self._in_flight, self._last_step = save, step
+        if not background:
+            self._flush(shielded=blocking)
         return final
 
+    def poll(self) -> Path | None:
+        """The checkpoint whose save ended since the last call (on rank 0: published), else None; raises the save's
+        error. Cheap and waits for no other rank: the training loop calls it after every step."""
+        save = self._in_flight
+        if save is None or not save.job.done():
+            return None
+        self._in_flight = None
+        save.job.result()
+        return save.final
+
+    def flush(self) -> None:
+        """Wait for the save in flight, if any: when this returns, on every rank, rank 0 has published it."""
+        self._flush(shielded=False)
+
     def finish(self) -> None:
-        """Complete what is in flight, at the end of a run: the pending save (published by rank 0) and the
-        deletion of retired checkpoints. Every rank returns when rank 0 is done."""
-        self._complete_pending()
+        """End the run's checkpointing: ``flush``, then wait for the deletion of retired checkpoints (rank 0).
+        Every rank returns when rank 0 is done."""
+        self.flush()
         if self.dims.is_main:
-            self._clean_leftovers()
+            if not self.no_save:
+                self._clean_leftovers()
             self._deleter.wait()
         self._barrier()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
 
-    def _complete_pending(self) -> None:
-        """Wait for the pending save on every rank, then publish it (rank 0). No-op when none."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def _flush(self, shielded: bool) -> None:
+        self._wait(shielded)
+        self._barrier()
+
+    def _wait(self, shielded: bool) -> None:
+        """Wait for this rank's part of the save in flight (and, on rank 0, its publication); raise its error."""
+        save = self._in_flight
+        if save is None:
             return
-        if pending.future is not None:  # a Future, or an AsyncSaveResponse holding one
-            getattr(pending.future, "upload_completion", pending.future).result()
-        self._barrier()
-        if self.dims.is_main:
-            self._publish(pending)
-        self._barrier()
+        try:
+            _wait_for(save.job, shielded)
+        finally:
+            if save.job.done():
+                self._in_flight = None
 
-    def _publish(self, pending: _PendingSave) -> None:
-        """Rename the finished checkpoint into place and point ``latest`` at it.
+    def _write(self, save: _Save, state: dict, writer: _DigestingWriter, gpu: int | None) -> None:
+        """In the writer thread: this rank's part of ``save``, then, on rank 0, its publication (module docstring:
+        when rank 0's DCP save returns, every rank's files are written). ``gpu``: the caller's current CUDA
+        device, which a new thread does not inherit (it starts on GPU 0): DCP copies a synchronous save's tensors
+        to the CPU on the current device's stream, and waits for that stream only."""
+        if gpu is not None:
+            torch.cuda.set_device(gpu)
+        quiet_dcp()
+        dcp.save(state, storage_writer=writer, no_dist=not self.dims.distributed, process_group=self._group())
+        if self.dims.is_main:
+            self._publish(save)
+
+    def _publish(self, save: _Save) -> None:
+        """Seal the finished checkpoint (trainer.json with every file's digest), rename it into place and point
+        ``latest`` at it.
 
         Re-saving a step that exists (after resuming from an earlier one) replaces it; ``latest``
         names a complete checkpoint at every instant: when it names the step being replaced, it
-        first moves to a hard-linked copy of that step, and back once the new one is in place.
+        first moves to a hard-linked copy of that step, and back once the new one is in place. Such a
+        copy that a run killed meanwhile left ``latest`` naming (and resumed from) goes once ``latest`` moves on.
         """
-        tmp, final = pending.tmp, pending.final
-        write_json_atomic(tmp / TRAINER_JSON, pending.trainer_state)
+        tmp, final, previous = save.tmp, save.final, self._latest_name()
+        write_json_atomic(tmp / TRAINER_JSON, _sealed(save.trainer_state, self._merge_digests(tmp)))
         fsync_tree(tmp)
         if final.exists():
-            old = self.root / f".{final.name}.old"
-            self._deleter.retire(old)  # a stale one
-            if self._latest_name() == final.name:
+            old = self.root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            if previous == final.name:
                 shutil.copytree(final, old, copy_function=_link_or_copy)
                 write_atomic(self.root / LATEST, old.name + "\n")
                 self._deleter.retire(final)
@@ -241,15 +292,28 @@ class CheckpointManager:
         else:
             os.replace(tmp, final)
             write_atomic(self.root / LATEST, final.name + "\n")
+        if previous is not None and previous.startswith(".step-"):
+            self._deleter.retire(self.root / previous)
         self._retain(final.name)
 
+    def _merge_digests(self, tmp: Path) -> dict[str, dict]:
+        """Every rank's file digests (their digests-<rank>.json, removed) and that of DCP's .metadata."""
+        files = {}
+        for rank in range(self.dims.world_size):
+            part = tmp / RANK_DIGESTS.format(rank=rank)
+            files.update(read_json(part, f"digests of rank {rank}'s checkpoint files",
+                                   f"every rank must write {self.root} on storage they share"))
+            part.unlink()
+        files[DCP_METADATA] = _file_digest(tmp / DCP_METADATA)
+        return files
+
     def _latest_name(self) -> str | None:
-        pointer = self.root / LATEST
-        return pointer.read_text().strip() if pointer.is_file() else None
+        return _latest_name(self.root)
 
     def _clean_leftovers(self) -> None:
         """Delete, in the background, what a killed run left (rank 0, once): its temporary directories
-        (not one ``latest`` still names) and the retired checkpoints it had not deleted yet."""
+        (not one ``latest`` still names), the retired checkpoints it had not deleted yet, and the temporary
+        file of a ``latest`` it was writing."""
         if self._cleaned:
             return
         self._cleaned = True
@@ -259,6 +323,8 @@ class CheckpointManager:
                 self._deleter.retire(stale)
         for retired in sorted(self.root.glob(RETIRED_PREFIX + "*")):
             self._deleter.delete(retired)
+        for stray in self.root.glob(f".{LATEST}.tmp-*"):  # write_atomic's temporary name (prep.io)
+            stray.unlink(missing_ok=True)
 
     def _group(self):
         """The gloo group checkpointing waits on: DCP's collectives, the asynchronous writes, and the barriers
@@ -277,7 +343,10 @@ class CheckpointManager:
             dist.barrier(group=group)
 
     def _retain(self, latest: str) -> None:
-        """Keep the newest ``keep`` checkpoints, the one ``latest`` names and the best one; retire the others."""
+        """Keep the newest ``keep`` checkpoints (all: ``keep=None``), the one ``latest`` names and the best; retire
+        the others."""
+        if self.keep is None:
+            return
         steps = self.steps()
         kept = {f"step-{n}" for n in steps[-self.keep:]} | {latest}
         best = self.best()
@@ -305,13 +374,14 @@ class CheckpointManager:
             raise XprepError(f"{path / TRAINER_JSON}: unreadable ({e}); resume from another checkpoint") from None
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, pack_key: str) -> dict:
-        """Restore model, optimizer and this rank's RNG from ``path``; return the trainer state."""
+        """Restore model, optimizer and this rank's RNG from ``path`` (checked by ``resolve``); return the trainer
+        state."""
         state = self.read_trainer_state(path)
         check_same_pack(state, path, pack_key)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         loaded = {"model": model_sd, "optim": optim_sd}
-        with _quiet_single_process():
-            dcp.load(loaded, checkpoint_id=path, no_dist=not self.dims.distributed, process_group=self._group())
+        quiet_dcp()
+        dcp.load(loaded, checkpoint_id=path, no_dist=not self.dims.distributed, process_group=self._group())
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         rng = path / f"rng-{self.dims.rank}.pt"
         if rng.is_file():  # absent when resuming on more ranks than were saved
@@ -322,8 +392,8 @@ class CheckpointManager:
         """Load the model's weights alone from checkpoint ``path`` (``--init-from``): DCP reads its "model" part only,
         whatever layout saved it, into this layout's shards; optimizer, trainer state and RNG are not read."""
         loaded = {"model": get_model_state_dict(model)}
-        with _quiet_single_process():
-            dcp.load(loaded, checkpoint_id=path, no_dist=not self.dims.distributed, process_group=self._group())
+        quiet_dcp()
+        dcp.load(loaded, checkpoint_id=path, no_dist=not self.dims.distributed, process_group=self._group())
         set_model_state_dict(model, loaded["model"])
 
     def wait_for_main(self) -> None:
@@ -332,21 +402,158 @@ class CheckpointManager:
         self._barrier()
 
 
+def find_latest(root: Path) -> tuple[Path | None, str | None]:
+    """The checkpoint of checkpoints directory ``root`` a run continues from, and what to say about it.
+
+    The one ``latest`` names when it is whole and undamaged (``damage``), else the newest ``step-<N>`` that is,
+    said in the note: one line per checkpoint skipped, naming it and why; never a silent start from scratch.
+    (None, None) when there is no checkpoint; an error when there are some but none is usable.
+    """
+    pointer, named, steps = root / LATEST, _latest_name(root), _steps(root)
+    if named is None and not steps:
+        return None, None
+    why = f"{pointer} is missing"
+    if named is not None:
+        problem = "retired (being deleted)" if named.startswith(RETIRED_PREFIX) else damage(root / named)
+        if problem is None:
+            return root / named, None
+        why = f"{pointer} names {named}, which is {problem}"
+    skipped = []
+    for name in (f"step-{n}" for n in reversed(steps) if f"step-{n}" != named):
+        problem = damage(root / name)
+        if problem is None:
+            return root / name, "\n".join([*skipped, f"{why}: using {name}, the newest complete checkpoint"])
+        skipped.append(f"skipping {name}: {problem}")
+    listed = f" ({'; '.join(line.removeprefix('skipping ') for line in skipped)})" if skipped else ""
+    raise XprepError(f"{why}, and no step-<N> in {root} is a complete checkpoint{listed}: nothing to resume; give "
+                     "--resume PATH of a checkpoint, or another --output to start over")
+
+
+def damage(path: Path) -> str | None:
+    """Why ``path`` is no whole, undamaged checkpoint ("incomplete (.metadata is missing)", "damaged (...)");
+    None when it is one.
+
+    trainer.json must parse and match its own digest; every file it records must be there with its size (checked
+    for all first: cheap) and its sha256. A checkpoint from before the digests needs trainer.json and .metadata.
+    """
+    if not path.is_dir():
+        return "missing"
+    try:
+        state = json.loads((path / TRAINER_JSON).read_bytes())
+    except FileNotFoundError:
+        return f"incomplete ({TRAINER_JSON} is missing)"
+    except (OSError, ValueError) as e:
+        return f"damaged ({TRAINER_JSON} is unreadable: {e})"
+    if not isinstance(state, dict):
+        return f"damaged ({TRAINER_JSON} is not a JSON object)"
+    if FILES not in state:  # saved before checkpoints recorded digests
+        return None if (path / DCP_METADATA).is_file() else f"incomplete ({DCP_METADATA} is missing)"
+    recorded = state.pop(TRAINER_DIGEST, None)
+    files = state[FILES]
+    if recorded != _json_digest(state) or not _valid_files(files):
+        return f"damaged ({TRAINER_JSON} differs from its recorded digest)"
+    for name, want in files.items():
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"incomplete ({name} is missing)"
+        if size != want["size"]:
+            return f"damaged ({name} is {size:,} bytes, {TRAINER_JSON} records {want['size']:,})"
+    for name, want in files.items():
+        try:
+            if file_sha256(path / name, "") != want["sha256"]:
+                return f"damaged ({name}: its sha256 differs from the one {TRAINER_JSON} records)"
+        except XprepError:
+            return f"damaged ({name} is unreadable)"
+    return None
+
+
+def _valid_files(files) -> bool:
+    """Whether trainer.json's FILES is what ``_sealed`` writes: plain names (no path) with a size and a sha256,
+    .metadata among them."""
+    return (isinstance(files, dict) and DCP_METADATA in files
+            and all(isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
+                    and isinstance(want, dict) and isinstance(want.get("size"), int)
+                    and isinstance(want.get("sha256"), str) for name, want in files.items()))
+
+
+def _sealed(trainer_state: dict, files: dict[str, dict]) -> dict:
+    """trainer.json's content: the trainer state, every file's digest, and its own digest (of the rest, as read
+    back from JSON)."""
+    state = json.loads(json.dumps({**trainer_state, FILES: dict(sorted(files.items()))}))
+    return {**state, TRAINER_DIGEST: _json_digest(state)}
+
+
+def _json_digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _file_digest(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": file_sha256(path, "the checkpoint being written is unreadable")}
+
+
+def _write_rng(directory: Path, rank: int) -> dict[str, dict]:
+    """Write this rank's RNG state (durably) into ``directory``; its digest, as FILES records it."""
+    buffer = io.BytesIO()
+    torch.save({"torch": torch.get_rng_state()}, buffer)
+    data, name = buffer.getvalue(), f"rng-{rank}.pt"
+    write_atomic(directory / name, data)
+    return {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+
+
+def _latest_name(root: Path) -> str | None:
+    pointer = root / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def _steps(root: Path) -> list[int]:
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+
+def _wait_for(job: Future, shielded: bool) -> None:
+    """Wait for ``job`` and raise its error. ``shielded``: an exception raised in this thread meanwhile (by a signal
+    handler) does not end the waiting: it is raised once the job is done."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            job.result()
+            break
+        except BaseException as e:
+            if job.done() or not shielded:
+                raise
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
+
+
+class _DigestingWriter(FileSystemWriter):
+    """DCP's file writer that also writes, once this rank's files are written, their sizes and sha256 (with those
+    of ``extra``, the files this rank wrote before) to digests-<rank>.json: inside DCP's collective write, so
+    before rank 0 writes .metadata. Each rank hashes only its own files, in the writer thread."""
+
+    def __init__(self, path: Path, rank: int, extra: dict[str, dict]):
+        super().__init__(path)
+        self.digests = Path(path) / RANK_DIGESTS.format(rank=rank)
+        self.extra = extra
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        names = sorted({result.storage_data.relative_path for result in future.wait()})
+        write_json_atomic(self.digests, {**self.extra, **{n: _file_digest(self.digests.parent / n) for n in names}})
+        return future
+
+
 @dataclass
-class _PendingSave:
-    """A checkpoint being written: where, what rank 0 publishes with it, and the write's future."""
+class _Save:
+    """A checkpoint being written: where, what rank 0 publishes with it, and the writer thread's job."""
 
     step: int
     tmp: Path
     final: Path
     trainer_state: dict
-    future: object | None
-
-
-def _complete(path: Path) -> bool:
-    """Whether ``path`` holds a whole checkpoint: rank 0's trainer state and DCP's metadata (written last by
-    DCP's save, after every rank's data)."""
-    return (path / TRAINER_JSON).is_file() and (path / DCP_METADATA).is_file()
+    job: Future = field(default_factory=Future)
 
 
 class _Deleter:
@@ -466,12 +673,13 @@ def check_same_model(state: dict, path: Path | str, model_config: dict,
         raise XprepError(f"{path}: this checkpoint holds another model ({what}); {fix}")
 
 
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns that it 'assumes' a single process when there is no process group: that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+
+
+def quiet_dcp() -> None:
+    """DCP warns at every save and load without a process group that it "assumes" a single process: that is the
+    intent. A filter of the whole process, installed again at each use (test runners reset the filters): the writes
+    run in a thread, where ``warnings.catch_warnings`` is not safe."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _link_or_copy(src: str, dst: str) -> None:

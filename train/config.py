@@ -8,7 +8,7 @@ TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the ru
               max_bad_steps, inject_nonfinite (tests only)                        → Trainer's bad-step rule
   parallel    device, nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
               reduce_every_micro_batch                                            → ParallelDims
-  checkpoint  save_every, save_every_minutes, keep, resume, async_save,           → CheckpointManager
+  checkpoint  save_every, save_every_minutes, keep, resume, async_save, no_save,  → CheckpointManager
               save_hf, save_hf_every
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
 ```
@@ -264,21 +264,28 @@ class ParallelSection:
 
 @dataclass
 class CheckpointSection:
-    """When checkpoints are written, how many are kept, which one a run resumes from; whether the model also goes
-    out as a Hugging Face directory (train/weights.py)."""
+    """When checkpoints are written (or none is: ``no_save``), how many are kept, which one a run resumes from;
+    whether the model also goes out as a Hugging Face directory (train/weights.py)."""
 
     SECTION: ClassVar[str] = "checkpoint"
     save_every: int = 0  # 0 = only at the end
     save_every_minutes: float = 0.0  # also when this much time passed since the last save; 0 = off
-    keep: int = 2
+    keep: int | str = 2  # newest checkpoints kept, or "all"
     resume: str = "auto"  # auto | never | PATH of a checkpoint
     async_save: bool = False
+    no_save: bool = False  # write no checkpoint, not even the last (resuming from one still works)
     save_hf: bool = False  # a Hugging Face model directory (train/weights.py) after the last step
     save_hf_every: int = 0  # and every N steps; 0 = at the end only
 
     def __post_init__(self):
         _check_types(self)
-        _check_at_least(self, 1, "keep")
+        if isinstance(self.keep, str) and self.keep != "all":  # from the command line (always a string) or a file
+            try:
+                self.keep = int(self.keep)
+            except ValueError:
+                raise XprepError(f"--keep {self.keep!r} is neither a number of checkpoints nor 'all'") from None
+        if self.keep != "all":
+            _check_at_least(self, 1, "keep")
         _check_at_least(self, 0, "save_every", "save_hf_every")
         if not (self.save_every_minutes >= 0 and math.isfinite(self.save_every_minutes)):
             raise XprepError(f"--save-every-minutes {self.save_every_minutes} must be a number of minutes ≥ 0 "
@@ -288,7 +295,8 @@ class CheckpointSection:
                              "--save-hf-every out")
 
     def build(self, run_dir: Path, dims: ParallelDims) -> CheckpointManager:
-        return CheckpointManager(run_dir, dims, self.keep, self.async_save)
+        return CheckpointManager(run_dir, dims, None if self.keep == "all" else self.keep, self.async_save,
+                                 self.no_save)
 
 
 @dataclass

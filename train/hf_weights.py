@@ -33,7 +33,7 @@ from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
 from prep.io import file_sha256, fsync_dir, fsync_tree, read_json
 from prep.mixture import open_entry
 from prep.templates import BUILTIN_TEMPLATES
-from train.checkpoint import LATEST, TRAINER_JSON, CheckpointManager, _quiet_single_process
+from train.checkpoint import CheckpointManager, damage, find_latest, quiet_dcp
 from train.model import ModelConfig, Transformer
 
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -282,21 +282,25 @@ def builtin_to_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
 
 
 def checkpoint_path(run: str | Path, step: int | None) -> Path:
-    """The checkpoint directory of ``run`` at ``step`` (None: the one ``latest`` names)."""
+    """The checkpoint directory of ``run`` at ``step``, whole and undamaged (``train.checkpoint.damage``); None:
+    the one ``--resume auto`` would take (``find_latest``: the one ``latest`` names, else the newest whole one,
+    said on stderr)."""
     root = Path(run) / "checkpoints"
     steps = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit()) if root.is_dir() else []
     if not steps:
         raise XprepError(f"{run}: no checkpoint (no {root}/step-<N>); give the directory of a run that saved one")
     if step is None:
-        latest = root / LATEST
-        path = root / latest.read_text().strip() if latest.is_file() else root / f"step-{steps[-1]}"
-    elif step in steps:
-        path = root / f"step-{step}"
-    else:
+        path, note = find_latest(root)
+        if note:
+            print(note, file=sys.stderr)
+        return path
+    if step not in steps:
         raise XprepError(f"--step {step}: {run} has no checkpoint at that step; it has step "
                          f"{', '.join(map(str, steps))}")
-    if not (path / TRAINER_JSON).is_file():
-        raise XprepError(f"{path}: incomplete checkpoint (no {TRAINER_JSON}); give another --step")
+    path = root / f"step-{step}"
+    problem = damage(path)
+    if problem is not None:
+        raise XprepError(f"{path}: not a complete checkpoint, it is {problem}; give another --step")
     return path
 
 
@@ -333,8 +337,8 @@ def export_run(run: str | Path, step: int | None, output: str | Path, dtype: str
         model = Transformer(cfg)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+    quiet_dcp()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
     with publishing(output) as tmp:
         said = write_hf_model(tmp, state["model"], cfg, extras, output, dtype)
     print(said, file=sys.stderr)

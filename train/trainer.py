@@ -543,9 +543,10 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                     saved_at = _save(ckpt, trainer, control)
                 if hf is not None and hf.due(trainer.step, plan.steps):
                     hf.save(trainer.step, model, trainer.state_dict())
+            ckpt.poll()  # an asynchronous save that has ended: its error, if any, raised now
             for callback in STEP_END_CALLBACKS:
                 callback(trainer)
-        ckpt.finish()  # an asynchronous save still being written
+        ckpt.finish()  # an asynchronous save still being written: published before the run ends
         if dims.is_main:
             attempts.note(run_dir, f"trained to step {trainer.step}/{plan.steps}")
     finally:
@@ -566,16 +567,21 @@ def _stop(signum: int, trainer: Trainer, ckpt: CheckpointManager, saved_at: int,
     """Every rank stops here, after the same step: a checkpoint of it, complete and published (after any save in
     flight) unless the newest one is of this step already, then ``Stopped`` with the status of ``signum``."""
     name = signal_name(signum)
-    if saved_at == trainer.step or trainer.last_step_bad:  # nothing new to save, or nothing that may be saved
-        ckpt.finish()
-        where = ("nothing trained yet" if trainer.step == 0 else f"checkpoint step-{trainer.step} is saved"
-                 if saved_at == trainer.step else f"not saved: the step was bad; step-{saved_at} stays the latest")
+    if ckpt.no_save:
+        where = "--no-save: no checkpoint written"
+    elif trainer.step == 0:
+        where = "nothing trained yet"
+    elif saved_at == trainer.step:
+        where = f"checkpoint step-{trainer.step} is saved"
+    elif trainer.last_step_bad:  # nothing saved from a state reached through a bad step
+        where = f"not saved: the step was bad; step-{saved_at} stays the latest"
     else:
         if is_main:
             out.write(f"{name} received: saving a checkpoint of step {trainer.step} before stopping\n")
-        _save(ckpt, trainer)
-        ckpt.finish()  # written and published before this rank goes on, asynchronous save or not
+            out.flush()
+        ckpt.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict(), blocking=True)
         where = f"checkpoint step-{trainer.step} saved"
+    ckpt.finish()  # a save in flight, published before any rank goes on
     message = (f"stopped by {name} after step {trainer.step}/{plan.steps} ({where}); the same command, or "
                f"`xtrain run -o {run_dir}`, resumes")
     if is_main:
@@ -584,6 +590,8 @@ def _stop(signum: int, trainer: Trainer, ckpt: CheckpointManager, saved_at: int,
         attempts.note(run_dir, message)
         record_stop(signum, message)
     raise Stopped(signum, message, said=is_main)
+
+
 class TooManyBadSteps(XprepError):
     """``--max-bad-steps`` bad steps in a row: the run stops (every rank at the same step), exit status 3."""
 
