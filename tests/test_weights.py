@@ -26,7 +26,7 @@ from trainkit import cp_pack
 
 import train.trainer as trainer_module
 from cli import xtrain
-from train.checkpoint import _quiet_single_process
+from train.checkpoint import quiet_dcp
 from train.data import PackedDataset, collate
 from train.hf_weights import builtin_model_config, name_map
 from train.loss import LossSums, token_ce
@@ -52,8 +52,8 @@ def from_checkpoint(step_dir: Path) -> Transformer:
     cfg = builtin_model_config(json.loads((step_dir / "trainer.json").read_text())["model"], step_dir, "test")
     model = Transformer(cfg)
     state = {"model": model.state_dict()}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=step_dir, no_dist=True)
+    quiet_dcp()
+    dcp.load(state, checkpoint_id=step_dir, no_dist=True)
     return model.eval()
 
 
@@ -208,7 +208,8 @@ def test_weights_options_are_checked_before_training(two_ranks, tmp_path):
     transformers.MistralForCausalLM(config).save_pretrained(fallback)
 
     assert "no such directory" in error("--init-from", str(tmp_path / "nothing"))
-    assert "not a complete checkpoint" in error("--init-from", str(tmp_path / "incomplete"))
+    assert "not a checkpoint to start from, it is incomplete (.metadata is missing)" in error(
+        "--init-from", str(tmp_path / "incomplete"))
     assert "holds another model (dim 64 → 512" in error("--init-from", str(source), "--model", "small")
     assert "--init-from hf:" in error("--init-from", f"hf:{source / 'hf' / 'latest'}", "--model", "small")
     assert "needs the built-in model" in error("--init-from", str(source), "--model", f"hf:{fallback}")

@@ -38,8 +38,8 @@ from train.checkpoint import (
     RETIRED_PREFIX,
     TRAINER_JSON,
     CheckpointManager,
-    _complete,
     check_same_model,
+    damage,
 )
 from train.dist import ParallelDims
 from train.hf import hf_builtin_config
@@ -215,10 +215,10 @@ def _checkpoint_of(given: str) -> tuple[Path, str]:
     if not path.is_dir():
         raise XprepError(f"--init-from {given}: no such directory; {usage}")
     if (path / TRAINER_JSON).exists() or (path / DCP_METADATA).exists() or path.name.startswith("step-"):
-        if path.name.startswith(RETIRED_PREFIX) or not _complete(path):
-            raise XprepError(f"--init-from {given}: not a complete checkpoint (it needs {TRAINER_JSON} and DCP's "
-                             f"{DCP_METADATA}); give another step-<N>, or the run directory for its newest "
-                             "complete one")
+        problem = "retired (being deleted)" if path.name.startswith(RETIRED_PREFIX) else damage(path)
+        if problem is not None:
+            raise XprepError(f"--init-from {given}: not a checkpoint to start from, it is {problem}; give another "
+                             "step-<N>, or the run directory for its newest complete one")
         return path, ""
     run = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" else None
     if run is None:
