@@ -52,12 +52,13 @@ from prep.mixture import (
     blend_units,
     build_blend,
     check_blend_config,
+    doc_lengths,
     read_sources,
     shares,
     source_configs,
 )
 from prep.packconfig import PackConfig
-from prep.packfile import PackEntry, open_fingerprinted
+from prep.packfile import DamagedEntry, PackEntry, open_fingerprinted
 from prep.packing import Packed, Targets, held_out, item_targets, pack_lengths
 from prep.remote import synced_from
 
@@ -167,7 +168,7 @@ def _entry(root: Path, inputs: list[dict], config: PackConfig, force: bool, allo
     """The entry of one part (the whole pack without --split): found, or built under its lock."""
     key = cache_key(config, inputs, part if split else None)
     name = entry_name(config, key)
-    entry = None if force else _open_existing(root / name, key)
+    entry = None if force else _open_existing(root / name, key, inputs, log)
     hit = entry is not None
     if not hit:
         entry, hit = _build_once(root, name, key, inputs, config, force, allow_empty, log,
@@ -254,21 +255,28 @@ def _blend_once(root: Path, sources: list, entries: list[PackEntry], config: Pac
     """The blend entry of these sources, built under its lock unless the cache has it; (entry, hit)."""
     key = blend_key(entries, sources, shares(sources), config.seed, total, every_bin_once)
     name = blend_name(key)
-    entry = None if force else _open_blend(root / name, key)
+    entry = None if force else _open_blend(root / name, key, log)
     if entry is not None:
         return entry, True
     with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
-        entry = None if force else _open_blend(root / name, key)
+        entry = None if force else _open_blend(root / name, key, log)
         if entry is not None:
             return entry, True
         return _build_blend(root, name, sources, entries, config, key, total, size_option, every_bin_once), False
 
 
-def _open_blend(path: Path, key: str) -> BlendEntry | None:
-    """The complete blend at ``path``, None if absent; one that does not open is an error."""
+def _open_blend(path: Path, key: str, log: Callable[[str], None]) -> BlendEntry | None:
+    """The complete blend at ``path``, None if absent or its arrays are damaged (said through ``log``, then
+    rebuilt); one that does not open otherwise is an error."""
     if not path.exists():
         return None
-    entry = BlendEntry.open(path)
+    try:
+        entry = BlendEntry.open(path)
+    except DamagedEntry as e:
+        if e.path != path:  # a source entry: built again (or found whole) just before, so this is not the blend's
+            raise
+        log(f"{path}: damaged pack entry ({e.problem}): building it again")
+        return None
     if entry.key != key:
         raise XprepError(f"{path}: its blend.json has key {entry.key!r}, not {key!r}: the entry is corrupt; "
                          "re-run with --force")
@@ -318,7 +326,7 @@ def _build_once(root: Path, name: str, key: str, inputs: list[dict], config: Pac
                 allow_empty: bool, log: Callable[[str], None], split: dict | None = None) -> tuple[PackEntry, bool]:
     """Build under the entry's lock; whoever waited for a builder finds its entry (a hit)."""
     with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
-        entry = None if force else _open_existing(root / name, key)
+        entry = None if force else _open_existing(root / name, key, inputs, log)
         if entry is not None:
             return entry, True
         return _build(root, name, key, inputs, config, allow_empty, split), False
@@ -342,11 +350,19 @@ def _ours(p: Path) -> bool:
     return p.name.startswith(".") or (p / PACK_JSON).is_file() or (p / BLEND_JSON).is_file()
 
 
-def _open_existing(path: Path, key: str) -> PackEntry | None:
-    """The complete entry at ``path``, None if absent; an entry that does not open is an error."""
+def _open_existing(path: Path, key: str, inputs: list[dict], log: Callable[[str], None]) -> PackEntry | None:
+    """The complete entry at ``path``, None if absent or damaged (its arrays unreadable, or breaking the layout's
+    invariants or the documents of ``inputs``: said through ``log``, then rebuilt); an entry whose pack.json does
+    not open, or names another key, is an error."""
     if not path.exists():
         return None
-    entry = PackEntry.open(path)
+    try:
+        entry = PackEntry.open(path)
+        if entry.meta.get("key") == key:
+            entry.check_items(doc_lengths(open_fingerprinted(inputs, path)))
+    except DamagedEntry as e:
+        log(f"{path}: damaged pack entry ({e.problem}): building it again")
+        return None
     if entry.meta.get("key") != key:
         raise XprepError(f"{path}: its pack.json has key {entry.meta.get('key')!r}, not {key!r}: "
                          "the entry is corrupt; re-run with --force")
