@@ -27,6 +27,7 @@ from prep.io import OutputLock, check_output_dir, file_sha256, fsync_dir, fsync_
 
 FORMAT = DATASET_FORMAT  # the name prep.inspect imports it by
 WRITE_BEHIND_ITEMS = 64 << 20  # tokens appended between two write-behinds (256 MB of int32)
+MAX_SCAN_BLOCK = 64 << 20  # tokens read at a time where a manifest predates counts.max_token_id
 FORMAT_VERSION = 1
 UNCATEGORIZED = "uncategorized"
 MAX_CATEGORY = 65_535  # category ids are stored as uint16 at most
@@ -236,6 +237,7 @@ class DatasetWriter:
         self.loss_mask = _LazyStream(LOSS_MASK_STREAM, np.dtype(np.uint8))
         self.category_ids = _LazyStream(CATEGORY_IDS_STREAM, np.dtype(np.uint8))
         self.counts = Counts()
+        self.max_token_id: int | None = None  # the largest id appended (counts.max_token_id)
         self._lengths: list[np.ndarray] = []
         self._rejects = None
         self.reject_count = 0
@@ -261,8 +263,11 @@ class DatasetWriter:
         lengths = np.asarray(lengths, np.int64)
         if len(lengths) == 0:
             return
-        if self.dtype == np.uint16 and len(tokens) and int(tokens.max()) > 65535:
-            raise XprepError(f"token id {int(tokens.max())} does not fit uint16; use --dtype int32")
+        if len(tokens):  # one pass over the batch in memory: the largest id, which the trainer checks
+            top = int(tokens.max())
+            if self.dtype == np.uint16 and top > 65535:
+                raise XprepError(f"token id {top} does not fit uint16; use --dtype int32")
+            self.max_token_id = top if self.max_token_id is None else max(self.max_token_id, top)
         self.tokens.append(tokens, lengths)
         if loss_mask is not None or self.loss_mask.writer is not None:
             self._append_lazy(self.loss_mask, loss_mask, lengths, _default_loss_mask)
@@ -361,6 +366,7 @@ class DatasetWriter:
                 "documents": self.counts.documents,
                 "tokens": self.counts.tokens,
                 "loss_tokens": self.counts.loss_tokens,
+                "max_token_id": self.max_token_id,
                 "categories": {
                     (names[c] if c < len(names) and names[c] is not None else str(c)): {
                         "tokens": v[0], "loss_tokens": v[1]}
@@ -427,6 +433,17 @@ def _remove_stale_temps(out: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         except PermissionError:
             pass
+
+
+def check_token_ids(datasets: Sequence[TokenDataset], vocab_size: int, model: str) -> None:
+    """Refuse datasets holding a token id outside the model's vocabulary of ``vocab_size`` ids (``model`` names
+    it): its embedding lookup would fail mid-run (an IndexError on the CPU, a device-side assert on a GPU)."""
+    for ds in {str(ds.path): ds for ds in datasets}.values():  # (a validation pack shares the training datasets)
+        top = ds.max_token_id
+        if top is not None and top >= vocab_size:
+            raise XprepError(f"{ds.path}: holds token id {top:,}, but {model} has a vocabulary of {vocab_size:,} ids "
+                             f"(0..{vocab_size - 1:,}); re-tokenize with the model's tokenizer, or use a model whose "
+                             f"vocab_size is above {top:,}")
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -551,6 +568,17 @@ class TokenDataset:
     @property
     def fingerprint(self) -> str:
         return self.manifest["fingerprint"]
+
+    @property
+    def max_token_id(self) -> int | None:
+        """The largest token id (None: no token): the manifest's ``counts.max_token_id``, or for a dataset made
+        before it was recorded, the stream's, read block by block from the memory map (~1 s a few GB)."""
+        if "max_token_id" in self.manifest["counts"]:
+            return self.manifest["counts"]["max_token_id"]
+        items = self.tokens.items
+        if not len(items):
+            return None
+        return max(int(items[lo:lo + MAX_SCAN_BLOCK].max()) for lo in range(0, len(items), MAX_SCAN_BLOCK))
 
     @property
     def category_names(self) -> list[str | None]:

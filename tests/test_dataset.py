@@ -45,7 +45,7 @@ def test_text_only_dataset_has_tokens_stream_and_default_masks(tmp_path):
     docs = [np.array([5, 6, 7]), np.array([8]), np.array([9, 10])]
     m = build(tmp_path / "d", [(docs, None, None)])
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["manifest.json", "tokens.bin", "tokens.idx"]
-    assert m["counts"] == {"documents": 3, "tokens": 6, "loss_tokens": 3,
+    assert m["counts"] == {"documents": 3, "tokens": 6, "loss_tokens": 3, "max_token_id": 10,
                            "categories": {"uncategorized": {"tokens": 6, "loss_tokens": 3}}}
     ds = TokenDataset(tmp_path / "d")
     assert ds.document(0)["loss_mask"].tolist() == [0, 1, 1]
