@@ -32,6 +32,7 @@ FORMAT_VERSION = 1
 UNCATEGORIZED = "uncategorized"
 MAX_CATEGORY = 65_535  # category ids are stored as uint16 at most
 KEPT_TOKENIZER = "tokenizer.json"  # a converted tokenizer, kept inside the dataset (see dataset_tokenizer)
+SCRATCH = ".scratch"  # DatasetWriter.scratch, inside the temporary directory; never published
 # The shape of a chat dataset's conversations (counts.conversations): how many, their assistant turns, how many
 # begin with the assistant (after any system turn), assistant turns with a blank content (trained as little more
 # than the end-of-turn marker), and conversations whose last message is not the assistant's (a trailing turn
@@ -342,6 +343,13 @@ class DatasetWriter:
         self.reject_count += 1
         self.reject_reasons[kind] = self.reject_reasons.get(kind, 0) + 1
 
+    def scratch(self) -> str:
+        """A directory for the run's own temporary files (a worker's results), inside the dataset's temporary
+        directory: removed before the dataset is published, and with it if the run fails or is killed."""
+        path = self.tmp / SCRATCH
+        path.mkdir(exist_ok=True)
+        return str(path)
+
     def add_conversations(self, counts: np.ndarray | None) -> None:
         """Count conversations by shape (``CONVERSATION_COUNTS``; None: of unknown shape, see ``Counts``)."""
         self.counts.add_conversations(counts)
@@ -379,6 +387,7 @@ class DatasetWriter:
         if self.counts.conversations is not None and self.counts.conversations[0]:  # (see conversation_counts)
             manifest["counts"]["conversations"] = dict(zip(CONVERSATION_COUNTS, self.counts.conversations.tolist(),
                                                            strict=True))
+        shutil.rmtree(self.tmp / SCRATCH, ignore_errors=True)  # not part of the dataset
         if self.keep_tokenizer is not None:
             shutil.copyfile(self.keep_tokenizer, self.tmp / KEPT_TOKENIZER)
         manifest["fingerprint"] = fingerprint(manifest)
