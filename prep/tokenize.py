@@ -1002,6 +1002,8 @@ def write_all(config: TokenizeConfig, sources, plan, writer: DatasetWriter, pipe
     try:
         for result in pipeline.map(read_batches(sources, plan, config.limit, lines_read)):
             if isinstance(result, Unreadable):
+                if result.cut_short:  # records were lost: not one bad record that --on-error skip could set aside
+                    raise CutShort(sources[result.source].path, result, config.on_error)
                 rejected = Rejected(result.line, "unreadable file", result.reason, None, fatal=True)
                 _reject(writer, config.on_error, sources[result.source].path, rejected)
                 continue
@@ -1127,6 +1129,21 @@ class BadInput(XprepError):
 
     def __reduce__(self):
         return BadInput, (self.path, self.line, self.reason)
+
+
+class CutShort(XprepError):
+    """A compressed input that ended early, or broke after records came out of it: the records beyond the point read
+    are lost, which no ``--on-error`` mode may pass over as one bad record. Names the file, the error, how many
+    records were read and the last of them."""
+
+    def __init__(self, path: str, unreadable: Unreadable, on_error: str):
+        reason = unreadable.reason.removeprefix("unreadable file: ")
+        read = (f"{count(unreadable.records, 'record')} were read, the last at line {unreadable.last_line:,}"
+                if unreadable.records else "no record was read")
+        skip = " (--on-error skip sets bad records aside, not a file cut short)" if on_error == "skip" else ""
+        super().__init__(f"{path}: the compressed file is cut short or damaged ({reason}): {read}, and what follows "
+                         f"was lost; nothing was published{skip}: restore the whole file, or leave it out of the "
+                         "inputs")
 
 
 def _reject(writer: DatasetWriter, on_error: str, path: str, rejected: Rejected) -> None:

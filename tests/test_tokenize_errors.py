@@ -166,12 +166,12 @@ def test_corrupt_gzip_is_an_unreadable_file(tmp_path, tiny_tokenizer):
     assert len(TokenDataset(tmp_path / "o")) == 3
 
 
-def test_truncated_gzip_keeps_complete_records_and_reports_the_file(tmp_path, tiny_tokenizer):
+def test_truncated_gzip_reports_the_file_as_cut_short(tmp_path, tiny_tokenizer):
     raw = write_jsonl(tmp_path / "x.jsonl", [{"text": f"record {i} " + "pad " * 50} for i in range(300)]).read_bytes()
     src = tmp_path / "t.jsonl.gz"
     src.write_bytes(gzip.compress(raw)[:-50])
     code, _, err, _ = invoke("tokenize", src, "-o", tmp_path / "o", "--tokenizer", tiny_tokenizer)
-    assert code == 2 and err.startswith(f"error: {src}: unreadable file"), err
+    assert code == 2 and err.startswith(f"error: {src}: the compressed file is cut short or damaged"), err
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
