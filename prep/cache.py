@@ -42,7 +42,7 @@ from prep.dataset import TokenDataset, canonical_json, read_manifest, verify_str
 from prep.errors import XprepError
 from prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
 from prep.interrupt import temporary
-from prep.io import check_output_dir, fsync_dir, fsync_tree, read_json, write_json_atomic
+from prep.io import TempDir, check_output_dir, fsync_dir, fsync_tree, read_json, remove_stale_temps, write_json_atomic
 from prep.mixture import (
     BlendEntry,
     blend_key,
@@ -286,22 +286,35 @@ def _open_blend(path: Path, key: str, log: Callable[[str], None]) -> BlendEntry 
 def _build_blend(root: Path, name: str, sources: list, entries: list[PackEntry], config: PackConfig, key: str,
                  total: int, size_option: str, every_bin_once: bool = False) -> BlendEntry:
     """Blend into a fresh temp directory, blend.json last, and publish it by rename (the caller holds the lock)."""
-    for stale in [*root.glob(f".tmp-{name}-*"), *root.glob(f".old-{name}-*")]:  # from killed builds
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        with temporary(tmp):
-            blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
-            BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
-                       sources=entries).write_arrays(tmp)
-            write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable
-            fsync_tree(tmp)
-            _publish(tmp, root / name)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _building(root, name) as claim:
+        tmp = claim.path
+        blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
+        BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
+                   sources=entries).write_arrays(tmp)
+        write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable
+        fsync_tree(tmp)
+        _publish(claim, root / name)
     return BlendEntry.open(root / name)
+
+
+@contextmanager
+def _building(root: Path, name: str) -> Iterator[TempDir]:
+    """A fresh temporary directory to build entry ``name`` in (the caller holds the entry's lock), removed if the
+    build fails. First removed: earlier builds' temporaries whose owner is gone (``prep.io.owner_gone``: never one
+    of another host, where this lock may not reach) and old entries a publisher moved aside and died before
+    removing (it removes them under this lock)."""
+    remove_stale_temps(root, f".tmp-{name}-*")
+    for old in root.glob(f".old-{name}-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    claim = TempDir(root, f".tmp-{name}-{os.getpid()}-")
+    try:
+        with temporary(claim.path):
+            yield claim
+    except BaseException:
+        shutil.rmtree(claim.path, ignore_errors=True)
+        raise
+    finally:
+        claim.release()
 
 
 def _remove_if_only_locks(root: Path) -> None:
@@ -424,33 +437,25 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
 
     ``split``: what ``split_names`` gives plus the ``part`` to pack; None packs every document.
     """
-    for stale in [*root.glob(f".tmp-{name}-*"), *root.glob(f".old-{name}-*")]:  # from killed builds
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        with temporary(tmp):
-            datasets = open_fingerprinted(inputs, root / name, since="`xprep pack` started")
-            lengths, described = _load_lengths(inputs, datasets)
-            t0 = time.perf_counter()
-            docs = _part_documents(described, split)
-            packed = pack_lengths(lengths, config, docs, dataset_targets(datasets))
-            check_not_empty(packed.stats, config, allow_empty, split and split["part"])
-            meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
-                    "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
-                    "loss_mask": any(ds.loss_mask is not None for ds in datasets),
-                    "layout": layout_of(config), "stats": packed.stats,
-                    "pack_seconds": round(time.perf_counter() - t0, 3),
-                    "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
-            if config.method == "chunk":
-                meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
-            if split:
-                meta["split"] = {**split, "documents": len(docs)}
-            _write_entry(tmp, packed, meta)
-            _publish(tmp, root / name)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _building(root, name) as claim:
+        datasets = open_fingerprinted(inputs, root / name, since="`xprep pack` started")
+        lengths, described = _load_lengths(inputs, datasets)
+        t0 = time.perf_counter()
+        docs = _part_documents(described, split)
+        packed = pack_lengths(lengths, config, docs, dataset_targets(datasets))
+        check_not_empty(packed.stats, config, allow_empty, split and split["part"])
+        meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
+                "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
+                "loss_mask": any(ds.loss_mask is not None for ds in datasets),
+                "layout": layout_of(config), "stats": packed.stats,
+                "pack_seconds": round(time.perf_counter() - t0, 3),
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
+        if config.method == "chunk":
+            meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
+        if split:
+            meta["split"] = {**split, "documents": len(docs)}
+        _write_entry(claim.path, packed, meta)
+        _publish(claim, root / name)
     return PackEntry.open(root / name)
 
 
@@ -506,12 +511,15 @@ def _mark_complete(tmp: Path, meta: dict) -> None:
     fsync_tree(tmp)
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished directory into place, moving a forced-out old entry aside first."""
+def _publish(tmp: TempDir, final: Path) -> None:
+    """Rename the finished directory into place (its owner record gone first), moving a forced-out (or damaged) old
+    entry aside first."""
+    tmp.release()
+    fsync_dir(tmp.path)
     old = final.with_name(f".old-{final.name}-{os.getpid()}")
     if final.exists():
         os.replace(final, old)
-    os.replace(tmp, final)
+    os.replace(tmp.path, final)
     shutil.rmtree(old, ignore_errors=True)
     fsync_dir(final.parent)
 

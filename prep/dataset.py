@@ -23,7 +23,16 @@ import numpy as np
 from prep.errors import XprepError
 from prep.formats import CATEGORY_IDS_STREAM, DATASET_FORMAT, LOSS_MASK_STREAM, MANIFEST, REJECTS, TOKENS_STREAM
 from prep.indexed import BinWriter, IndexedReader, bin_path
-from prep.io import OutputLock, check_output_dir, file_sha256, fsync_dir, fsync_tree, write_json_atomic
+from prep.io import (
+    OutputLock,
+    TempDir,
+    check_output_dir,
+    file_sha256,
+    fsync_dir,
+    fsync_tree,
+    remove_stale_temps,
+    write_json_atomic,
+)
 
 FORMAT = DATASET_FORMAT  # the name prep.inspect imports it by
 WRITE_BEHIND_ITEMS = 64 << 20  # tokens appended between two write-behinds (256 MB of int32)
@@ -224,10 +233,9 @@ class DatasetWriter:
         self._lock = OutputLock(self.out).acquire()
         try:
             check_output_dir(self.out)  # again, under the lock: a writer that held it may have published meanwhile
-            _remove_stale_temps(self.out)
-            self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp.mkdir()
+            remove_stale_temps(self.out.parent, f".{self.out.name}.tmp-*")  # killed runs' (never a live one's)
+            self._claim = TempDir(self.out.parent, f".{self.out.name}.tmp-{os.getpid()}-")
+            self.tmp = self._claim.path
         except BaseException:
             self._lock.release()
             raise
@@ -394,6 +402,9 @@ class DatasetWriter:
         write_json_atomic(self.tmp / MANIFEST, manifest, durable=False)  # fsync_tree makes all of it durable
         if self.durable:
             fsync_tree(self.tmp)
+        self._claim.release()  # the owner record is no part of the dataset
+        if self.durable:
+            fsync_dir(self.tmp)
         self._publish()
         if self.durable:
             fsync_dir(self.out.parent)
@@ -419,6 +430,7 @@ class DatasetWriter:
         if self._rejects is not None:
             self._rejects.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self._claim.release()
         self._lock.release()
 
 
@@ -430,18 +442,6 @@ def _default_loss_mask(lengths: np.ndarray) -> np.ndarray:
 
 def _default_categories(lengths: np.ndarray) -> np.ndarray:
     return np.zeros(int(lengths.sum()), np.uint8)
-
-
-def _remove_stale_temps(out: Path) -> None:
-    """Remove temp dirs of earlier runs for the same output whose process is gone."""
-    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
-        try:
-            pid = int(tmp.name.rsplit("-", 1)[1])
-            os.kill(pid, 0)
-        except (ValueError, ProcessLookupError):
-            shutil.rmtree(tmp, ignore_errors=True)
-        except PermissionError:
-            pass
 
 
 def check_token_ids(datasets: Sequence[TokenDataset], vocab_size: int, model: str) -> None:
