@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from prep.dataset import TokenDataset, canonical_json, read_manifest, verify_streams
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_errors
 from prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
 from prep.interrupt import temporary
 from prep.io import TempDir, check_output_dir, fsync_dir, fsync_tree, read_json, remove_stale_temps, write_json_atomic
@@ -137,7 +137,17 @@ def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, for
     record it as PACKED/manifest.json's current entry (a blend's sources are not: only the blend is).
     ``localize``: a dataset URL named in the ``mix`` file → the local copy to pack (see ``read_sources``).
     ``source_options``: each ``DATASET@WEIGHT:key=value`` argument's options (a blend's ``method``/``overlong``).
+    A full disk (a permission, a read-only filesystem) is the one-line error naming ``-o``; the entry being built
+    is removed, and nothing is published.
     """
+    with machine_errors(str(output), "-o"):
+        return _pack(datasets, output, config, force, log, allow_empty, weights, mix, make_current, localize,
+                     source_options)
+
+
+def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
+          log: Callable[[str], None] | None, allow_empty: bool, weights: list[float] | None, mix: str | None,
+          make_current: bool, localize: Callable[[str], str] | None, source_options: list[dict] | None) -> PackOutcome:
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
     if weights is not None or mix is not None:

@@ -20,7 +20,7 @@ from typing import Literal
 
 import numpy as np
 
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_errors
 from prep.formats import CATEGORY_IDS_STREAM, DATASET_FORMAT, LOSS_MASK_STREAM, MANIFEST, REJECTS, TOKENS_STREAM
 from prep.indexed import BinWriter, IndexedReader, bin_path
 from prep.io import (
@@ -229,20 +229,24 @@ class DatasetWriter:
                  tokenizer: str | Path | None = None):
         self.durable = durable  # False: published without fsync (a Ray shard, verified by its digests on reuse)
         self.out = check_output_dir(out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = OutputLock(self.out).acquire()
-        try:
-            check_output_dir(self.out)  # again, under the lock: a writer that held it may have published meanwhile
-            remove_stale_temps(self.out.parent, f".{self.out.name}.tmp-*")  # killed runs' (never a live one's)
-            self._claim = TempDir(self.out.parent, f".{self.out.name}.tmp-{os.getpid()}-")
-            self.tmp = self._claim.path
-        except BaseException:
-            self._lock.release()
-            raise
-        self.keep_tokenizer = Path(tokenizer) if tokenizer is not None else None
         self.dtype = np.dtype(dtype) if dtype is not None else token_dtype(vocab_size)
+        with self._writing():
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self._lock = OutputLock(self.out).acquire()
+            try:
+                check_output_dir(self.out)  # again, under the lock: a writer that held it may have published since
+                remove_stale_temps(self.out.parent, f".{self.out.name}.tmp-*")  # killed runs' (never a live one's)
+                self._claim = TempDir(self.out.parent, f".{self.out.name}.tmp-{os.getpid()}-")
+                self.tmp = self._claim.path
+                self.tokens = BinWriter(self.tmp / TOKENS_STREAM, self.dtype)
+            except BaseException:
+                if hasattr(self, "_claim"):
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                    self._claim.release()
+                self._lock.release()
+                raise
+        self.keep_tokenizer = Path(tokenizer) if tokenizer is not None else None
         self.vocab_size = vocab_size
-        self.tokens = BinWriter(self.tmp / TOKENS_STREAM, self.dtype)
         self.loss_mask = _LazyStream(LOSS_MASK_STREAM, np.dtype(np.uint8))
         self.category_ids = _LazyStream(CATEGORY_IDS_STREAM, np.dtype(np.uint8))
         self.counts = Counts()
@@ -256,6 +260,11 @@ class DatasetWriter:
 
     def __enter__(self) -> DatasetWriter:
         return self
+
+    def _writing(self, nbytes: int | None = None):
+        """Within: a full disk, a permission or a read-only filesystem is the one-line error naming ``-o`` (the
+        temporary directory is then removed by ``__exit__``: nothing is published)."""
+        return machine_errors(str(self.out), "-o", nbytes)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
@@ -272,6 +281,13 @@ class DatasetWriter:
         lengths = np.asarray(lengths, np.int64)
         if len(lengths) == 0:
             return
+        lazy = [s.dtype.itemsize for s, given in ((self.loss_mask, loss_mask), (self.category_ids, category_ids))
+                if given is not None or s.writer is not None]
+        with self._writing(len(tokens) * (self.dtype.itemsize + sum(lazy))):  # (the bytes of every stream's append)
+            self._append(tokens, lengths, loss_mask, category_ids)
+
+    def _append(self, tokens: np.ndarray, lengths: np.ndarray, loss_mask: np.ndarray | None,
+                category_ids: np.ndarray | None) -> None:
         if len(tokens):  # one pass over the batch in memory: the largest id, which the trainer checks
             top = int(tokens.max())
             if self.dtype == np.uint16 and top > 65535:
@@ -341,13 +357,14 @@ class DatasetWriter:
         ``kind`` is the class of problem the manifest counts rejects by ("unknown role 'bing'",
         "empty conversation", ...); by default the reason up to its first colon.
         """
-        if self._rejects is None:
-            self._rejects = open(self.tmp / REJECTS, "w")
         kind = kind or reason.split(":")[0]
         entry = {"source": source, "line": line, "kind": kind, "reason": reason}
         if record is not None:
             entry["record"] = record[:500]
-        self._rejects.write(_REJECT_JSON(entry) + "\n")
+        with self._writing():
+            if self._rejects is None:
+                self._rejects = open(self.tmp / REJECTS, "w")
+            self._rejects.write(_REJECT_JSON(entry) + "\n")
         self.reject_count += 1
         self.reject_reasons[kind] = self.reject_reasons.get(kind, 0) + 1
 
@@ -364,6 +381,10 @@ class DatasetWriter:
 
     def finish(self, manifest: dict, categories: CategoryTable) -> dict:
         """Close every stream, write the manifest with counts and fingerprint, publish."""
+        with self._writing():
+            return self._finish(manifest, categories)
+
+    def _finish(self, manifest: dict, categories: CategoryTable) -> dict:
         self._stop_writing_behind()
         streams = {TOKENS_STREAM: {"dtype": self.dtype.name, **self.tokens.close()}}
         for stream in (self.loss_mask, self.category_ids):

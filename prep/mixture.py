@@ -52,7 +52,7 @@ from prep.formats import (
 )
 from prep.io import read_json
 from prep.packconfig import BLENDABLE_METHODS, SOURCE_OPTIONS, PackConfig, check_source_option
-from prep.packfile import CHECK_BLOCK, DamagedEntry, EntryMeta, PackEntry, load_arrays, open_packed
+from prep.packfile import CHECK_BLOCK, DamagedEntry, EntryMeta, PackEntry, load_arrays, open_packed, save_array
 from prep.packing import shuffled_order
 from prep.remote import is_url
 
@@ -439,7 +439,7 @@ class BlendEntry(EntryMeta):
 
     def write_arrays(self, directory: Path) -> None:
         for name in BLEND_ARRAYS:
-            np.save(directory / f"{name}.npy", getattr(self, name), allow_pickle=False)
+            save_array(directory / f"{name}.npy", getattr(self, name))
 
     def manifest_row(self) -> dict:
         """The entry's line in PACKED/manifest.json."""

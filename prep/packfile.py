@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from prep.dataset import TokenDataset, verify_streams
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_errors
 from prep.formats import DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM, declared_format
 from prep.indexed import idx_path
 from prep.io import read_json
@@ -89,7 +89,7 @@ class PackEntry(EntryMeta):
 
     def write_arrays(self, directory: Path) -> None:
         for name in (*ARRAYS, TARGETS) if self.bin_targets is not None else ARRAYS:
-            np.save(directory / f"{name}.npy", getattr(self, name), allow_pickle=False)
+            save_array(directory / f"{name}.npy", getattr(self, name))
 
     @classmethod
     def open(cls, path: str | Path) -> PackEntry:
@@ -201,6 +201,16 @@ def check_items(path: Path, offsets: np.ndarray, item_doc: np.ndarray, item_star
 def _bin_of(offsets: np.ndarray, item: int) -> int:
     """The bin holding ``item`` (offsets checked to be non-decreasing first)."""
     return int(np.searchsorted(offsets, item, side="right")) - 1
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    """``np.save(path, array)``, byte for byte (a version 1.0 header, then the data), written by plain ``write``: a
+    full disk is then an OSError with its errno, which becomes the one-line error naming the file, the bytes and
+    ``-o`` (numpy's own ``tofile`` says only "N requested and M written")."""
+    array = np.ascontiguousarray(array)
+    with machine_errors(str(path), "-o", array.nbytes), open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+        f.write(memoryview(array.reshape(-1)).cast("B"))
 
 
 def load_arrays(path: Path, names: tuple[str, ...], fix: str, damaged: bool = False) -> dict[str, np.ndarray]:

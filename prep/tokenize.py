@@ -40,7 +40,7 @@ from prep.encoder import (
     load_tokenizer_info,
     marker_pieces,
 )
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_errors
 from prep.formats import AUTO, CHAT, RECORD_FORMATS, REJECTS, TEXT, TOKENS
 from prep.lifeline import die_with_parent
 from prep.progress import Progress
@@ -828,9 +828,13 @@ class Spilled:
 
     @classmethod
     def write(cls, result: Encoded, directory: str) -> Spilled:
-        fd, path = tempfile.mkstemp(dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            f.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        """``result`` in a new file of ``directory``. A full disk (or the like) is the one-line error, raised in the
+        worker and so by the main process's ``future.result()``: the run then ends as any failed run does."""
+        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        with machine_errors(directory, "-o", len(data)):
+            fd, path = tempfile.mkstemp(dir=directory)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
         return cls(path)
 
     def load(self) -> Encoded:
