@@ -14,12 +14,13 @@ from pathlib import Path
 
 import click
 
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_error
 from prep.formats import RECORD_FORMATS
 
 
 def _user_errors(fn):
-    """Turn an XprepError into one line on stderr and exit status 2 (no traceback)."""
+    """Turn an XprepError, or an OSError of the machine (a full disk, a permission, a read-only filesystem:
+    ``prep.errors.machine_error``), into one line on stderr and exit status 2 (no traceback)."""
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
@@ -28,6 +29,12 @@ def _user_errors(fn):
         except XprepError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
+        except OSError as e:
+            mapped = machine_error(e, action=None)  # (where the command did not say what it was doing)
+            if mapped is None:
+                raise
+            click.echo(f"error: {mapped}", err=True)
+            sys.exit(mapped.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)

@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from prep.dataset import TokenDataset, canonical_json, read_manifest, verify_streams
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_errors
 from prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
 from prep.interrupt import temporary
-from prep.io import check_output_dir, fsync_dir, fsync_tree, read_json, write_json_atomic
+from prep.io import TempDir, check_output_dir, fsync_dir, fsync_tree, read_json, remove_stale_temps, write_json_atomic
 from prep.mixture import (
     BlendEntry,
     blend_key,
@@ -52,12 +52,13 @@ from prep.mixture import (
     blend_units,
     build_blend,
     check_blend_config,
+    doc_lengths,
     read_sources,
     shares,
     source_configs,
 )
 from prep.packconfig import PackConfig
-from prep.packfile import PackEntry, open_fingerprinted
+from prep.packfile import DamagedEntry, PackEntry, open_fingerprinted
 from prep.packing import Packed, Targets, held_out, item_targets, pack_lengths
 from prep.remote import synced_from
 
@@ -136,7 +137,17 @@ def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, for
     record it as PACKED/manifest.json's current entry (a blend's sources are not: only the blend is).
     ``localize``: a dataset URL named in the ``mix`` file → the local copy to pack (see ``read_sources``).
     ``source_options``: each ``DATASET@WEIGHT:key=value`` argument's options (a blend's ``method``/``overlong``).
+    A full disk (a permission, a read-only filesystem) is the one-line error naming ``-o``; the entry being built
+    is removed, and nothing is published.
     """
+    with machine_errors(str(output), "-o"):
+        return _pack(datasets, output, config, force, log, allow_empty, weights, mix, make_current, localize,
+                     source_options)
+
+
+def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
+          log: Callable[[str], None] | None, allow_empty: bool, weights: list[float] | None, mix: str | None,
+          make_current: bool, localize: Callable[[str], str] | None, source_options: list[dict] | None) -> PackOutcome:
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
     if weights is not None or mix is not None:
@@ -167,7 +178,7 @@ def _entry(root: Path, inputs: list[dict], config: PackConfig, force: bool, allo
     """The entry of one part (the whole pack without --split): found, or built under its lock."""
     key = cache_key(config, inputs, part if split else None)
     name = entry_name(config, key)
-    entry = None if force else _open_existing(root / name, key)
+    entry = None if force else _open_existing(root / name, key, inputs, log)
     hit = entry is not None
     if not hit:
         entry, hit = _build_once(root, name, key, inputs, config, force, allow_empty, log,
@@ -254,21 +265,28 @@ def _blend_once(root: Path, sources: list, entries: list[PackEntry], config: Pac
     """The blend entry of these sources, built under its lock unless the cache has it; (entry, hit)."""
     key = blend_key(entries, sources, shares(sources), config.seed, total, every_bin_once)
     name = blend_name(key)
-    entry = None if force else _open_blend(root / name, key)
+    entry = None if force else _open_blend(root / name, key, log)
     if entry is not None:
         return entry, True
     with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
-        entry = None if force else _open_blend(root / name, key)
+        entry = None if force else _open_blend(root / name, key, log)
         if entry is not None:
             return entry, True
         return _build_blend(root, name, sources, entries, config, key, total, size_option, every_bin_once), False
 
 
-def _open_blend(path: Path, key: str) -> BlendEntry | None:
-    """The complete blend at ``path``, None if absent; one that does not open is an error."""
+def _open_blend(path: Path, key: str, log: Callable[[str], None]) -> BlendEntry | None:
+    """The complete blend at ``path``, None if absent or its arrays are damaged (said through ``log``, then
+    rebuilt); one that does not open otherwise is an error."""
     if not path.exists():
         return None
-    entry = BlendEntry.open(path)
+    try:
+        entry = BlendEntry.open(path)
+    except DamagedEntry as e:
+        if e.path != path:  # a source entry: built again (or found whole) just before, so this is not the blend's
+            raise
+        log(f"{path}: damaged pack entry ({e.problem}): building it again")
+        return None
     if entry.key != key:
         raise XprepError(f"{path}: its blend.json has key {entry.key!r}, not {key!r}: the entry is corrupt; "
                          "re-run with --force")
@@ -278,22 +296,35 @@ def _open_blend(path: Path, key: str) -> BlendEntry | None:
 def _build_blend(root: Path, name: str, sources: list, entries: list[PackEntry], config: PackConfig, key: str,
                  total: int, size_option: str, every_bin_once: bool = False) -> BlendEntry:
     """Blend into a fresh temp directory, blend.json last, and publish it by rename (the caller holds the lock)."""
-    for stale in [*root.glob(f".tmp-{name}-*"), *root.glob(f".old-{name}-*")]:  # from killed builds
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        with temporary(tmp):
-            blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
-            BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
-                       sources=entries).write_arrays(tmp)
-            write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable
-            fsync_tree(tmp)
-            _publish(tmp, root / name)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _building(root, name) as claim:
+        tmp = claim.path
+        blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
+        BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
+                   sources=entries).write_arrays(tmp)
+        write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable
+        fsync_tree(tmp)
+        _publish(claim, root / name)
     return BlendEntry.open(root / name)
+
+
+@contextmanager
+def _building(root: Path, name: str) -> Iterator[TempDir]:
+    """A fresh temporary directory to build entry ``name`` in (the caller holds the entry's lock), removed if the
+    build fails. First removed: earlier builds' temporaries whose owner is gone (``prep.io.owner_gone``: never one
+    of another host, where this lock may not reach) and old entries a publisher moved aside and died before
+    removing (it removes them under this lock)."""
+    remove_stale_temps(root, f".tmp-{name}-*")
+    for old in root.glob(f".old-{name}-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    claim = TempDir(root, f".tmp-{name}-{os.getpid()}-")
+    try:
+        with temporary(claim.path):
+            yield claim
+    except BaseException:
+        shutil.rmtree(claim.path, ignore_errors=True)
+        raise
+    finally:
+        claim.release()
 
 
 def _remove_if_only_locks(root: Path) -> None:
@@ -318,7 +349,7 @@ def _build_once(root: Path, name: str, key: str, inputs: list[dict], config: Pac
                 allow_empty: bool, log: Callable[[str], None], split: dict | None = None) -> tuple[PackEntry, bool]:
     """Build under the entry's lock; whoever waited for a builder finds its entry (a hit)."""
     with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
-        entry = None if force else _open_existing(root / name, key)
+        entry = None if force else _open_existing(root / name, key, inputs, log)
         if entry is not None:
             return entry, True
         return _build(root, name, key, inputs, config, allow_empty, split), False
@@ -342,11 +373,19 @@ def _ours(p: Path) -> bool:
     return p.name.startswith(".") or (p / PACK_JSON).is_file() or (p / BLEND_JSON).is_file()
 
 
-def _open_existing(path: Path, key: str) -> PackEntry | None:
-    """The complete entry at ``path``, None if absent; an entry that does not open is an error."""
+def _open_existing(path: Path, key: str, inputs: list[dict], log: Callable[[str], None]) -> PackEntry | None:
+    """The complete entry at ``path``, None if absent or damaged (its arrays unreadable, or breaking the layout's
+    invariants or the documents of ``inputs``: said through ``log``, then rebuilt); an entry whose pack.json does
+    not open, or names another key, is an error."""
     if not path.exists():
         return None
-    entry = PackEntry.open(path)
+    try:
+        entry = PackEntry.open(path)
+        if entry.meta.get("key") == key:
+            entry.check_items(doc_lengths(open_fingerprinted(inputs, path)))
+    except DamagedEntry as e:
+        log(f"{path}: damaged pack entry ({e.problem}): building it again")
+        return None
     if entry.meta.get("key") != key:
         raise XprepError(f"{path}: its pack.json has key {entry.meta.get('key')!r}, not {key!r}: "
                          "the entry is corrupt; re-run with --force")
@@ -408,33 +447,25 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
 
     ``split``: what ``split_names`` gives plus the ``part`` to pack; None packs every document.
     """
-    for stale in [*root.glob(f".tmp-{name}-*"), *root.glob(f".old-{name}-*")]:  # from killed builds
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        with temporary(tmp):
-            datasets = open_fingerprinted(inputs, root / name, since="`xprep pack` started")
-            lengths, described = _load_lengths(inputs, datasets)
-            t0 = time.perf_counter()
-            docs = _part_documents(described, split)
-            packed = pack_lengths(lengths, config, docs, dataset_targets(datasets))
-            check_not_empty(packed.stats, config, allow_empty, split and split["part"])
-            meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
-                    "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
-                    "loss_mask": any(ds.loss_mask is not None for ds in datasets),
-                    "layout": layout_of(config), "stats": packed.stats,
-                    "pack_seconds": round(time.perf_counter() - t0, 3),
-                    "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
-            if config.method == "chunk":
-                meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
-            if split:
-                meta["split"] = {**split, "documents": len(docs)}
-            _write_entry(tmp, packed, meta)
-            _publish(tmp, root / name)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _building(root, name) as claim:
+        datasets = open_fingerprinted(inputs, root / name, since="`xprep pack` started")
+        lengths, described = _load_lengths(inputs, datasets)
+        t0 = time.perf_counter()
+        docs = _part_documents(described, split)
+        packed = pack_lengths(lengths, config, docs, dataset_targets(datasets))
+        check_not_empty(packed.stats, config, allow_empty, split and split["part"])
+        meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
+                "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
+                "loss_mask": any(ds.loss_mask is not None for ds in datasets),
+                "layout": layout_of(config), "stats": packed.stats,
+                "pack_seconds": round(time.perf_counter() - t0, 3),
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
+        if config.method == "chunk":
+            meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
+        if split:
+            meta["split"] = {**split, "documents": len(docs)}
+        _write_entry(claim.path, packed, meta)
+        _publish(claim, root / name)
     return PackEntry.open(root / name)
 
 
@@ -490,12 +521,15 @@ def _mark_complete(tmp: Path, meta: dict) -> None:
     fsync_tree(tmp)
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished directory into place, moving a forced-out old entry aside first."""
+def _publish(tmp: TempDir, final: Path) -> None:
+    """Rename the finished directory into place (its owner record gone first), moving a forced-out (or damaged) old
+    entry aside first."""
+    tmp.release()
+    fsync_dir(tmp.path)
     old = final.with_name(f".old-{final.name}-{os.getpid()}")
     if final.exists():
         os.replace(final, old)
-    os.replace(tmp, final)
+    os.replace(tmp.path, final)
     shutil.rmtree(old, ignore_errors=True)
     fsync_dir(final.parent)
 

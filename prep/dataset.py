@@ -20,17 +20,28 @@ from typing import Literal
 
 import numpy as np
 
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_errors
 from prep.formats import CATEGORY_IDS_STREAM, DATASET_FORMAT, LOSS_MASK_STREAM, MANIFEST, REJECTS, TOKENS_STREAM
 from prep.indexed import BinWriter, IndexedReader, bin_path
-from prep.io import OutputLock, check_output_dir, file_sha256, fsync_dir, fsync_tree, write_json_atomic
+from prep.io import (
+    OutputLock,
+    TempDir,
+    check_output_dir,
+    file_sha256,
+    fsync_dir,
+    fsync_tree,
+    remove_stale_temps,
+    write_json_atomic,
+)
 
 FORMAT = DATASET_FORMAT  # the name prep.inspect imports it by
 WRITE_BEHIND_ITEMS = 64 << 20  # tokens appended between two write-behinds (256 MB of int32)
+MAX_SCAN_BLOCK = 64 << 20  # tokens read at a time where a manifest predates counts.max_token_id
 FORMAT_VERSION = 1
 UNCATEGORIZED = "uncategorized"
 MAX_CATEGORY = 65_535  # category ids are stored as uint16 at most
 KEPT_TOKENIZER = "tokenizer.json"  # a converted tokenizer, kept inside the dataset (see dataset_tokenizer)
+SCRATCH = ".scratch"  # DatasetWriter.scratch, inside the temporary directory; never published
 # The shape of a chat dataset's conversations (counts.conversations): how many, their assistant turns, how many
 # begin with the assistant (after any system turn), assistant turns with a blank content (trained as little more
 # than the end-of-turn marker), and conversations whose last message is not the assistant's (a trailing turn
@@ -218,24 +229,28 @@ class DatasetWriter:
                  tokenizer: str | Path | None = None):
         self.durable = durable  # False: published without fsync (a Ray shard, verified by its digests on reuse)
         self.out = check_output_dir(out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = OutputLock(self.out).acquire()
-        try:
-            check_output_dir(self.out)  # again, under the lock: a writer that held it may have published meanwhile
-            _remove_stale_temps(self.out)
-            self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp.mkdir()
-        except BaseException:
-            self._lock.release()
-            raise
-        self.keep_tokenizer = Path(tokenizer) if tokenizer is not None else None
         self.dtype = np.dtype(dtype) if dtype is not None else token_dtype(vocab_size)
+        with self._writing():
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self._lock = OutputLock(self.out).acquire()
+            try:
+                check_output_dir(self.out)  # again, under the lock: a writer that held it may have published since
+                remove_stale_temps(self.out.parent, f".{self.out.name}.tmp-*")  # killed runs' (never a live one's)
+                self._claim = TempDir(self.out.parent, f".{self.out.name}.tmp-{os.getpid()}-")
+                self.tmp = self._claim.path
+                self.tokens = BinWriter(self.tmp / TOKENS_STREAM, self.dtype)
+            except BaseException:
+                if hasattr(self, "_claim"):
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                    self._claim.release()
+                self._lock.release()
+                raise
+        self.keep_tokenizer = Path(tokenizer) if tokenizer is not None else None
         self.vocab_size = vocab_size
-        self.tokens = BinWriter(self.tmp / TOKENS_STREAM, self.dtype)
         self.loss_mask = _LazyStream(LOSS_MASK_STREAM, np.dtype(np.uint8))
         self.category_ids = _LazyStream(CATEGORY_IDS_STREAM, np.dtype(np.uint8))
         self.counts = Counts()
+        self.max_token_id: int | None = None  # the largest id appended (counts.max_token_id)
         self._lengths: list[np.ndarray] = []
         self._rejects = None
         self.reject_count = 0
@@ -245,6 +260,11 @@ class DatasetWriter:
 
     def __enter__(self) -> DatasetWriter:
         return self
+
+    def _writing(self, nbytes: int | None = None):
+        """Within: a full disk, a permission or a read-only filesystem is the one-line error naming ``-o`` (the
+        temporary directory is then removed by ``__exit__``: nothing is published)."""
+        return machine_errors(str(self.out), "-o", nbytes)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
@@ -261,8 +281,18 @@ class DatasetWriter:
         lengths = np.asarray(lengths, np.int64)
         if len(lengths) == 0:
             return
-        if self.dtype == np.uint16 and len(tokens) and int(tokens.max()) > 65535:
-            raise XprepError(f"token id {int(tokens.max())} does not fit uint16; use --dtype int32")
+        lazy = [s.dtype.itemsize for s, given in ((self.loss_mask, loss_mask), (self.category_ids, category_ids))
+                if given is not None or s.writer is not None]
+        with self._writing(len(tokens) * (self.dtype.itemsize + sum(lazy))):  # (the bytes of every stream's append)
+            self._append(tokens, lengths, loss_mask, category_ids)
+
+    def _append(self, tokens: np.ndarray, lengths: np.ndarray, loss_mask: np.ndarray | None,
+                category_ids: np.ndarray | None) -> None:
+        if len(tokens):  # one pass over the batch in memory: the largest id, which the trainer checks
+            top = int(tokens.max())
+            if self.dtype == np.uint16 and top > 65535:
+                raise XprepError(f"token id {top} does not fit uint16; use --dtype int32")
+            self.max_token_id = top if self.max_token_id is None else max(self.max_token_id, top)
         self.tokens.append(tokens, lengths)
         if loss_mask is not None or self.loss_mask.writer is not None:
             self._append_lazy(self.loss_mask, loss_mask, lengths, _default_loss_mask)
@@ -327,15 +357,23 @@ class DatasetWriter:
         ``kind`` is the class of problem the manifest counts rejects by ("unknown role 'bing'",
         "empty conversation", ...); by default the reason up to its first colon.
         """
-        if self._rejects is None:
-            self._rejects = open(self.tmp / REJECTS, "w")
         kind = kind or reason.split(":")[0]
         entry = {"source": source, "line": line, "kind": kind, "reason": reason}
         if record is not None:
             entry["record"] = record[:500]
-        self._rejects.write(_REJECT_JSON(entry) + "\n")
+        with self._writing():
+            if self._rejects is None:
+                self._rejects = open(self.tmp / REJECTS, "w")
+            self._rejects.write(_REJECT_JSON(entry) + "\n")
         self.reject_count += 1
         self.reject_reasons[kind] = self.reject_reasons.get(kind, 0) + 1
+
+    def scratch(self) -> str:
+        """A directory for the run's own temporary files (a worker's results), inside the dataset's temporary
+        directory: removed before the dataset is published, and with it if the run fails or is killed."""
+        path = self.tmp / SCRATCH
+        path.mkdir(exist_ok=True)
+        return str(path)
 
     def add_conversations(self, counts: np.ndarray | None) -> None:
         """Count conversations by shape (``CONVERSATION_COUNTS``; None: of unknown shape, see ``Counts``)."""
@@ -343,6 +381,10 @@ class DatasetWriter:
 
     def finish(self, manifest: dict, categories: CategoryTable) -> dict:
         """Close every stream, write the manifest with counts and fingerprint, publish."""
+        with self._writing():
+            return self._finish(manifest, categories)
+
+    def _finish(self, manifest: dict, categories: CategoryTable) -> dict:
         self._stop_writing_behind()
         streams = {TOKENS_STREAM: {"dtype": self.dtype.name, **self.tokens.close()}}
         for stream in (self.loss_mask, self.category_ids):
@@ -361,6 +403,7 @@ class DatasetWriter:
                 "documents": self.counts.documents,
                 "tokens": self.counts.tokens,
                 "loss_tokens": self.counts.loss_tokens,
+                "max_token_id": self.max_token_id,
                 "categories": {
                     (names[c] if c < len(names) and names[c] is not None else str(c)): {
                         "tokens": v[0], "loss_tokens": v[1]}
@@ -373,12 +416,16 @@ class DatasetWriter:
         if self.counts.conversations is not None and self.counts.conversations[0]:  # (see conversation_counts)
             manifest["counts"]["conversations"] = dict(zip(CONVERSATION_COUNTS, self.counts.conversations.tolist(),
                                                            strict=True))
+        shutil.rmtree(self.tmp / SCRATCH, ignore_errors=True)  # not part of the dataset
         if self.keep_tokenizer is not None:
             shutil.copyfile(self.keep_tokenizer, self.tmp / KEPT_TOKENIZER)
         manifest["fingerprint"] = fingerprint(manifest)
         write_json_atomic(self.tmp / MANIFEST, manifest, durable=False)  # fsync_tree makes all of it durable
         if self.durable:
             fsync_tree(self.tmp)
+        self._claim.release()  # the owner record is no part of the dataset
+        if self.durable:
+            fsync_dir(self.tmp)
         self._publish()
         if self.durable:
             fsync_dir(self.out.parent)
@@ -404,6 +451,7 @@ class DatasetWriter:
         if self._rejects is not None:
             self._rejects.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self._claim.release()
         self._lock.release()
 
 
@@ -417,16 +465,15 @@ def _default_categories(lengths: np.ndarray) -> np.ndarray:
     return np.zeros(int(lengths.sum()), np.uint8)
 
 
-def _remove_stale_temps(out: Path) -> None:
-    """Remove temp dirs of earlier runs for the same output whose process is gone."""
-    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
-        try:
-            pid = int(tmp.name.rsplit("-", 1)[1])
-            os.kill(pid, 0)
-        except (ValueError, ProcessLookupError):
-            shutil.rmtree(tmp, ignore_errors=True)
-        except PermissionError:
-            pass
+def check_token_ids(datasets: Sequence[TokenDataset], vocab_size: int, model: str) -> None:
+    """Refuse datasets holding a token id outside the model's vocabulary of ``vocab_size`` ids (``model`` names
+    it): its embedding lookup would fail mid-run (an IndexError on the CPU, a device-side assert on a GPU)."""
+    for ds in {str(ds.path): ds for ds in datasets}.values():  # (a validation pack shares the training datasets)
+        top = ds.max_token_id
+        if top is not None and top >= vocab_size:
+            raise XprepError(f"{ds.path}: holds token id {top:,}, but {model} has a vocabulary of {vocab_size:,} ids "
+                             f"(0..{vocab_size - 1:,}); re-tokenize with the model's tokenizer, or use a model whose "
+                             f"vocab_size is above {top:,}")
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -551,6 +598,17 @@ class TokenDataset:
     @property
     def fingerprint(self) -> str:
         return self.manifest["fingerprint"]
+
+    @property
+    def max_token_id(self) -> int | None:
+        """The largest token id (None: no token): the manifest's ``counts.max_token_id``, or for a dataset made
+        before it was recorded, the stream's, read block by block from the memory map (~1 s a few GB)."""
+        if "max_token_id" in self.manifest["counts"]:
+            return self.manifest["counts"]["max_token_id"]
+        items = self.tokens.items
+        if not len(items):
+            return None
+        return max(int(items[lo:lo + MAX_SCAN_BLOCK].max()) for lo in range(0, len(items), MAX_SCAN_BLOCK))
 
     @property
     def category_names(self) -> list[str | None]:

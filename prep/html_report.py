@@ -34,7 +34,7 @@ from prep.charts import (
     short,
     times,
 )
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_error
 from prep.io import check_output_file, write_atomic
 from prep.render import blend_unit_label
 
@@ -57,7 +57,8 @@ def write_page(reports: Sequence[dict], out: str | Path) -> None:
     try:
         write_atomic(out, page(reports))
     except OSError as e:
-        raise XprepError(f"--html {out}: cannot write it ({e.strerror}); choose another --html") from None
+        raise machine_error(e, str(out), "--html") or XprepError(
+            f"--html {out}: cannot write it ({e.strerror}); choose another --html") from None
 
 
 def check_target(out: str | Path) -> Path:

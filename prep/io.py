@@ -6,11 +6,14 @@
 - ``fsync_tree`` / ``fsync_dir``: make a directory built in a temp place durable before it is renamed;
 - ``read_json``: a JSON file, or one clear error naming the file, the problem and the fix;
 - ``file_sha256``: the digest of a file of any size, or one clear error naming it;
-- ``OutputLock``: one writer at a time for an output path (a second is one clear error naming the first).
+- ``OutputLock``: one writer at a time for an output path (a second is one clear error naming the first);
+- ``TempDir`` / ``remove_stale_temps``: a temporary directory that records its owner (host, pid, boot, process
+  start) under a lock, and the clean-up of those whose owner is gone, which never judges another host's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -264,3 +267,104 @@ def describe_holder(record: dict) -> str:
         return "its holder is not recorded yet"
     command = f", command: {record['command']}" if record.get("command") else ""
     return f"pid {record['pid']} on host {record.get('host', '?')}, started {record.get('started', '?')}{command}"
+
+
+# ------------------------------------------------------------------------------------------- temporaries
+OWNER = ".owner"  # inside a TempDir: its owner's record, locked by the owner for as long as it lives
+
+
+class TempDir:
+    """A temporary directory this process builds, created under a fresh name ``PREFIX<random>`` with its owner
+    recorded inside it (``.owner``: host, pid, boot id, the process's start time) and an exclusive ``flock`` held on
+    that record until ``release`` (or the process's death: the kernel drops the lock).
+
+    What another process may delete as stale is decided by ``owner_gone`` from the lock and the record, never by a
+    pid alone: pids are per host (and per container), and are reused. ``release`` removes the record before the
+    directory is published (renamed into place) or after it was removed; it is no part of the output.
+    """
+
+    def __init__(self, parent: str | Path, prefix: str):
+        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        self._fd: int | None = os.open(self.path / OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else can hold it
+        os.pwrite(self._fd, (json.dumps(owner_record()) + "\n").encode(), 0)
+
+    def release(self) -> None:
+        """Remove the owner record and drop the lock (idempotent)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path / OWNER)
+        os.close(self._fd)
+        self._fd = None
+
+
+def owner_record() -> dict:
+    """Who this process is, for a TempDir's record: host, pid, and what tells this pid apart from a later process
+    given the same one (the boot, and the process's start time since boot), where the system says (Linux)."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "boot_id": _boot_id(), "pid_start": _process_start(pid),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def owner_gone(path: str | Path) -> bool:
+    """Whether the owner of TempDir ``path`` has certainly ended, so that the directory may be deleted.
+
+    Alive (False) while its owner holds the lock on its record. A record naming another host is never judged here
+    (False): on a shared filesystem, only the owner's host can tell whether it lives (a lock may not reach across
+    hosts). On this host the owner is gone if this machine booted since, if its pid runs no process, or if it runs
+    a process started at another time (the pid was reused). A directory without a record (one being created this
+    instant, or left by an xprep that did not write them) is not judged either.
+    """
+    try:
+        fd = os.open(Path(path) / OWNER, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        record = read_holder(fd)
+    finally:
+        os.close(fd)  # (drops the lock just taken)
+    return _dead_here(record)
+
+
+def _dead_here(record: dict) -> bool:
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    boot = _boot_id()
+    if record.get("boot_id") and boot and record["boot_id"] != boot:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    start = record.get("pid_start")
+    return start is not None and _process_start(pid) not in (None, start)
+
+
+def remove_stale_temps(parent: str | Path, pattern: str) -> None:
+    """Delete the TempDirs matching ``pattern`` in ``parent`` whose owner is gone (``owner_gone``)."""
+    for tmp in Path(parent).glob(pattern):
+        if tmp.is_dir() and owner_gone(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of /proc/PID/stat); None where unknown."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None

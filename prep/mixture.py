@@ -52,7 +52,7 @@ from prep.formats import (
 )
 from prep.io import read_json
 from prep.packconfig import BLENDABLE_METHODS, SOURCE_OPTIONS, PackConfig, check_source_option
-from prep.packfile import EntryMeta, PackEntry, load_arrays, open_packed
+from prep.packfile import CHECK_BLOCK, DamagedEntry, EntryMeta, PackEntry, load_arrays, open_packed, save_array
 from prep.packing import shuffled_order
 from prep.remote import is_url
 
@@ -439,7 +439,7 @@ class BlendEntry(EntryMeta):
 
     def write_arrays(self, directory: Path) -> None:
         for name in BLEND_ARRAYS:
-            np.save(directory / f"{name}.npy", getattr(self, name), allow_pickle=False)
+            save_array(directory / f"{name}.npy", getattr(self, name))
 
     def manifest_row(self) -> dict:
         """The entry's line in PACKED/manifest.json."""
@@ -456,16 +456,28 @@ class BlendEntry(EntryMeta):
         meta = read_json(path / BLEND_JSON, "blend entry's metadata", fix)
         if not isinstance(meta, dict) or meta.get("kind") != "blend" or not meta.get("complete"):
             raise XprepError(f"{path / BLEND_JSON}: incomplete or foreign blend entry; {fix}")
-        arrays = load_arrays(path, BLEND_ARRAYS, fix)
-        if len(arrays["bin_source"]) != len(arrays["bin_index"]) or len(arrays["bin_source"]) != meta["stats"]["bins"]:
-            raise XprepError(f"{path}: blend arrays disagree in size; {fix}")
+        arrays = load_arrays(path, BLEND_ARRAYS, fix, damaged=True)
         sources = [_open_source(path, s, fix) for s in meta["sources"]]
-        if len(arrays["bin_source"]) and (
-                int(arrays["bin_source"].min()) < 0 or int(arrays["bin_source"].max()) >= len(sources)
-                or int(arrays["bin_index"].min()) < 0
-                or int(arrays["bin_index"].max()) >= max(e.num_bins for e in sources)):
-            raise XprepError(f"{path}: blend arrays point outside its sources; {fix}")
+        check_blend_arrays(path, arrays, meta["stats"]["bins"], np.array([e.num_bins for e in sources], np.int64))
         return cls(path=path, meta=meta, sources=sources, **arrays)
+
+
+def check_blend_arrays(path: Path, arrays: dict[str, np.ndarray], bins: int, source_bins: np.ndarray) -> None:
+    """A blend's own arrays: integer vectors of the length blend.json gives, bin j a bin that source
+    ``bin_source[j]`` has (``source_bins`` of each), block by block; ``DamagedEntry`` names the first that is not."""
+    for name, a in arrays.items():
+        if a.ndim != 1 or a.dtype.kind not in "iu" or len(a) != bins:
+            raise DamagedEntry(path, f"{name}.npy holds {a.dtype}{list(a.shape)}, not the {bins:,} integers of "
+                                     f"blend.json's bins")
+    for lo in range(0, bins, CHECK_BLOCK):
+        source = np.asarray(arrays["bin_source"][lo:lo + CHECK_BLOCK]).astype(np.int64)
+        index = np.asarray(arrays["bin_index"][lo:lo + CHECK_BLOCK]).astype(np.int64)
+        known = (source >= 0) & (source < len(source_bins))
+        bad = ~known | (index < 0) | (index >= source_bins[np.where(known, source, 0)])
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise DamagedEntry(path, f"blend arrays point outside its sources at bin {lo + k:,}: bin {int(index[k]):,} "
+                                     f"of source {int(source[k]):,} (sources hold {source_bins.tolist()} bins)")
 
 
 def _open_source(blend: Path, row: dict, fix: str) -> PackEntry:
@@ -516,19 +528,13 @@ class PackBins:
         for s, part in enumerate(self.parts):
             self.part_base.append(sum(len(d) for d in self.datasets))
             opened = part.open_datasets(verify_data)
+            part.check_items(doc_lengths(opened))  # every item inside its document: the trainer slices by them
             self.datasets += opened
             self.dataset_source += [s] * len(opened)
             self.part_docs.append(sum(len(d) for d in opened))
         self.doc_base = np.cumsum([0, *(len(d) for d in self.datasets)]).astype(np.int64)
         self._arrays = [tuple(_view(getattr(p, n)) for n in ("bin_offsets", "item_doc", "item_start", "item_len"))
                         for p in self.parts]
-        self._check_fits()
-
-    def _check_fits(self) -> None:
-        for part, (_, docs, _, _), n_docs in zip(self.parts, self._arrays, self.part_docs, strict=True):
-            if len(docs) and int(np.max(docs)) >= n_docs:
-                raise XprepError(f"{part.path}: refers to document {int(np.max(docs))} but its datasets hold "
-                                 f"{n_docs}; the pack does not belong to these datasets: re-run `xprep pack`")
 
     @property
     def num_bins(self) -> int:
@@ -566,6 +572,11 @@ class PackBins:
                                       start[items].astype(np.int64), length[items].astype(np.int64))):
                 out[k].append(part)
         return tuple(np.concatenate(o) if o else np.zeros(0, np.int64) for o in out)
+
+
+def doc_lengths(datasets: list[TokenDataset]) -> np.ndarray:
+    """The lengths of the documents of ``datasets``, concatenated: indexed by a pack's global document index."""
+    return np.concatenate([ds.lengths for ds in datasets]) if datasets else np.zeros(0, np.int32)
 
 
 def expand_ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

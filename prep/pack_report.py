@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from prep.dataset import TokenDataset
 from prep.errors import XprepError
 from prep.formats import BLEND_JSON
-from prep.mixture import BlendEntry, open_entry
+from prep.mixture import BlendEntry, doc_lengths, open_entry
 from prep.packfile import MANIFEST, PACK_JSON, DatasetChanged, PackEntry
 from prep.packing import range_bincount
 from prep.stats import count_histogram, fill_histogram, length_stats, ratio_histogram
@@ -34,7 +35,10 @@ def pack_report(path: str | Path) -> dict:
     per_bin = bin_token_counts(offsets, np.asarray(entry.item_len))
     tokens, n_bins, capacity = int(per_bin.sum()), entry.num_bins, entry.capacity
     lower = -(-tokens // capacity)
-    categories, note = category_tokens(entry)
+    datasets, note = _open_inputs(entry)
+    if datasets is not None:
+        entry.check_items(doc_lengths(datasets))  # a damaged entry is refused, not reported on
+    categories, note = category_tokens(entry, datasets) if datasets is not None else (None, note)
     documents_per_bin = np.diff(offsets)
     return {
         "kind": "packed",
@@ -121,18 +125,23 @@ def category_shares(categories: dict | None) -> dict | None:
     return {name: n / total if total else 0.0 for name, n in categories.items()}
 
 
-def category_tokens(entry: PackEntry) -> tuple[dict | None, str | None]:
-    """Packed tokens per category name: dataset totals minus the categories of removed tokens.
-
-    Every overlong policy keeps a prefix of a document (nothing, its head, or all of it), so the
-    removed tokens of document d are ``[covered[d], length[d])``.
-    """
+def _open_inputs(entry: PackEntry) -> tuple[list[TokenDataset] | None, str | None]:
+    """The entry's input datasets, or None and why they cannot be opened (the report goes on without them)."""
     try:
-        opened = entry.open_datasets()
+        return entry.open_datasets(), None
     except DatasetChanged as e:
         return None, str(e)
     except XprepError as e:
         return None, f"input dataset unavailable: {e}"
+
+
+def category_tokens(entry: PackEntry, opened: list[TokenDataset]) -> tuple[dict | None, str | None]:
+    """Packed tokens per category name (of the entry's datasets ``opened``): dataset totals minus the categories
+    of removed tokens.
+
+    Every overlong policy keeps a prefix of a document (nothing, its head, or all of it), so the
+    removed tokens of document d are ``[covered[d], length[d])``.
+    """
     datasets = [(ds, d["first_document"]) for ds, d in zip(opened, entry.meta["datasets"], strict=True)]
     n_docs = sum(len(ds) for ds, _ in datasets)
     covered = np.bincount(np.asarray(entry.item_doc), weights=np.asarray(entry.item_len),

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from prep.dataset import TokenDataset, verify_streams
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_errors
 from prep.formats import DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM, declared_format
 from prep.indexed import idx_path
 from prep.io import read_json
@@ -89,7 +89,7 @@ class PackEntry(EntryMeta):
 
     def write_arrays(self, directory: Path) -> None:
         for name in (*ARRAYS, TARGETS) if self.bin_targets is not None else ARRAYS:
-            np.save(directory / f"{name}.npy", getattr(self, name), allow_pickle=False)
+            save_array(directory / f"{name}.npy", getattr(self, name))
 
     @classmethod
     def open(cls, path: str | Path) -> PackEntry:
@@ -102,22 +102,128 @@ class PackEntry(EntryMeta):
         if not isinstance(meta, dict) or meta.get("format") != PACK_FORMAT or not meta.get("complete"):
             raise XprepError(f"{meta_path}: incomplete or foreign pack entry; re-run `xprep pack --force`")
         counted = (path / f"{TARGETS}.npy").exists() or int(meta.get("version", 1)) >= 2
-        arrays = load_arrays(path, (*ARRAYS, TARGETS) if counted else ARRAYS, "re-run `xprep pack --force`")
-        n_items = len(arrays["item_doc"])
-        if (len(arrays["item_start"]) != n_items or len(arrays["item_len"]) != n_items
-                or len(arrays["bin_offsets"]) == 0 or int(arrays["bin_offsets"][-1]) != n_items
-                or (counted and len(arrays[TARGETS]) != len(arrays["bin_offsets"]) - 1)):
-            raise XprepError(f"{path}: pack arrays disagree in size; re-run `xprep pack --force`")
+        arrays = load_arrays(path, (*ARRAYS, TARGETS) if counted else ARRAYS, REBUILD, damaged=True)
+        check_arrays(path, arrays)
         return cls(path=path, meta=meta, **arrays)
 
+    def check_items(self, doc_lengths: np.ndarray) -> None:
+        """Refuse (``DamagedEntry``) an item outside the documents it names: ``doc_lengths`` holds the lengths of
+        the entry's datasets' documents, concatenated in its order (its global document index)."""
+        check_items(self.path, self.bin_offsets, self.item_doc, self.item_start, self.item_len, doc_lengths)
 
-def load_arrays(path: Path, names: tuple[str, ...], fix: str) -> dict[str, np.ndarray]:
-    """An entry's ``<name>.npy`` arrays, memory-mapped (never unpickled); a missing or bad one is one clear error."""
+
+# ------------------------------------------------------------------------------------------ checks
+REBUILD = "re-run the `xprep pack` command that made it, which rebuilds a damaged entry (or add --force)"
+CHECK_BLOCK = 1 << 22  # items (or bins) checked at a time: the checks of a 100M-item entry stay in ~100 MB
+
+
+class DamagedEntry(XprepError):
+    """A cache entry whose arrays are unreadable or break the layout's invariants (``check_arrays``,
+    ``check_items``): refused where it is opened, rebuilt by ``xprep pack`` rather than taken as a hit."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path, self.problem = Path(path), problem
+        super().__init__(f"{path}: damaged pack entry: {problem}; {REBUILD}")
+
+    def __reduce__(self):
+        return DamagedEntry, (self.path, self.problem)
+
+
+def check_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """The invariants of an entry's arrays alone, vectorized block by block (an entry may hold 100M items):
+    integer vectors whose lengths agree; bin offsets that start at 0, never decrease and end at the item count;
+    every item at least one token long, from a start ≥ 0 of a document index ≥ 0. ``DamagedEntry`` names the
+    first array, bin or item that breaks one."""
+    for name, a in arrays.items():
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise DamagedEntry(path, f"{name}.npy holds {a.dtype}{list(a.shape)}, not a vector of integers")
+    offsets, n_items = arrays["bin_offsets"], len(arrays["item_doc"])
+    for name in ("item_start", "item_len"):
+        if len(arrays[name]) != n_items:
+            raise DamagedEntry(path, f"{name}.npy holds {len(arrays[name]):,} items, item_doc.npy {n_items:,}")
+    if len(offsets) == 0:
+        raise DamagedEntry(path, "bin_offsets.npy is empty (it holds one offset more than there are bins)")
+    if TARGETS in arrays and len(arrays[TARGETS]) != len(offsets) - 1:
+        raise DamagedEntry(path, f"{TARGETS}.npy holds {len(arrays[TARGETS]):,} bins, bin_offsets.npy "
+                                 f"{len(offsets) - 1:,}")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n_items:
+        end = "starts at" if int(offsets[0]) != 0 else "ends at"
+        value = int(offsets[0]) if end == "starts at" else int(offsets[-1])
+        raise DamagedEntry(path, f"bin_offsets {end} {value:,}, not {0 if end == 'starts at' else n_items:,} "
+                                 f"(the item count is {n_items:,})")
+    for lo in range(0, len(offsets) - 1, CHECK_BLOCK):
+        block = np.asarray(offsets[lo:lo + CHECK_BLOCK + 1])
+        down = np.flatnonzero(block[1:] < block[:-1])
+        if len(down):
+            b = lo + int(down[0])
+            raise DamagedEntry(path, f"bin_offsets decrease at bin {b:,} ({int(offsets[b]):,}, then "
+                                     f"{int(offsets[b + 1]):,})")
+    rules = (("item_len", 1), ("item_start", 0), ("item_doc", 0))  # each value ≥ its bound
+    for lo in range(0, n_items, CHECK_BLOCK):
+        part = slice(lo, lo + CHECK_BLOCK)
+        bad = np.zeros(len(arrays["item_doc"][part]), np.bool_)
+        for name, bound in rules:
+            bad |= np.asarray(arrays[name][part]) < bound
+        if bad.any():
+            i = lo + int(np.argmax(bad))
+            name, bound = next((n, b) for n, b in rules if int(arrays[n][i]) < b)
+            raise DamagedEntry(path, f"item {i:,} (bin {_bin_of(offsets, i):,}) has {name} {int(arrays[name][i]):,}, "
+                                     f"which must be ≥ {bound}")
+
+
+def check_items(path: Path, offsets: np.ndarray, item_doc: np.ndarray, item_start: np.ndarray,
+                item_len: np.ndarray, doc_lengths: np.ndarray) -> None:
+    """Every item inside the document it names: ``item_doc < len(doc_lengths)`` and ``item_start + item_len ≤``
+    that document's length, block by block. ``DamagedEntry`` names the first item (and its bin) that is not."""
+    doc_lengths = np.require(doc_lengths, requirements="AC")  # an .idx's lengths lie unaligned: gathers 5x slower
+    n_docs = len(doc_lengths)
+    for lo in range(0, len(item_doc), CHECK_BLOCK):
+        part = slice(lo, lo + CHECK_BLOCK)
+        docs = np.asarray(item_doc[part])
+        outside = docs >= n_docs
+        ends = np.add(item_start[part], item_len[part], dtype=np.int64)
+        if outside.any():
+            bad = outside | (ends > doc_lengths[np.where(outside, 0, docs)] if n_docs else outside)
+        else:  # (the common case: no temporary for the gather's index)
+            bad = ends > doc_lengths[docs]
+            if not bad.any():
+                continue
+        k = int(np.argmax(bad))
+        i, d = lo + k, int(docs[k])
+        where = f"item {i:,} (bin {_bin_of(offsets, i):,})"
+        if outside[k]:
+            raise DamagedEntry(path, f"{where} names document {d:,}, but the entry's datasets hold {n_docs:,} "
+                                     "documents")
+        raise DamagedEntry(path, f"{where} takes tokens {int(item_start[i]):,}..{int(ends[k]):,} of document {d:,}, "
+                                 f"which has {int(doc_lengths[d]):,}")
+
+
+def _bin_of(offsets: np.ndarray, item: int) -> int:
+    """The bin holding ``item`` (offsets checked to be non-decreasing first)."""
+    return int(np.searchsorted(offsets, item, side="right")) - 1
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    """``np.save(path, array)``, byte for byte (a version 1.0 header, then the data), written by plain ``write``: a
+    full disk is then an OSError with its errno, which becomes the one-line error naming the file, the bytes and
+    ``-o`` (numpy's own ``tofile`` says only "N requested and M written")."""
+    array = np.ascontiguousarray(array)
+    with machine_errors(str(path), "-o", array.nbytes), open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+        f.write(memoryview(array.reshape(-1)).cast("B"))
+
+
+def load_arrays(path: Path, names: tuple[str, ...], fix: str, damaged: bool = False) -> dict[str, np.ndarray]:
+    """An entry's ``<name>.npy`` arrays, memory-mapped (never unpickled); a missing or bad one is one clear error
+    (a ``DamagedEntry`` of ``path`` where ``damaged``)."""
     arrays = {}
     for name in names:
         try:
             arrays[name] = np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
         except (FileNotFoundError, ValueError) as e:
+            if damaged:
+                problem = "is missing" if isinstance(e, FileNotFoundError) else f"does not load ({e})"
+                raise DamagedEntry(path, f"{name}.npy {problem}") from None
             raise XprepError(f"{path / name}.npy: {e}; {fix}") from None
     return arrays
 

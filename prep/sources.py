@@ -20,6 +20,7 @@ import glob
 import gzip
 import io
 import json
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -37,7 +38,7 @@ COMPRESSIONS = (".gz", ".zst")
 TEXT_SUFFIXES = (".txt",)
 TABLE_SUFFIXES = (".parquet", ".arrow")
 # What reading a damaged or unreadable file raises: reported as an unreadable file, never a traceback.
-READ_ERRORS = (OSError, EOFError, ValueError, zstandard.ZstdError)
+READ_ERRORS = (OSError, EOFError, ValueError, zlib.error, zstandard.ZstdError)
 BATCH_BYTES = 4 << 20
 BATCH_RECORDS = 1024
 CHUNK = 8 << 20
@@ -90,12 +91,18 @@ class Unreadable:
     """An input file that could not be read, or not to its end (damaged, truncated, not permitted): which, why.
 
     ``line`` is 0: the error belongs to the file, not to one record. The records read before it
-    came in earlier batches.
+    came in earlier batches: ``records`` of them, the last at line (or row) ``last_line``. ``cut_short``: a
+    compressed file that ended early (truncated) or broke after records came out of it, so that records were
+    lost beyond the point read: an error of the input under any ``--on-error`` (``prep.tokenize.CutShort``),
+    where a file unreadable from its start is one bad input that ``skip`` sets aside whole.
     """
 
     source: int
     line: int
     reason: str
+    records: int = 0
+    last_line: int = 0
+    cut_short: bool = False
 
 
 def _kind_of(path: Path | str) -> tuple[str, str | None] | None:
@@ -378,6 +385,7 @@ def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int |
     remaining = limit
     for a in plan:
         src = sources[a.source]
+        records, last_line = 0, 0  # handed on from this assignment
         try:
             reader = _read_source(a, src)
             while True:
@@ -393,11 +401,14 @@ def read_batches(sources: list[SourceFile], plan: list[Assignment], limit: int |
                     if len(batch.items) > remaining:
                         batch.items, batch.lines = batch.items[:remaining], batch.lines[:remaining]
                     remaining -= len(batch.items)
+                if batch.lines:
+                    records, last_line = records + len(batch.lines), batch.lines[-1]
                 yield batch
         except READ_ERRORS as e:
             if lines_read is not None:  # one number per assignment, read to its end or not (what it read is lost)
                 lines_read.append(0)
-            yield Unreadable(a.source, 0, f"unreadable file: {e or type(e).__name__}")
+            cut = src.compression is not None and (isinstance(e, EOFError) or records > 0)
+            yield Unreadable(a.source, 0, f"unreadable file: {e or type(e).__name__}", records, last_line, cut)
 
 
 def _read_source(a: Assignment, src: SourceFile) -> Iterator[RawBatch]:

@@ -40,8 +40,9 @@ from prep.encoder import (
     load_tokenizer_info,
     marker_pieces,
 )
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_errors
 from prep.formats import AUTO, CHAT, RECORD_FORMATS, REJECTS, TEXT, TOKENS
+from prep.lifeline import die_with_parent
 from prep.progress import Progress
 from prep.sources import (
     LINES,
@@ -714,12 +715,14 @@ def _start_pool(processor_args: tuple, workers: int) -> ProcessPoolExecutor:
 
     Either way the workers are started now, with SIGINT ignored, which they keep: Ctrl-C (SIGINT to the whole
     process group) reaches this process alone, which unwinds and stops them after their batch in hand, instead
-    of each worker printing a KeyboardInterrupt traceback (as spawned ones did while still importing).
+    of each worker printing a KeyboardInterrupt traceback (as spawned ones did while still importing). Each
+    worker ends with this process however it ends, SIGKILL included (``prep.lifeline``).
     """
     global _PROCESSOR
+    lifeline = (os.getpid(), threading.current_thread() is threading.main_thread())  # (die_with_parent's)
     if not _can_fork():
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(processor_args, verdicts()))
+                                   initializer=_init_worker, initargs=(processor_args, verdicts(), lifeline))
         with _sigint_ignored():  # while none is idle, each task starts a worker
             return _started(pool, lambda: [pool.submit(int) for _ in range(workers)])
     _PROCESSOR = _build(processor_args)
@@ -730,7 +733,8 @@ def _start_pool(processor_args: tuple, workers: int) -> ProcessPoolExecutor:
     # is collected first (~0.01 s): a dead cycle frozen with them would never be freed.
     gc.collect()
     gc.freeze()
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_forked)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_forked,
+                               initargs=(lifeline,))
     with _sigint_ignored(), warnings.catch_warnings():  # Python ≥ 3.12 warns of any fork beside a native pool
         warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
         started = pool.submit(int)  # forks every worker now (a pool using fork starts them all at its first task)
@@ -770,7 +774,8 @@ def _can_fork() -> bool:
             and os.environ.get(WORKER_START_ENV, "fork") != "spawn")
 
 
-def _forked() -> None:
+def _forked(lifeline: tuple[int, bool]) -> None:
+    die_with_parent(*lifeline)
     # SIGTERM ends a worker at once, as a spawned one (the command's handler, inherited, would unwind it instead)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -784,7 +789,7 @@ def _build(args: tuple) -> Processor:
         raise XprepError(f"a tokenize worker could not start: {type(e).__name__}: {e}") from None
 
 
-def _init_worker(args, checked: dict) -> None:
+def _init_worker(args, checked: dict, lifeline: tuple[int, bool]) -> None:
     """Build this worker's Processor (with the main process's template verdicts: no self-check, and no Jinja
     compiled until a conversation needs it); a failure is kept and raised by the first task instead.
 
@@ -792,6 +797,7 @@ def _init_worker(args, checked: dict) -> None:
     does so forever); kept here, the error reaches the main process as the result of a task.
     """
     global _PROCESSOR, _START_ERROR
+    die_with_parent(*lifeline)
     # A worker exits once the pool is shut down, every result already sent: skip the interpreter's teardown
     # (freeing the tokenizer and every module took ~0.3 s of each run's end on 2 cores).
     atexit.register(os._exit, 0)
@@ -822,9 +828,13 @@ class Spilled:
 
     @classmethod
     def write(cls, result: Encoded, directory: str) -> Spilled:
-        fd, path = tempfile.mkstemp(dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            f.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        """``result`` in a new file of ``directory``. A full disk (or the like) is the one-line error, raised in the
+        worker and so by the main process's ``future.result()``: the run then ends as any failed run does."""
+        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        with machine_errors(directory, "-o", len(data)):
+            fd, path = tempfile.mkstemp(dir=directory)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
         return cls(path)
 
     def load(self) -> Encoded:
@@ -845,15 +855,17 @@ class Pipeline:
     task instead of waiting forever.
     """
 
-    def __init__(self, processor_args: tuple, workers: int, overlap: bool = True):
+    def __init__(self, processor_args: tuple, workers: int, overlap: bool = True, scratch: str | None = None):
         self.workers = workers
         self.overlap = overlap  # one worker: its own thread (off where every core already runs a task, as on Ray)
         if workers <= 1:
             self.inline = Processor(*processor_args)
             self.pool = None
         else:
+            # workers' results (Spilled) go into ``scratch``: the output's temporary directory, removed with it
+            # whoever ends the run (a killed one's by the next run), not $TMPDIR, where nothing would remove them
             self.pool = _start_pool(processor_args, workers)
-            self.spill = tempfile.mkdtemp(prefix="xprep-results-")  # (Spilled)
+            self.spill = tempfile.mkdtemp(prefix="results-", dir=scratch)
 
     def map(self, batches):
         if self.pool is not None:
@@ -994,6 +1006,8 @@ def write_all(config: TokenizeConfig, sources, plan, writer: DatasetWriter, pipe
     try:
         for result in pipeline.map(read_batches(sources, plan, config.limit, lines_read)):
             if isinstance(result, Unreadable):
+                if result.cut_short:  # records were lost: not one bad record that --on-error skip could set aside
+                    raise CutShort(sources[result.source].path, result, config.on_error)
                 rejected = Rejected(result.line, "unreadable file", result.reason, None, fatal=True)
                 _reject(writer, config.on_error, sources[result.source].path, rejected)
                 continue
@@ -1119,6 +1133,21 @@ class BadInput(XprepError):
 
     def __reduce__(self):
         return BadInput, (self.path, self.line, self.reason)
+
+
+class CutShort(XprepError):
+    """A compressed input that ended early, or broke after records came out of it: the records beyond the point read
+    are lost, which no ``--on-error`` mode may pass over as one bad record. Names the file, the error, how many
+    records were read and the last of them."""
+
+    def __init__(self, path: str, unreadable: Unreadable, on_error: str):
+        reason = unreadable.reason.removeprefix("unreadable file: ")
+        read = (f"{count(unreadable.records, 'record')} were read, the last at line {unreadable.last_line:,}"
+                if unreadable.records else "no record was read")
+        skip = " (--on-error skip sets bad records aside, not a file cut short)" if on_error == "skip" else ""
+        super().__init__(f"{path}: the compressed file is cut short or damaged ({reason}): {read}, and what follows "
+                         f"was lost; nothing was published{skip}: restore the whole file, or leave it out of the "
+                         "inputs")
 
 
 def _reject(writer: DatasetWriter, on_error: str, path: str, rejected: Rejected) -> None:

@@ -106,7 +106,8 @@ def _tokenize_here(config: TokenizeConfig, job: Job, out: str) -> tuple[dict, st
     workers = config.workers or auto_workers(job.chat, planned_bytes(sources, plan))
     manifest = dict(job.head)
     with DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer) as writer:
-        categories = write_all(config, sources, plan, writer, Pipeline(job.processor_args, workers))
+        categories = write_all(config, sources, plan, writer, Pipeline(job.processor_args, workers,
+                                                                       scratch=writer.scratch()))
         manifest["sources"] = [sources[p.source].describe() for p in plan]
         if config.num_shards > 1:
             manifest["shard"] = {"index": config.shard_index, "count": config.num_shards}

@@ -5,6 +5,7 @@ Kept generic on purpose: fixtures for one area live in that area's test files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -101,6 +102,16 @@ def xprep_cli(*args, timeout: float = 300, cwd: str | Path | None = None) -> tup
     proc = subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env=env)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size="256k", name="disk")``: a tmpfs of ``size`` at ``tmp_path / name``, a disk that fills up
+    (tests/diskkit.py: run commands on it with its ``run``); skips the test where none can be mounted."""
+    from diskkit import small_disk as mount
+
+    with contextlib.ExitStack() as stack:
+        yield lambda size="256k", name="disk": stack.enter_context(mount(tmp_path / name, size))
 
 
 @pytest.fixture(scope="session")

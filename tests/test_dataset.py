@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,7 +47,7 @@ def test_text_only_dataset_has_tokens_stream_and_default_masks(tmp_path):
     docs = [np.array([5, 6, 7]), np.array([8]), np.array([9, 10])]
     m = build(tmp_path / "d", [(docs, None, None)])
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["manifest.json", "tokens.bin", "tokens.idx"]
-    assert m["counts"] == {"documents": 3, "tokens": 6, "loss_tokens": 3,
+    assert m["counts"] == {"documents": 3, "tokens": 6, "loss_tokens": 3, "max_token_id": 10,
                            "categories": {"uncategorized": {"tokens": 6, "loss_tokens": 3}}}
     ds = TokenDataset(tmp_path / "d")
     assert ds.document(0)["loss_mask"].tolist() == [0, 1, 1]
@@ -123,13 +125,26 @@ def test_existing_output_is_refused_unless_empty(tmp_path):
 
 
 def test_stale_temp_of_a_dead_process_is_removed_live_one_kept(tmp_path):
-    dead = tmp_path / ".d.tmp-999999999"
-    dead.mkdir()
-    (dead / "tokens.bin").write_bytes(b"x")
-    live = tmp_path / f".d.tmp-{os.getppid()}"
-    live.mkdir()
+    """A writer removes earlier runs' temporary directories whose owner is gone (prep.io.owner_gone: tests/test_io.py),
+    and no other: one of another host, a live one, one without an owner record."""
+    from prep.io import OWNER
+
+    def temp(name: str, record: dict | None) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "tokens.bin").write_bytes(b"x")
+        if record is not None:
+            (path / OWNER).write_text(json.dumps(record))
+        return path
+
+    here = socket.gethostname()
+    dead = temp(".d.tmp-999999999-a", {"host": here, "pid": 999_999_999})
+    elsewhere = temp(".d.tmp-999999999-b", {"host": here + "-other", "pid": 999_999_999})
+    live = temp(f".d.tmp-{os.getppid()}-c", {"host": here, "pid": os.getppid()})
+    unrecorded = temp(".d.tmp-999999999", None)
     build(tmp_path / "d", [([np.array([1])], None, None)])
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and elsewhere.exists() and live.exists() and unrecorded.exists()
+    assert not (tmp_path / "d" / OWNER).exists()
 
 
 def test_rejects_are_written_and_counted(tmp_path):

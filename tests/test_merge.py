@@ -63,6 +63,9 @@ def test_shards_then_merge_equal_a_single_run(tmp_path, tiny_tokenizer, monkeypa
     assert merged["fingerprint"] == single["fingerprint"]
     assert_same_files(tmp_path / "merged", tmp_path / "single")
     validate(merged, "dataset")
+    tops = [TokenDataset(p).manifest["counts"]["max_token_id"] for p in parts]  # each shard's, the merge the largest
+    assert tops == [int(TokenDataset(p).tokens.items.max()) for p in parts]
+    assert merged["counts"]["max_token_id"] == max(tops) == int(TokenDataset(tmp_path / "single").tokens.items.max())
 
 
 def test_more_shards_than_files_leaves_empty_shards_that_merge(tmp_path, tiny_tokenizer):

@@ -274,11 +274,24 @@ def test_blend_warns_per_source_about_dropped_tokens_and_reports_its_validation(
 
 
 def test_a_damaged_blend_is_a_corrupt_entry_not_an_index_error(data, tmp_path):
+    """A bin beyond its own source's bins (within a larger source's: issue 31) is refused where the blend is opened,
+    and the same `xprep pack` builds the blend again."""
     from prep.errors import XprepError
 
-    out = blend(data, tmp_path / "P", {"web": 0.5, "code": 0.5})
-    index = np.load(out.entry.path / "bin_index.npy")
-    index[0] = 10**6
-    np.save(out.entry.path / "bin_index.npy", index)
-    with pytest.raises(XprepError, match="point outside its sources"):
-        BlendEntry.open(out.entry.path)
+    weights = {"web": 0.5, "code": 0.5}
+    out = blend(data, tmp_path / "P", weights)
+    whole = np.load(out.entry.path / "bin_index.npy")
+    source = np.load(out.entry.path / "bin_source.npy")
+    small = int(np.argmin([e.num_bins for e in out.entry.sources]))
+    j = int(np.flatnonzero(source == small)[0])
+    for beyond in (10**6, out.entry.sources[small].num_bins):
+        index = whole.copy()
+        index[j] = beyond
+        np.save(out.entry.path / "bin_index.npy", index)
+        with pytest.raises(XprepError, match=f"damaged pack entry: blend arrays point outside its sources at bin {j}"):
+            BlendEntry.open(out.entry.path)
+    said = []
+    again = pack([data / n for n in weights], tmp_path / "P", PackConfig(method="multipack", seq_len=CAP),
+                 weights=list(weights.values()), log=said.append)
+    assert not again.hit and any("damaged pack entry" in line for line in said), said
+    assert np.array_equal(np.load(out.entry.path / "bin_index.npy"), whole)

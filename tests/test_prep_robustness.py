@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import REPO_ROOT
-from prepkit import chat_records, read_jsonl, text_records, tokenize, write_jsonl
+from prepkit import chat_records, one_line_error, read_jsonl, text_records, tokenize, write_jsonl, xprep_invoke
 
 from prep import dataset as D
 from prep.cache import PackConfig, pack
@@ -133,13 +135,43 @@ def test_a_malformed_tokenizer_config_is_one_clear_error(tmp_path, tiny_tokenize
         tokenize(write_jsonl(tmp_path / "a.jsonl", text_records(2)), tmp_path / "o", tok)
 
 
-def test_a_truncated_gzip_keeps_its_complete_records_under_skip(tmp_path, tiny_tokenizer):
-    lines = "".join(json.dumps(r) + "\n" for r in text_records(2000) * 20).encode()  # ~2 MB
-    data = gzip.compress(lines)
-    (tmp_path / "t.jsonl.gz").write_bytes(data[: len(data) * 2 // 3])
-    m = tokenize(tmp_path / "t.jsonl.gz", tmp_path / "o", tiny_tokenizer, on_error="skip")
-    assert m["rejects"]["count"] == 1 and "unreadable file" in m["rejects"]["by_reason"].__repr__()
-    assert 10_000 < m["counts"]["documents"] < 40_000
+def _cut(path: Path, compress, fraction: float = 0.5) -> tuple[Path, int]:
+    """``path`` written as 50 records compressed by ``compress``, cut to ``fraction`` of its bytes; (path, records)."""
+    rng = np.random.default_rng(0)  # text that does not compress to nothing: the file is ~1 MB either way
+    records = [{"text": f"record {i}: " + " ".join(rng.integers(0, 10**9, 2000).astype(str))} for i in range(50)]
+    data = compress("".join(json.dumps(r) + "\n" for r in records).encode())
+    path.write_bytes(data[: int(len(data) * fraction)])
+    return path, len(records)
+
+
+@pytest.mark.parametrize("kind", [".gz", ".zst"])
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_compressed_input_cut_in_half_is_data_lost_under_either_on_error(tmp_path, tiny_tokenizer, kind, on_error):
+    """Issue 31: a .gz or .zst cut in half is not "1 rejected" with half the records silently kept: under --on-error
+    fail and skip alike it is one line naming the file, how many records were read and the last line read, and nothing
+    is published. (A file unreadable from its first byte stays one bad input that skip sets aside: test_tokenize.)"""
+    import zstandard
+
+    compress = gzip.compress if kind == ".gz" else zstandard.ZstdCompressor().compress
+    cut, total = _cut(tmp_path / f"cut.jsonl{kind}", compress)
+    good = write_jsonl(tmp_path / "good.jsonl", text_records(5))
+    result = xprep_invoke("tokenize", good, cut, "-o", tmp_path / "o", "--tokenizer", tiny_tokenizer,
+                          "--on-error", on_error)
+    line = one_line_error(result)
+    read = int(re.search(r"(\d+) records? were read, the last at line (\d+)", line).group(1))
+    assert f"{cut}: the compressed file is cut short or damaged (" in line and "nothing was published" in line, line
+    assert 0 < read < total and f"the last at line {read}," in line, line  # one record a line, from line 1
+    assert ("not a file cut short" in line) == (on_error == "skip"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([cut.name, good.name])
+
+
+def test_a_compressed_input_damaged_mid_stream_is_data_lost(tmp_path, tiny_tokenizer):
+    """Bytes overwritten in the middle of a .gz: what decompresses before the damage is no whole file either."""
+    data = bytearray(gzip.compress("".join(json.dumps(r) + "\n" for r in text_records(3000)).encode()))
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    (tmp_path / "d.jsonl.gz").write_bytes(bytes(data))
+    with pytest.raises(XprepError, match="cut short or damaged"):
+        tokenize(tmp_path / "d.jsonl.gz", tmp_path / "o", tiny_tokenizer, on_error="skip")
 
 
 def test_a_directory_holding_an_earlier_output_is_not_read_as_corpus(tmp_path, tiny_tokenizer):
@@ -177,7 +209,7 @@ def test_a_seed_outside_the_kernel_range_is_refused(seed):
         PackConfig(method="token-aware", max_tokens=256, seed=seed)
 
 
-def test_a_truncated_zst_is_reported_and_keeps_its_complete_records(tmp_path, tiny_tokenizer):
+def test_concatenated_zst_frames_are_one_stream_and_a_cut_between_them_is_data_lost(tmp_path, tiny_tokenizer):
     import zstandard
 
     lines = "".join(json.dumps(r) + "\n" for r in text_records(2000) * 20).encode()
@@ -187,9 +219,8 @@ def test_a_truncated_zst_is_reported_and_keeps_its_complete_records(tmp_path, ti
     whole = tokenize(tmp_path / "whole.jsonl.zst", tmp_path / "w", tiny_tokenizer)
     assert whole["counts"]["documents"] == 40_000
     (tmp_path / "cut.jsonl.zst").write_bytes(frames[: len(frames) * 3 // 4])
-    m = tokenize(tmp_path / "cut.jsonl.zst", tmp_path / "o", tiny_tokenizer, on_error="skip")
-    assert m["rejects"]["by_reason"] == {"unreadable file": 1}
-    assert 15_000 < m["counts"]["documents"] < 40_000
+    with pytest.raises(XprepError, match="cut short or damaged .truncated .zst file"):
+        tokenize(tmp_path / "cut.jsonl.zst", tmp_path / "o", tiny_tokenizer, on_error="skip")
 
 
 def test_target_counts_never_include_a_documents_first_token(tmp_path, tiny_tokenizer):

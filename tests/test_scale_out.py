@@ -201,10 +201,11 @@ def test_killed_driver_resumes_from_finished_shards(cluster, corpus, tmp_path):
 
 
 def test_an_unreadable_file_under_skip_is_set_aside_as_without_ray(cluster, corpus, tmp_path):
-    """A .gz cut short, ahead of other shards: rejected as an unreadable file, the rest as one process does it (the
-    shard that met it used to leave no line count for its piece, and every merge after it broke)."""
-    damaged = tmp_path / "cut.jsonl.gz"
-    damaged.write_bytes(gzip.compress(corpus["inputs"][1].read_bytes())[:-500])
+    """A .gz unreadable from its first byte, ahead of other shards: rejected as an unreadable file, the rest as one
+    process does it (the shard that met it used to leave no line count for its piece, and every merge after it
+    broke). A .gz cut short is data lost, under skip too (issue 31): one line naming it, on Ray as without."""
+    damaged = tmp_path / "bad.jsonl.gz"
+    damaged.write_bytes(b"not gzip at all" + corpus["inputs"][1].read_bytes()[:1000])
     inputs = [damaged, corpus["inputs"][0]]
     local = xprep("tokenize", *inputs, "-o", tmp_path / "a", "--tokenizer", QWEN, "--on-error", "skip")
     assert local.returncode == 0, local.stderr
@@ -213,6 +214,15 @@ def test_an_unreadable_file_under_skip_is_set_aside_as_without_ray(cluster, corp
     assert remote.returncode == 0, remote.stderr
     assert_same_files(tmp_path / "a", tmp_path / "b")
     assert "unreadable file" in (tmp_path / "b" / "rejects.jsonl").read_text()
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(corpus["inputs"][1].read_bytes())[:-500])
+    for ray in ([], ["--ray", cluster, "--shard-size", _shard_size_for([cut, corpus["inputs"][0]], 5)]):
+        proc = xprep("tokenize", cut, corpus["inputs"][0], "-o", tmp_path / "c", "--tokenizer", QWEN, "--on-error",
+                     "skip", *ray)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and f"{cut}: the compressed file is cut short" in lines[0], \
+            proc.stderr
+        assert not (tmp_path / "c").exists()
 
 
 def test_an_address_nothing_answers_is_an_error_at_once(corpus, tmp_path):

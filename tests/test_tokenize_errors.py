@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -165,12 +166,12 @@ def test_corrupt_gzip_is_an_unreadable_file(tmp_path, tiny_tokenizer):
     assert len(TokenDataset(tmp_path / "o")) == 3
 
 
-def test_truncated_gzip_keeps_complete_records_and_reports_the_file(tmp_path, tiny_tokenizer):
+def test_truncated_gzip_reports_the_file_as_cut_short(tmp_path, tiny_tokenizer):
     raw = write_jsonl(tmp_path / "x.jsonl", [{"text": f"record {i} " + "pad " * 50} for i in range(300)]).read_bytes()
     src = tmp_path / "t.jsonl.gz"
     src.write_bytes(gzip.compress(raw)[:-50])
     code, _, err, _ = invoke("tokenize", src, "-o", tmp_path / "o", "--tokenizer", tiny_tokenizer)
-    assert code == 2 and err.startswith(f"error: {src}: unreadable file"), err
+    assert code == 2 and err.startswith(f"error: {src}: the compressed file is cut short or damaged"), err
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
@@ -361,6 +362,65 @@ def test_sigkill_at_random_moments_never_leaves_a_valid_looking_dataset(tmp_path
         assert proc.returncode == 0, err.decode()
     _assert_absent_or_complete(out, reference)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "stale temporaries are cleaned"
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie, ended but not yet reaped, has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _until(condition, what: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_workers_end_with_a_killed_main_process_and_spill_only_into_the_output_temp(tmp_path, tiny_tokenizer, start):
+    """Issue 31: SIGKILL of `xprep tokenize --workers 2` (its main process alone: the OOM killer's way) ends its
+    workers too, forked or spawned, instead of leaving them waiting forever on their task pipe; their results would
+    have gone into the output's temporary directory, never $TMPDIR (a fresh one here, which stays empty); the next
+    run removes the killed one's temporary directory. The input is a FIFO nobody writes: the run waits on it with
+    its workers started."""
+    fifo, tmpdir, out = tmp_path / "slow.txt", tmp_path / "tmpdir", tmp_path / "out"
+    os.mkfifo(fifo)
+    tmpdir.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmpdir), "XPREP_WORKER_START": start}
+    proc = subprocess.Popen([sys.executable, "-c", "import cli; cli.xprep()", "tokenize", str(fifo), "-o", str(out),
+                             "--tokenizer", str(tiny_tokenizer), "--format", "text", "--workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        _until(lambda: len(_children(proc.pid)) >= 2 and list(tmp_path.glob(".out.tmp-*/.scratch/results-*")),
+               "the workers never started")
+        workers = _children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _until(lambda: not any(_running(w) for w in workers), f"workers {workers} outlived the main process", 30)
+    finally:
+        _kill(proc)
+    assert list(tmpdir.iterdir()) == []
+    (tmp_path / "a.txt").write_text("the next run's only document")
+    code, _, err = xprep_cli("tokenize", tmp_path / "a.txt", "-o", out, "--tokenizer", tiny_tokenizer, "--workers", "2")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "out", "slow.txt", "tmpdir"]
+    assert not (out / ".scratch").exists()
 
 
 def test_a_second_writer_of_the_same_output_stops_at_once_naming_the_first(tmp_path, tiny_tokenizer):

@@ -179,7 +179,7 @@ def test_in_place_edit_caught_by_verify_data(tmp_path):
 def test_pack_referring_to_more_documents_is_refused(tmp_path):
     make_dataset(tmp_path / "ds", [np.array([1, 2, 3])])
     write_pack(tmp_path / "p", [tmp_path / "ds"], [[(5, 0, 3)]], capacity=4)
-    with pytest.raises(XprepError, match="does not belong"):
+    with pytest.raises(XprepError, match="damaged pack entry: item 0 .bin 0. names document 5"):
         PackedDataset(tmp_path / "p")
 
 

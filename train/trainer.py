@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.optim.lr_scheduler import LambdaLR
 
+from prep.dataset import check_token_ids
 from prep.errors import XprepError
 from prep.io import check_output_dir, write_json_atomic
 from prep.packfile import MANIFEST
@@ -368,6 +369,10 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     if not dataset.vocab_size:
         raise XprepError(f"{dataset.datasets[0].path}/manifest.json: no tokenizer vocab_size; re-create the dataset")
     model_config = cfg.model.check(dataset.vocab_size)
+    # (hf:DIR run as a transformers module: its vocabulary is at least the data's, checked when it is built)
+    vocab = model_config["vocab_size"] if model_config is not None else dataset.vocab_size
+    check_token_ids([*dataset.datasets, *(validation.dataset.datasets if validation else [])], vocab,
+                    f"--model {cfg.model.name}")
     if resume_from is not None and model_config is not None:
         check_same_model(saved, resume_from, model_config)
     if dims.cp_enabled and model_config is None:  # hf:DIR running as a transformers module
