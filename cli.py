@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from prep.errors import XprepError, machine_error
+from prep.errors import XprepError, machine_cause, machine_error
 from prep.formats import RECORD_FORMATS
 
 
@@ -29,10 +29,11 @@ def _user_errors(fn):
         except XprepError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
-        except OSError as e:
-            mapped = machine_error(e, action=None)  # (where the command did not say what it was doing)
-            if mapped is None:
+        except Exception as e:  # an OSError of the machine, or one behind another error (a worker's, DCP's)
+            cause = machine_cause(e)
+            if cause is None:
                 raise
+            mapped = machine_error(cause, action=None)  # (where the command did not say what it was doing)
             click.echo(f"error: {mapped}", err=True)
             sys.exit(mapped.exit_code)
         except KeyboardInterrupt:

@@ -45,6 +45,27 @@ def machine_error(e: OSError, path: str | None = None, option: str | None = None
     return XprepError(f"permission denied{where}; check its permissions (and its directory's) or {elsewhere}")
 
 
+def machine_cause(error: BaseException) -> OSError | None:
+    """The OSError of the machine (``MACHINE_ERRNOS``) behind ``error``, else None: ``error`` itself, what caused
+    it or was being handled when it came (``__cause__``, ``__context__``), or one of the failures an exception
+    gathers from several ranks or workers (``failures``: {rank: exception or (exception, traceback)}, as
+    torch.distributed.checkpoint's CheckpointException)."""
+    seen: set[int] = set()
+    todo: list[object] = [error]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:
+            return e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            todo.append(failure[0] if isinstance(failure, tuple) and failure else failure)
+    return None
+
+
 @contextmanager
 def machine_errors(path: str | None = None, option: str | None = None, nbytes: int | None = None,
                    action: str = "writing") -> Iterator[None]:

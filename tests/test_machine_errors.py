@@ -7,16 +7,19 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from conftest import REPO_ROOT
 from prepkit import text_records, tokenize, write_jsonl
+from trainkit import category_pack
 
 import cli
 from prep.errors import XprepError, machine_error, machine_errors
 
 XPREP = [sys.executable, "-c", "import cli; cli.xprep()"]
+XTRAIN = Path(sys.executable).with_name("xtrain")
 
 
 def test_the_mapping_names_the_path_the_bytes_and_the_fix():
@@ -102,3 +105,28 @@ def test_pack_merge_and_inspect_html_into_a_full_disk(corpus, tiny_tokenizer, sm
     html = page.run([*XPREP, "inspect", ds, "--html", page.path / "page.html"], env=env)
     assert "choose another --html" in _one_line(html, page)
     assert page.left == []
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_train_into_a_full_disk(small_disk, tmp_path, ranks):
+    """`xtrain run` whose checkpoint does not fit (its config, metrics and logs do): one line naming the checkpoint
+    being written, how much this rank's part takes and what to do, exit 2, no traceback; nothing published. With
+    2 ranks, each says it on one line and the launcher's closing line names the rank and the same reason."""
+    packed = category_pack(tmp_path / "data")
+    disk = small_disk("600k")  # a few hundred kB of the tiny model's checkpoint (weights + AdamW state) do not fit
+    run = disk.path / "run"
+    result = disk.run([XTRAIN, "run", packed, "--steps", "3", "--save-every", "1", "--log-every", "100", "-o", run,
+                       *(["--nproc-per-node", "2"] if ranks == 2 else [])],
+                      env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert errors == lines[-len(errors):] and len(errors) <= ranks + 1, result.stderr
+    for line in errors:
+        assert "no space left on device writing" in line and "checkpoints/.step-1.tmp" in line, line
+        assert "choose another --output" in line, line
+    if ranks == 2:
+        assert errors[-1].startswith("error: rank ") and " of 2 failed (exit code 2): no space" in errors[-1], errors
+    if disk.direct:  # (else the disk is gone with the namespace it was mounted in)
+        checkpoints = run / "checkpoints"
+        assert not (checkpoints / "latest").exists() and not list(checkpoints.glob("step-*"))

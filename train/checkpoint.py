@@ -83,7 +83,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_cause, machine_error
 from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
 from prep.io import file_sha256, fsync_tree, read_json, write_atomic, write_json_atomic
 from train.dist import ParallelDims
@@ -262,9 +262,12 @@ class CheckpointManager:
         if gpu is not None:
             torch.cuda.set_device(gpu)
         quiet_dcp()
-        dcp.save(state, storage_writer=writer, no_dist=not self.dims.distributed, process_group=self._group())
-        if self.dims.is_main:
-            self._publish(save)
+        try:
+            dcp.save(state, storage_writer=writer, no_dist=not self.dims.distributed, process_group=self._group())
+            if self.dims.is_main:
+                self._publish(save)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            raise _write_error(e, save, _state_bytes(state)) from e
 
     def _publish(self, save: _Save) -> None:
         """Seal the finished checkpoint (trainer.json with every file's digest), rename it into place and point
@@ -510,6 +513,43 @@ def _steps(root: Path) -> list[int]:
     if not root.is_dir():
         return []
     return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+
+def _write_error(error: BaseException, save: _Save, nbytes: int) -> BaseException:
+    """What to raise when writing ``save`` failed with ``error``: one line when the machine refused (a full disk, a
+    permission, a read-only filesystem), else ``error`` itself. A full disk is also recognised by what is left on
+    it when the writer lost the error number on the way (torch.save's zip writer reports "unexpected pos")."""
+    cause = machine_cause(error)
+    if cause is not None:
+        return machine_error(cause, str(save.tmp), "--output", nbytes)
+    try:
+        free = shutil.disk_usage(save.tmp.parent).free
+    except OSError:
+        return error
+    if free >= nbytes:
+        return error
+    return XprepError(f"no space left on device writing checkpoint {save.tmp}: this rank's part takes "
+                      f"{_size(nbytes)}, {_size(free)} left on that filesystem; free space there or choose another "
+                      "--output")
+
+
+def _state_bytes(state) -> int:
+    """Bytes of the tensors (this rank's shards of them) in a state dict."""
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _wait_for(job: Future, shielded: bool) -> None:

@@ -220,7 +220,8 @@ class _Job:
             error = data["message"]
             if isinstance(error, str):
                 return float(data.get("timestamp", 0)), error
-            return float(error["extraInfo"]["timestamp"]), str(error["message"])
+            message = str(error["message"]).removeprefix(f"{XprepError.__name__}: ")  # the rank said it so
+            return float(error["extraInfo"]["timestamp"]), message
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

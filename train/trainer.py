@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.optim.lr_scheduler import LambdaLR
 
 from prep.dataset import check_token_ids
-from prep.errors import XprepError
+from prep.errors import XprepError, machine_cause, machine_error
 from prep.io import check_output_dir, write_json_atomic
 from prep.packfile import MANIFEST
 from train import attempts
@@ -451,8 +451,9 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] =
 def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
     """Print this rank's error, hand it to the launcher, and exit without waiting for the peers.
 
-    A rank whose collective failed most likely lost a peer that failed first: it waits a moment,
-    so that the launcher sees (and names) the rank that failed first, and stops this one itself.
+    A rank whose collective failed most likely lost a peer that failed first: it waits a moment before
+    saying anything, so that the launcher sees (and names) the rank that failed first, and stops this one
+    before it adds a traceback of the broken connection to that rank's error.
     """
     if isinstance(e, Stopped):  # every rank stopped at the same step, after the checkpoint: nothing to report
         shutdown(dims, e.exit_code, clean=True)
@@ -460,6 +461,12 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
         if dims.is_main:
             print(f"error: {e}", file=sys.stderr)
         shutdown(dims, e.exit_code, clean=True)
+    cause = None if isinstance(e, XprepError) else machine_cause(e)
+    if cause is not None:  # the machine refused (a full disk, a permission): one line, as a user's mistake is
+        e = machine_error(cause)
+    if not isinstance(e, XprepError) and failed_in_collective(e):
+        sys.stderr.flush()
+        time.sleep(PEER_FAILURE_GRACE_S)
     if isinstance(e, XprepError):
         print(f"error: [rank {dims.rank}] {e}", file=sys.stderr)
         code = 2
@@ -468,9 +475,6 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
         code = 1
     with contextlib.suppress(Exception):  # the launcher's error file (TORCHELASTIC_ERROR_FILE), if any
         ErrorHandler().record_exception(e)
-    if failed_in_collective(e):
-        sys.stderr.flush()
-        time.sleep(PEER_FAILURE_GRACE_S)
     shutdown(dims, code)
 
 
