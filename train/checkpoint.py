@@ -206,10 +206,16 @@ class CheckpointManager:
         if self._writer is None:  # not a daemon: a process ending normally waits for the save in flight
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         gpu = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        save.job = self._writer.submit(self._write, save, state, writer, gpu)
-        self._in_flight, self._last_step = save, step
-        if not background:
-            self._flush(shielded=blocking)
+        try:
+            save.job = self._writer.submit(self._write, save, state, writer, gpu)
+            self._in_flight, self._last_step = save, step
+            if not background:
+                self._flush(shielded=blocking)
+        except BaseException:
+            submitted = save.job.running() or save is self._in_flight
+            if blocking and submitted:  # raised (by a signal handler) before the shielded wait began
+                _wait_for(save.job, shielded=True)
+            raise
         return final
 
     def poll(self) -> Path | None:
