@@ -1,7 +1,8 @@
-"""GPU proof of ``xtrain``: environment, attention kernels, model numerics, FSDP2 + DCP on one rank, throughput.
+"""GPU proof of ``xtrain``: environment, attention kernels, model numerics, FSDP2 + DCP on one rank, throughput,
+and ``xtrain run`` stopped, resumed, exported and started from a checkpoint on the device.
 
     python -m bench.gpu                       # every part, on CUDA when there is a GPU (--device auto)
-    python -m bench.gpu kernels model         # some parts: env, kernels, model, fsdp1, throughput
+    python -m bench.gpu kernels model         # some parts: env, kernels, model, fsdp1, throughput, resilience
     python -m bench.gpu --device cpu          # the same checks at small sizes on the CPU (tests/test_bench_gpu.py)
 
 One line per check: part, check, its figure, the bound, PASS / FAIL / SKIP (with why); notes have no
@@ -35,6 +36,18 @@ day a GPU is lent, the proof is this one command and its output pasted into a no
   (``mfu``, this project's count; ``mfu_6n``, torchtitan's and PaLM's: ``train.flops``) and the peak
   memory allocated. Targets (issue 30) on one H100/H200, compiled, no activation checkpointing:
   ``mfu_6n`` ≥ 40 % and peak memory well inside 80 GB; their ratios are printed, and checked there.
+- resilience: issue 31's paths through ``xtrain run`` itself, in child processes on the device
+  (``XTRAIN_DEVICE``, bench/tinyrun.py: a pack of random documents, the model part's preset, 32 steps of 2 bins
+  of 1,024 tokens on CUDA, 16 of 64 tokens on the CPU). ``--async-save --save-every 4 --save-hf`` run twice side
+  by side: one uninterrupted, one sent SIGTERM by this process once step 5 is logged: exit 143, ``latest`` a
+  complete checkpoint of the last step logged, the last stderr line naming it. The same command then resumes:
+  exit 0, each step logged once, the uninterrupted run's batches and lr exactly, its losses (bit-equal on the
+  CPU; on CUDA in bf16 within 1e-2, the count bit-equal printed: attention's backward may use atomics).
+  Meanwhile the uninterrupted run's ``RUN/hf/step-N``, gathered on the device, = ``xtrain export`` of step-N read
+  on the CPU, bit for bit, and transformers (when installed) loads ``RUN/hf/latest`` with finite logits on the
+  device. A run ``--init-from`` that run with ``--inject-nonfinite grad:0:3``: step 3 alone skipped, exit 0;
+  run.json's init names the checkpoint, and the first loss is the checkpoint's weights evaluated here on the
+  same bins (bit-equal on the CPU, within 1e-3 on CUDA).
 
 On the CPU the compiled checks use the ``aot_eager`` backend (``--compile-backend``): dynamo, graph breaks
 and recompiles are those of inductor, without ~30 s of C++ compilation per run on 2 cores.
@@ -53,8 +66,11 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
 import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -77,12 +93,17 @@ import train.attention as attention  # noqa: E402
 import train.cp as cp  # noqa: E402
 import train.dist as tdist  # noqa: E402
 import train.flops as flops  # noqa: E402
+from bench import tinyrun  # noqa: E402
+from train.checkpoint import find_latest, quiet_dcp  # noqa: E402
 from train.config import ModelSection  # noqa: E402
+from train.data import PackedDataset, collate  # noqa: E402
+from train.hf_weights import export_run  # noqa: E402
 from train.loss import IGNORE, auto_loss_chunk, token_ce  # noqa: E402
 from train.model import PRESETS, ModelConfig, Transformer  # noqa: E402
 from train.optim import build_optimizer  # noqa: E402
+from train.samplers import BinSampler  # noqa: E402
 
-PARTS = ("env", "kernels", "model", "fsdp1", "throughput")
+PARTS = ("env", "kernels", "model", "fsdp1", "throughput", "resilience")
 BF16_TOL, FP32_TOL = 2e-2, 1e-4  # relative error of attention kernels (output, dq, dk, dv)
 BF16_LOSS_TOL, BF16_GRAD_TOL = 1e-2, 2e-2  # bf16 autocast against fp32, whole model
 MFU_6N_TARGET = 0.40  # 1B preset, seq 8192, bf16, compiled, no AC, one H100/H200 (torchtitan's convention)
@@ -107,10 +128,12 @@ class Sizes:
     bench_tokens: int
     warmup: int
     steps: int
+    run_tokens: int  # bin capacity of the resilience part's runs (its model: ``model``)
+    run_steps: int  # their length; more on CUDA, whose quicker steps leave the signal less time to arrive
 
 
-CUDA_SIZES = Sizes(8192, 16, 4, 128, (8192, 65536), "small", 32_000, 2048, "1b", 128_256, 8192, 3, 10)
-CPU_SIZES = Sizes(512, 4, 2, 64, (2048, 8192), "tiny", 512, 256, "tiny", 512, 256, 1, 1)
+CUDA_SIZES = Sizes(8192, 16, 4, 128, (8192, 65536), "small", 32_000, 2048, "1b", 128_256, 8192, 3, 10, 1024, 32)
+CPU_SIZES = Sizes(512, 4, 2, 64, (2048, 8192), "tiny", 512, 256, "tiny", 512, 256, 1, 1, 64, 16)
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -742,9 +765,202 @@ def _check_targets(b: Bench, mfu_6n: float | None, memory: int) -> None:
                 f"{memory / 2**30:,.1f} GiB = {memory / PEAK_MEMORY_TARGET:.2f}× 80 GiB", "< 80 GiB")
 
 
+# ----------------------------------------------------------------------------------------------- resilience
+SAVE_EVERY = 4
+SIGNAL_AT_ROW = 5  # SIGTERM once step 5 is logged: step 4's asynchronous save may still be in flight
+INIT_STEPS, BAD_STEP = 4, 3  # the --init-from run's length, and the step whose gradients are made non-finite
+# A resumed run reloads the fp32 weights and optimizer state bit for bit (DCP: the fsdp1 part) and trains on the
+# same batches at the same lr (checked exactly), so in bf16 on CUDA its losses part from the uninterrupted run's
+# only where a kernel is not deterministic: flash/varlen attention's backward accumulates dq with atomics, so two
+# runs' gradients differ by bf16 roundings (2^-8 = 4e-3 relative, per value) from the first step on, and their
+# weights by fractions of AdamW's lr-sized updates: a loss should move by less than one bf16 rounding; 1e-2 leaves
+# room for that (not measured on a GPU yet). On the CPU, in fp32, bit-equal.
+RESUME_LOSS_TOL = 1e-2
+# The first loss of an --init-from run and the checkpoint's weights evaluated here: the same forward kernels on the
+# same inputs. Bit-equal on the CPU; on CUDA another process may pick other matmul algorithms (bf16 roundings).
+INIT_LOSS_TOL = 1e-3
+
+
+def part_resilience(b: Bench) -> None:
+    """Issue 31's paths through ``xtrain run`` in child processes on the device: a SIGTERM from this process with
+    --async-save, the same command resuming, --save-hf = export, a non-finite gradient skipped, --init-from."""
+    s, r = b.sizes, b.report
+    root = b.workdir / "resilience"
+    root.mkdir()
+    packed = tinyrun.tiny_pack(root, s.model_vocab, s.run_tokens)
+    batch = ["--model", s.model, "--micro-batch-size", "2", "--global-batch-size", "2"]
+    common = [str(packed), *batch, "--steps", str(s.run_steps), "--sampler", "random", "--seed", "5", "--lr", "2e-3",
+              "--log-every", "100", "--async-save", "--save-every", str(SAVE_EVERY), "--save-hf"]
+    ref, cut, init = root / "reference", root / "interrupted", root / "init-from"
+    t0 = time.perf_counter()
+    with tinyrun.Xtrain(b.device.type) as xtrain:
+        reference, first = xtrain.start(ref, common), xtrain.start(cut, common)  # side by side
+        rows = tinyrun.signal_after_rows(first, cut, SIGNAL_AT_ROW, signal.SIGTERM)
+        stopped, ref_status = tinyrun.wait(first), tinyrun.wait(reference)
+        r.note("runs", f"'{s.model}', {s.run_steps} steps of 2 bins of {s.run_tokens} tokens: {_layout(ref)}; "
+                       f"{time.perf_counter() - t0:.1f} s side by side")
+        if not r.check("uninterrupted run: exit status", ref_status == 0, f"exit {ref_status}", "0"):
+            _explain(ref)
+        r.attempt("SIGTERM", check_stopped, r, cut, stopped, rows)
+        stop_step = (tinyrun.metrics(cut) or [{"step": 0}])[-1]["step"]
+        resumed = xtrain.start(cut, common)  # the same command
+        started = xtrain.start(init, [str(packed), *batch, "--steps", str(INIT_STEPS), "--log-every", "1",
+                                      "--init-from", str(ref), "--inject-nonfinite", f"grad:0:{BAD_STEP}"])
+        r.attempt("--save-hf", check_save_hf, r, ref, s.run_steps, root / "export")  # while those two run
+        r.attempt("transformers", check_transformers, b, ref / "hf" / "latest", packed)
+        resumed_status, init_status = tinyrun.wait(resumed), tinyrun.wait(started)
+    r.attempt("resumed", check_resumed, b, ref, cut, resumed_status, stop_step)
+    r.attempt("non-finite gradient", check_bad_step, r, init, init_status)
+    r.attempt("--init-from", check_init, b, init, ref, packed)
+
+
+def _layout(run_dir: Path) -> str:
+    """The device, precision and attention of a run, from its start line ("1 DP, cuda, bf16, attention: ...")."""
+    for line in tinyrun.stderr_lines(run_dir):
+        if " → " in line and "; " in line:
+            return line.rsplit(" → ", 1)[0].rsplit("; ", 1)[-1].rstrip(")")
+    return "no start line"
+
+
+def _explain(run_dir: Path, lines: int = 15) -> None:
+    """The end of a run's stderr, on this process's stderr (where a failed check's traceback goes)."""
+    print(f"--- {run_dir}.err, last {lines} lines:", *tinyrun.stderr_lines(run_dir)[-lines:], sep="\n", file=sys.stderr)
+
+
+def check_stopped(r: Report, run_dir: Path, status: int, rows: int) -> None:
+    """Exit 143, ``latest`` naming a complete checkpoint of the last step logged, the last stderr line naming it."""
+    step = (tinyrun.metrics(run_dir) or [{"step": 0}])[-1]["step"]
+    sent = f"sent at row {rows}" if rows else f"not sent: the run ended before row {SIGNAL_AT_ROW}"
+    ok = r.check("SIGTERM: exit status", status == 143, f"exit {status} (SIGTERM {sent})", "143")
+    latest, note = find_latest(run_dir / "checkpoints")
+    ok &= r.check("SIGTERM: latest = the step reached", latest is not None and latest.name == f"step-{step}"
+                  and note is None and step >= SIGNAL_AT_ROW, f"{latest.name if latest else 'none'}, last row step "
+                  f"{step}{'; ' + note if note else ''}", "same, complete")
+    last = (tinyrun.stderr_lines(run_dir) or [""])[-1]
+    ok &= r.check("SIGTERM: last stderr line names it", "SIGTERM" in last and f"step-{step} " in last,
+                  repr(last[:60]), f"step-{step}")
+    if not ok:
+        _explain(run_dir)
+
+
+def check_save_hf(r: Report, ref: Path, step: int, out: Path) -> None:
+    """RUN/hf/step-N (gathered from the device by the run) = `xtrain export` of step-N (DCP read on the CPU here)."""
+    from safetensors.torch import load_file  # deferred: as in train.hf_weights, only this check reads safetensors
+
+    exported = export_run(ref, step, out)
+    saved = load_file(ref / "hf" / f"step-{step}" / "model.safetensors")
+    want = load_file(exported / "model.safetensors")
+    differ, count, size = bit_compare(saved, want)
+    r.check("--save-hf (device) = export (CPU)", not differ, f"{count} tensors ({_size(size)}) equal" if not differ
+            else f"{len(differ)} of {count} differ, e.g. {differ[0]}", "bit-equal")
+
+
+def check_transformers(b: Bench, directory: Path, packed: Path) -> None:
+    """transformers loads RUN/hf/latest and computes finite logits of the first bin on the device."""
+    if importlib.util.find_spec("transformers") is None:
+        b.report.skip("transformers: RUN/hf/latest", "transformers is not installed")
+        return
+    from transformers import AutoModelForCausalLM  # deferred: optional (the hf extra)
+
+    model = AutoModelForCausalLM.from_pretrained(directory).to(b.device).eval()
+    first = PackedDataset(packed)[0]
+    with torch.no_grad():
+        logits = model(input_ids=first["input_ids"].to(b.device), position_ids=first["position_ids"].to(b.device),
+                       use_cache=False).logits
+    finite = bool(torch.isfinite(logits).all())
+    b.report.check("transformers: RUN/hf/latest logits", finite, f"{type(model).__name__}, {tuple(logits.shape)} "
+                   f"{'finite' if finite else 'NOT finite'} on {b.device}", "finite")
+
+
+def check_resumed(b: Bench, ref: Path, cut: Path, status: int, stop_step: int) -> None:
+    """The same command resumes: exit 0, each step logged once, the uninterrupted run's batches, schedule, losses."""
+    r, steps = b.report, b.sizes.run_steps
+    said = [line for line in tinyrun.stderr_lines(cut) if f"resuming at step {stop_step}" in line]
+    ok = r.check("resumed: exit status", status == 0 and bool(said),
+                 f"exit {status}, " + (f"resumed at step {stop_step}" if said else "no resume said"), "0, resumed")
+    got, want = tinyrun.metrics(cut), tinyrun.metrics(ref)
+    logged = [row["step"] for row in got]
+    ok &= r.check("resumed: each step once", logged == list(range(1, steps + 1)),
+                  f"{len(logged)} rows, steps {_steps_text(logged)}", f"1..{steps} once")
+    keys = ("tokens", "target_tokens", "consumed_samples", "lr")
+    same = sum(all(g[k] == w[k] for k in keys) for g, w in zip(got, want, strict=False))
+    ok &= r.check("resumed: same batches, lr", same == len(want) == len(got),
+                  f"{same}/{len(want)} steps: tokens, targets, samples, lr", "all equal")
+    pairs = [(g["loss"], w["loss"]) for g, w in zip(got, want, strict=False)]
+    equal = sum(g == w for g, w in pairs)
+    worst = max((abs(g - w) / abs(w) if g is not None and w is not None else math.inf for g, w in pairs),
+                default=math.inf)
+    figure = f"max rel {worst:.2e}, {equal}/{len(want)} bit-equal"
+    if b.cuda:
+        ok &= r.below("resumed = uninterrupted: losses", worst, RESUME_LOSS_TOL, figure)
+    else:
+        ok &= r.check("resumed = uninterrupted: losses", equal == len(want) == len(got), figure, "bit-equal")
+    if not ok:
+        _explain(cut)
+
+
+def _steps_text(steps: list[int]) -> str:
+    """1..16 for a run of consecutive steps, else each one."""
+    if len(steps) > 1 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}..{steps[-1]}"
+    return ",".join(map(str, steps)) or "none"
+
+
+def check_bad_step(r: Report, run_dir: Path, status: int) -> None:
+    """--inject-nonfinite grad:0:3: step 3 and only it skipped, and the run ends well."""
+    ok = r.check("init-from run: exit status", status == 0, f"exit {status}", "0")
+    skipped = [row["step"] for row in tinyrun.metrics(run_dir) if row.get("skipped")]
+    rows = len(tinyrun.metrics(run_dir))
+    ok &= r.check(f"non-finite gradient at step {BAD_STEP}: skipped", skipped == [BAD_STEP] and rows == INIT_STEPS,
+                  f"skipped: step {_steps_text(skipped)} of 1..{rows}", f"step {BAD_STEP} only")
+    if not ok:
+        _explain(run_dir)
+
+
+def check_init(b: Bench, run_dir: Path, ref: Path, packed: Path) -> None:
+    """--init-from REF: run.json's init names REF's last checkpoint, the run starts at step 1, and that step's loss
+    is the checkpoint's weights evaluated here on the same batch."""
+    r, source = b.report, ref / "checkpoints" / f"step-{b.sizes.run_steps}"
+    record = json.loads((run_dir / "run.json").read_text()).get("init") or {}
+    rows = tinyrun.metrics(run_dir)
+    first = rows[0] if rows else {"step": None, "loss": math.nan}
+    named = Path(record.get("path") or "?")
+    r.check("--init-from: run.json init, step 1", named.resolve() == source.resolve() and first["step"] == 1,
+            f"{record.get('from')} {named.name}, first row step {first['step']}",
+            source.name)
+    want = checkpoint_loss(b, source, packed)
+    err = abs(first["loss"] - want) / abs(want)
+    figure = f"{first['loss']:.6f} vs {want:.6f} (rel {err:.1e})"
+    if b.cuda:
+        r.below("--init-from: step-1 loss = checkpoint's", err, INIT_LOSS_TOL, figure)
+    else:
+        r.check("--init-from: step-1 loss = checkpoint's", first["loss"] == want, figure, "bit-equal")
+
+
+def checkpoint_loss(b: Bench, checkpoint: Path, packed: Path) -> float:
+    """The loss of a run's first step (sequential sampler, micro-batch 2) for the model weights of ``checkpoint``,
+    read here with DCP and computed as the trainer does: Σ token CE / targets, in the precision auto picks."""
+    cfg = ModelConfig(vocab_size=b.sizes.model_vocab, **PRESETS[b.sizes.model])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    quiet_dcp()
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    model = model.to(b.device).eval()
+    dataset = PackedDataset(packed)
+    batch = collate([dataset[i] for i in BinSampler(len(dataset), 2).next_micro_batch()])
+    dtype = tdist.param_dtype_for("auto", b.device.type)
+    with torch.no_grad(), torch.autocast(b.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        ce = token_ce(model(batch["input_ids"].to(b.device), batch["position_ids"].to(b.device),
+                            batch["cu_seqlens"]), batch["labels"].to(b.device))
+    return float(ce.detach().double().sum() / (batch["labels"] != IGNORE).sum())
+
+
 # ----------------------------------------------------------------------------------------------- main
 RUNNERS: dict[str, Callable[[Bench], None]] = {"env": part_env, "kernels": part_kernels, "model": part_model,
-                                               "fsdp1": part_fsdp1, "throughput": part_throughput}
+                                               "fsdp1": part_fsdp1, "throughput": part_throughput,
+                                               "resilience": part_resilience}
 
 
 def resolve(choice: str) -> torch.device:

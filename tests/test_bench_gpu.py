@@ -3,11 +3,14 @@
 The subprocess run is the command a GPU machine runs (`python -m bench.gpu`), pinned to the CPU; the in-process
 run swaps in a varlen kernel that aligns its causal mask top-left (SDPA's own `is_causal`, flash-attn < 2.1):
 right for whole documents, wrong for context parallelism's pieces, so the bench cannot pass vacuously.
+The resilience part runs apart, in this process (its four `xtrain run`s are child processes: 25-45 s on two
+shared cores); its checks are shown to fail on a broken resume and a bad step left unskipped.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 
 import train.attention as attention
 import train.cp as cp
-from bench import gpu
+from bench import gpu, tinyrun
 
 ROOT = Path(__file__).resolve().parents[1]
 VERDICTS = ("PASS", "FAIL", "SKIP")
@@ -44,6 +47,22 @@ EXPECTED_PASS = [
     ("fsdp1", "DCP load = save: optimizer state"),
 ]
 EXPECTED_SKIP = [("model", "cuda fp32 = cpu fp32"), ("kernels", "flex bf16 backward"), ("kernels", "flash-attn bf16")]
+IN_ONE_RUN = [part for part in gpu.PARTS if part != "resilience"]
+RESILIENCE_PASS = [
+    "uninterrupted run: exit status",
+    "SIGTERM: exit status",
+    "SIGTERM: latest = the step reached",
+    "SIGTERM: last stderr line names it",
+    "--save-hf (device) = export (CPU)",
+    "resumed: exit status",
+    "resumed: each step once",
+    "resumed: same batches, lr",
+    "resumed = uninterrupted: losses",
+    "init-from run: exit status",
+    "non-finite gradient at step 3: skipped",
+    "--init-from: run.json init, step 1",
+    "--init-from: step-1 loss = checkpoint's",
+]
 
 
 def verdicts(output: str) -> dict[tuple[str, str], str]:
@@ -57,8 +76,9 @@ def verdicts(output: str) -> dict[tuple[str, str], str]:
 
 
 def test_every_part_runs_and_passes_on_the_cpu():
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu", *IN_ONE_RUN], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     found = verdicts(proc.stdout)
     assert not [check for check, verdict in found.items() if verdict == "FAIL"], proc.stdout
@@ -67,7 +87,7 @@ def test_every_part_runs_and_passes_on_the_cpu():
     for check in EXPECTED_SKIP:
         assert found.get(check) == "SKIP", (check, proc.stdout)
     lines = proc.stdout.splitlines()
-    for part in gpu.PARTS:  # every part ran to its end
+    for part in IN_ONE_RUN:  # every part ran to its end
         assert any(line.startswith(part) and " time " in line for line in lines), part
     for variant in ("eager", "compiled", "eager, AC", "compiled, AC"):  # the four throughput runs
         assert any(line.startswith("throughput") and line[11:57].strip() == variant and "tokens/s" in line
@@ -123,3 +143,67 @@ def test_a_check_that_raises_fails_and_the_others_still_run(monkeypatch):
     assert failed(found) == ["flex bf16", "flex fp32"] and failures == 2, output
     assert "raised RuntimeError: no kernel image" in output
     assert found[("kernels", "cp4 fp32 backward")] == "PASS"  # the checks after it ran
+
+
+def run_parts(parts: list[str]) -> tuple[int, dict[tuple[str, str], str], str]:
+    out = io.StringIO()
+    failures = gpu.run(parts, torch.device("cpu"), stream=out)
+    return failures, verdicts(out.getvalue()), out.getvalue()
+
+
+def test_the_resilience_part_passes_on_the_cpu(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # its runs, two side by side
+    failures, found, output = run_parts(["resilience"])
+    assert failures == 0 and not failed(found), output
+    for check in RESILIENCE_PASS:
+        assert found.get(("resilience", check)) == "PASS", (check, output)
+    transformers = found.get(("resilience", "transformers: RUN/hf/latest logits"))
+    assert transformers == "PASS" or (transformers is None and "transformers is not installed" in output), output
+
+
+def test_a_part_that_raises_fails_once_leaves_no_run_behind_and_the_next_part_runs(monkeypatch):
+    children = []
+    start = tinyrun.Xtrain.start
+
+    def recorded(self, *args):
+        children.append(start(self, *args))
+        return children[-1]
+
+    monkeypatch.setattr(tinyrun.Xtrain, "start", recorded)
+
+    def breaks(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tinyrun, "signal_after_rows", breaks)  # the two first runs are started by then
+    failures, found, output = run_parts(["resilience", "env"])
+    assert failures == 1 and found[("resilience", "ran to the end")] == "FAIL", output
+    assert "raised OSError: [Errno 28] No space left on device" in output
+    assert len(children) == 2 and all(child.returncode is not None for child in children)  # killed and reaped
+    assert any(line.startswith("env") and " time " in line for line in output.splitlines()), output
+
+
+def write_run(run_dir: Path, rows: list[dict], stderr: str) -> Path:
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    Path(f"{run_dir}.err").write_text(stderr)
+    return run_dir
+
+
+def test_the_resilience_checks_fail_on_a_broken_resume_and_an_unskipped_bad_step(tmp_path):
+    steps = gpu.CPU_SIZES.run_steps
+    rows = [{"step": i, "loss": 5.0 - i / 100, "tokens": 100 + i, "target_tokens": 90, "consumed_samples": 2 * i,
+             "lr": 1e-3, "skipped": False} for i in range(1, steps + 1)]
+    ref = write_run(tmp_path / "ref", rows, "")
+    replayed = rows[:6] + [{**rows[5], "loss": 4.9}] + rows[6:-1]  # step 6 logged twice, the batches one late
+    cut = write_run(tmp_path / "cut", replayed, "resuming at step 6 from ...\n")
+    bad = write_run(tmp_path / "bad", rows[:4], "")  # step 3 trained on
+    out = io.StringIO()
+    report = gpu.Report(out)
+    bench = gpu.Bench(torch.device("cpu"), gpu.CPU_SIZES, report, "aot_eager", tmp_path)
+    gpu.check_resumed(bench, ref, cut, 0, 6)
+    gpu.check_bad_step(report, bad, 0)
+    found = verdicts(out.getvalue())
+    assert failed(found) == sorted(["resumed: each step once", "resumed: same batches, lr",
+                                    "resumed = uninterrupted: losses", "non-finite gradient at step 3: skipped"]
+                                   ), out.getvalue()
+    assert report.failures == 4
