@@ -94,10 +94,10 @@ import train.cp as cp  # noqa: E402
 import train.dist as tdist  # noqa: E402
 import train.flops as flops  # noqa: E402
 from bench import tinyrun  # noqa: E402
-from train.checkpoint import find_latest, quiet_dcp  # noqa: E402
+from train.checkpoint import find_latest  # noqa: E402
 from train.config import ModelSection  # noqa: E402
 from train.data import PackedDataset, collate  # noqa: E402
-from train.hf_weights import export_run  # noqa: E402
+from train.hf_weights import export_run, model_from_checkpoint  # noqa: E402
 from train.loss import IGNORE, auto_loss_chunk, token_ce  # noqa: E402
 from train.model import PRESETS, ModelConfig, Transformer  # noqa: E402
 from train.optim import build_optimizer  # noqa: E402
@@ -941,13 +941,7 @@ def checkpoint_loss(b: Bench, checkpoint: Path, packed: Path) -> float:
     """The loss of a run's first step (sequential sampler, micro-batch 2) for the model weights of ``checkpoint``,
     read here with DCP and computed as the trainer does: Σ token CE / targets, in the precision auto picks."""
     cfg = ModelConfig(vocab_size=b.sizes.model_vocab, **PRESETS[b.sizes.model])
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    state = {"model": model.state_dict()}
-    quiet_dcp()
-    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
-    model = model.to(b.device).eval()
+    model = model_from_checkpoint(checkpoint, cfg).to(b.device).eval()
     dataset = PackedDataset(packed)
     batch = collate([dataset[i] for i in BinSampler(len(dataset), 2).next_micro_batch()])
     dtype = tdist.param_dtype_for("auto", b.device.type)

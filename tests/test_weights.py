@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -26,9 +25,8 @@ from trainkit import cp_pack
 
 import train.trainer as trainer_module
 from cli import xtrain
-from train.checkpoint import quiet_dcp
 from train.data import PackedDataset, collate
-from train.hf_weights import builtin_model_config, name_map
+from train.hf_weights import builtin_model_config, model_from_checkpoint, name_map
 from train.loss import LossSums, token_ce
 from train.model import Transformer
 
@@ -50,11 +48,7 @@ def losses(run_dir: Path) -> list[tuple[float, float]]:
 def from_checkpoint(step_dir: Path) -> Transformer:
     """The built-in model with a checkpoint's weights, read on this one process whatever layout saved it."""
     cfg = builtin_model_config(json.loads((step_dir / "trainer.json").read_text())["model"], step_dir, "test")
-    model = Transformer(cfg)
-    state = {"model": model.state_dict()}
-    quiet_dcp()
-    dcp.load(state, checkpoint_id=step_dir, no_dist=True)
-    return model.eval()
+    return model_from_checkpoint(step_dir, cfg).eval()
 
 
 def assert_same_model(directory: Path, model: Transformer, packed: Path) -> None:

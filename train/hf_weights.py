@@ -322,8 +322,6 @@ def export_run(run: str | Path, step: int | None, output: str | Path, dtype: str
     directory is built beside ``output`` and renamed into place (``publishing``), so a failed export leaves
     nothing. What comes beside the weights is ``ExportExtras``.
     """
-    import torch.distributed.checkpoint as dcp  # deferred: only export needs DCP
-
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise XprepError(f"-o {output}: exists and is not an empty directory; give a new directory")
@@ -333,16 +331,25 @@ def export_run(run: str | Path, step: int | None, output: str | Path, dtype: str
     trainer_state = CheckpointManager.read_trainer_state(path)
     cfg = builtin_model_config(trainer_state.get("model") or {}, path, "export")
     extras = ExportExtras.of_run(run, trainer_state)
+    model = model_from_checkpoint(path, cfg)
+    with publishing(output) as tmp:
+        said = write_hf_model(tmp, model.state_dict(), cfg, extras, output, dtype)
+    print(said, file=sys.stderr)
+    return output
+
+
+def model_from_checkpoint(path: Path, cfg: ModelConfig) -> Transformer:
+    """The built-in model of ``cfg`` with the weights of checkpoint ``path``, read on this one process (no process
+    group) on the CPU, whatever layout saved them."""
+    import torch.distributed.checkpoint as dcp  # deferred: only export needs DCP
+
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     quiet_dcp()
     dcp.load(state, checkpoint_id=path, no_dist=True)
-    with publishing(output) as tmp:
-        said = write_hf_model(tmp, state["model"], cfg, extras, output, dtype)
-    print(said, file=sys.stderr)
-    return output
+    return model
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,29 @@ LOCK_FILE = "run.lock"
 RANKS_LOCK_FILE = "ranks.lock"
 
 
-class RunLock:
+class _HeldLock:
+    """A flock held on an open file until ``release`` (or the process's end); a context manager."""
+
+    _fd: int | None = None
+
+    def acquire(self) -> _HeldLock:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop the lock (the file stays: see the module docstring)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class RunLock(_HeldLock):
     """An exclusive, non-blocking flock on ``run_dir/run.lock``; a context manager.
 
     ``acquire`` creates the run directory if needed, and raises ``XprepError`` naming the holder (pid,
@@ -69,25 +91,12 @@ class RunLock:
         self._fd = fd
         return self
 
-    def release(self) -> None:
-        """Drop the lock (the file stays: see the module docstring)."""
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
     def _open(self) -> int:
         """The lock file, opened without truncating it (a live holder's record must survive a refused run)."""
         return _open_lock(self.path)
 
-    def __enter__(self) -> RunLock:
-        return self.acquire()
 
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class RanksLock:
+class RanksLock(_HeldLock):
     """A shared flock on ``run_dir/ranks.lock``, held by every rank of a distributed run while it lives (the
     kernel drops it when the rank dies, however it dies). Taken once rank 0 holds the ``RunLock``."""
 
@@ -100,12 +109,6 @@ class RanksLock:
         fcntl.flock(fd, fcntl.LOCK_SH)  # shared: it waits only on a RunLock check in progress, for an instant
         self._fd = fd
         return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
 
 
 def _check_no_ranks(path: Path) -> None:
