@@ -70,7 +70,7 @@ def test_run_with_the_issue_13_options(tmp_path):
         runs[name] = [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert config["model"] | {"name": None} == {"name": None, "precision": "bf16", "tf32": True, "loss_chunk": 16,
-                                                "compile": False}
+                                                "compile": False, "init_from": None}
     assert config["parallel"]["reduce_every_micro_batch"] is True
     assert json.loads((tmp_path / "bf16" / "run.json").read_text())["precision"] == "bf16"
     assert json.loads((tmp_path / "fp32" / "run.json").read_text())["precision"] == "fp32"
