@@ -24,7 +24,7 @@ test: $(STAMP)
 # here): tokenize -> pack -> inspect -> a few training steps (2 ranks: on 2 GPUs when there are, else on the CPU).
 demo: $(STAMP)
 	rm -rf $(DEMO)
-	$(PY) -m prep.demo $(DEMO)
+	$(PY) -m xprep.prep.demo $(DEMO)
 	$(VENV)/bin/xprep tokenize $(DEMO)/corpus/code.jsonl -o $(DEMO)/code --tokenizer $(DEMO)/tokenizer
 	$(VENV)/bin/xprep tokenize $(DEMO)/corpus/chat.jsonl -o $(DEMO)/chat --tokenizer $(DEMO)/tokenizer
 	$(VENV)/bin/xprep inspect $(DEMO)/chat

@@ -13,14 +13,13 @@ from importlib import metadata
 from pathlib import Path
 
 import click
-
-from prep.errors import XprepError, machine_cause, machine_error
-from prep.formats import RECORD_FORMATS
+from xprep.prep.errors import XprepError, machine_cause, machine_error
+from xprep.prep.formats import RECORD_FORMATS
 
 
 def _user_errors(fn):
     """Turn an XprepError, or an OSError of the machine (a full disk, a permission, a read-only filesystem:
-    ``prep.errors.machine_error``), into one line on stderr and exit status 2 (no traceback)."""
+    ``xprep.prep.errors.machine_error``), into one line on stderr and exit status 2 (no traceback)."""
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
@@ -144,9 +143,11 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
              eod_token, bos_token, role_map, allow_empty, progress_every, ray_address, shard_size, max_retries):
     """Tokenize INPUT files/dirs/globs (local, or fsspec URLs such as s3://bucket/data/*.jsonl.zst) into a
     Megatron-compatible token dataset (-o may be a URL too)."""
-    from prep.shards import parse_size  # deferred: as below
-    from prep.tokenize import TokenizeConfig  # deferred: tokenizers and numpy load for this command only
-    from prep.tokenize_run import run_tokenize
+    from xprep.prep.sources import parse_size  # deferred: as below
+    from xprep.prep.tokenize import (
+        TokenizeConfig,  # deferred: tokenizers and numpy load for this command only
+        run_tokenize,
+    )
 
     config = TokenizeConfig(
         inputs=list(inputs), output=output, tokenizer=tokenizer, format=fmt, text_field=text_field,
@@ -165,7 +166,7 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
 @_user_errors
 def merge(datasets, output):
     """Concatenate token datasets (e.g. shards) into one, in the given order."""
-    from prep.merge import merge_datasets  # deferred: numpy loads for this command only
+    from xprep.prep.dataset import merge_datasets  # deferred: numpy loads for this command only
 
     manifest = merge_datasets(list(datasets), output)
     c = manifest["counts"]
@@ -223,12 +224,14 @@ def merge(datasets, output):
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
          dp_micro_batches, shuffle, seed, force, allow_empty, mix, total_tokens, epochs, split, cache_dir):
     """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
-    from prep.cache import PackConfig  # deferred here and below: numba/numpy load only for the command run
-    from prep.cache import pack as run_pack
-    from prep.interrupt import run_interruptibly
-    from prep.pack_report import outcome_report
-    from prep.packconfig import parse_sources, parse_split
-    from prep.render import summary_lines, warning_lines
+    from xprep.prep.inspect import outcome_report, summary_lines, warning_lines
+    from xprep.prep.interrupt import run_interruptibly
+    from xprep.prep.pack import (
+        PackConfig,  # deferred here and below: numba/numpy load only for the command run
+        parse_sources,
+        parse_split,
+    )
+    from xprep.prep.pack import pack as run_pack
 
     paths, weights, options = parse_sources(datasets, mix)
     paths = [_local_dataset(p, cache_dir) for p in paths]
@@ -247,7 +250,8 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
 
 def _local_dataset(path: str, cache_dir: str | None) -> str:
     """A dataset at a URL is synced into the local cache (once per fingerprint) and packed from there."""
-    from prep.remote import is_url, local_path, sync_dataset  # deferred: fsspec, for URLs only
+    from xprep.prep.dataset import sync_dataset  # deferred: fsspec, for URLs only
+    from xprep.prep.fs import is_url, local_path
 
     if not is_url(path):
         return local_path(path)
@@ -284,9 +288,14 @@ def _local_dataset(path: str, cache_dir: str | None) -> str:
 @_user_errors
 def inspect(paths, as_json, sample, seed, over, plot, seen, step, html):
     """Report on token datasets, pack caches (every entry, then the current one) and run directories."""
-    from prep.html_report import check_target, write_page  # deferred: numpy and the report modules load on use
-    from prep.inspect import InspectOptions, kind_of
-    from prep.render import render, to_json
+    from xprep.prep.inspect import (  # deferred: numpy and the report modules load on use
+        InspectOptions,
+        check_target,
+        kind_of,
+        render,
+        to_json,
+        write_page,
+    )
 
     options = InspectOptions(sample=sample, seed=seed, over=over, plot=plot)
     found = [(path, kind_of(path)) for path in paths]
@@ -312,18 +321,20 @@ def inspect(paths, as_json, sample, seed, over, plot, seen, step, html):
 def _report(kind: str, path: str, options, seen: bool = False, step: int | None = None):
     """The report of the module that owns this kind of data (prep/ never reads a run directory)."""
     if kind == "dataset":
-        from prep.dataset_report import dataset_report  # deferred: tokenizers and numpy, for this kind only
+        from xprep.prep.inspect import (
+            dataset_report,  # deferred: tokenizers and numpy, for this kind only
+        )
 
         return dataset_report(path, options)
     if kind == "packed":
-        from prep.pack_report import pack_report  # deferred: numpy, for this kind only
+        from xprep.prep.inspect import pack_report  # deferred: numpy, for this kind only
 
         return pack_report(path)
     if seen:
-        from train.lineage import seen_report  # deferred: train/ is read only for a run directory
+        from xprep.train.lineage import seen_report  # deferred: train/ is read only for a run directory
 
         return seen_report(path, step)
-    from train.report import run_report  # deferred: train/ is read only for a run directory
+    from xprep.train.report import run_report  # deferred: train/ is read only for a run directory
 
     return run_report(path, plot=options.plot)
 
@@ -462,10 +473,10 @@ def xtrain():
 def run(packed, config_file, **options):
     """Train on the current entry of the pack cache PACKED (works under torchrun too); resume RUN with
     `xtrain run -o RUN` alone."""
-    from train.config import resolve_config  # the trainer and torch: deferred, `xprep` never needs them
-    from train.launch import RanksFailed, launch, should_launch
-    from train.preempt import Stopped
-    from train.trainer import run as run_training
+    from xprep.train.config import resolve_config  # the trainer and torch: deferred, `xprep` never needs them
+    from xprep.train.launch import RanksFailed, launch, should_launch
+    from xprep.train.preempt import Stopped
+    from xprep.train.trainer import run as run_training
 
     notes: list[str] = []  # said once the run has passed its checks (an error is one line)
     config = resolve_config(config_file, {"packed": packed, **options}, log=notes.append)
@@ -494,7 +505,7 @@ def run(packed, config_file, **options):
 @_user_errors
 def export(run_dir, step, output, dtype):
     """Write the built-in model of run RUN as model.safetensors + config.json for transformers' from_pretrained."""
-    from train.hf_weights import export_run  # torch: deferred, `xprep` never needs it
+    from xprep.train.hf_weights import export_run  # torch: deferred, `xprep` never needs it
 
     out = export_run(run_dir, step, output, dtype)
     click.echo(f"model written to {out}", err=True)

@@ -1,4 +1,4 @@
-"""Benchmark of the blend index (``prep.blend.blend_bins``): 100M bins over 10 sources, against the previous one.
+"""Benchmark of the blend index (``prep.pack.blend.blend_bins``): 100M bins over 10 sources, against the previous one.
 
     python -m bench.blend            # 100M bins; every (mixture, implementation) in a fresh process
     python -m bench.blend --quick    # 1M bins
@@ -9,7 +9,7 @@ fixed-capacity bins (sequential/multipack/chunk: every bin counts its capacity) 
 enough bins, and token-aware bins (each counts its tokens) where the five smallest sources repeat 4-5 times.
 
 The new implementation uses both cores of the machine: a long blend runs in two parts at once (the second from
-a guess of the greedy's state mid-way, taken over where the first meets it; ``prep.blend.Ahead``), and a
+a guess of the greedy's state mid-way, taken over where the first meets it; ``xprep.prep.pack.blend.Ahead``), and a
 repeated source's later epochs are shuffled beside the first part.
 
 Baseline, measured in the same run on the same mixtures: the previous implementation (one thread), kept below as
@@ -39,9 +39,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
-
-from prep import blend  # noqa: E402
-from prep.packing import shuffled_order  # noqa: E402
+from xprep.prep.pack import blend  # noqa: E402
+from xprep.prep.pack.kernels import shuffled_order  # noqa: E402
 
 CAPACITY = 8192
 SOURCES = 10

@@ -15,8 +15,7 @@ import argparse
 import time
 
 import numpy as np
-
-from prep.chunk import chunk_items, samples_for
+from xprep.prep.pack.chunk import chunk_items, samples_for
 
 
 def best_of(fn, repeat: int) -> float:

@@ -10,30 +10,30 @@ verdict. The exit status is the number of failed checks (a part that raises coun
 day a GPU is lent, the proof is this one command and its output pasted into a note.
 
 - env: torch and CUDA versions, the device, compute capability, SMs, memory, whether it is a MIG slice,
-  the peak FLOPS MFU is measured against (``train.flops.resolve_peak_tflops``, bf16 and fp32), the
-  installed ``varlen_attn``'s keywords (``train.attention.varlen_signature``), flash-attn's version and the
-  attention path a bf16 / fp32 / context-parallel forward takes (``train.attention.attention_path``).
+  the peak FLOPS MFU is measured against (``xprep.train.flops.resolve_peak_tflops``, bf16 and fp32), the
+  installed ``varlen_attn``'s keywords (``xprep.train.attention.varlen_signature``), flash-attn's version and the
+  attention path a bf16 / fp32 / context-parallel forward takes (``xprep.train.attention.attention_path``).
   Check: on CUDA at compute capability ≥ 8.0, bf16 takes a one-call varlen kernel.
 - kernels: forward and backward of each attention path over packed documents (GQA, a 1-token document,
   a long one) against SDPA per document in float64 on the same inputs; relative error ‖got − ref‖ / ‖ref‖
   of the output and of dq, dk, dv: bf16 < 2e-2, fp32 < 1e-4. Paths: ``varlen_attention`` (what the
   device takes), torch's ``varlen_attn`` and flash-attn called directly (CUDA), FlexAttention in bf16 and
   fp32 (forward only on the CPU, where it has no backward), and context parallelism at 2 and 4 ranks
-  (``train.cp.piece_attention``: each rank's zigzag pieces over all keys, the ranks' losses summed as the
+  (``xprep.train.cp.piece_attention``: each rank's zigzag pieces over all keys, the ranks' losses summed as the
   all-gather's backward sums them). And FlexAttention's block mask at T = 8k and 64k (CUDA; 2k and 8k on
   the CPU): bytes of its tensors and, on CUDA, the peak allocated while it is built, both under T²/64
   bytes (1/64 of a T×T boolean grid: no path may build one).
 - model: the built-in model ('small' at 2,048 tokens on CUDA, 'tiny' at 256 on the CPU), loss and
   gradients of one packed row: CUDA fp32 (TF32 off) = CPU fp32 within 1e-4; bf16 autocast = fp32 within
   1e-2 for the loss and 2e-2 for the gradients (their error grows with depth: 1.0e-2 measured for 'small'
-  on a CPU); ``loss_chunk`` = whole logits and compiled blocks (``train.dist.apply_compile``) = eager within
+  on a CPU); ``loss_chunk`` = whole logits and compiled blocks (``xprep.train.dist.apply_compile``) = eager within
   1e-4, the compiled ones over 3 document layouts with no recompilation after the first.
-- fsdp1: FSDP2 (``train.dist.apply_fsdp``) over a 1-rank process group (nccl on CUDA, gloo on the CPU),
+- fsdp1: FSDP2 (``xprep.train.dist.apply_fsdp``) over a 1-rank process group (nccl on CUDA, gloo on the CPU),
   the model built on the meta device and materialized, one AdamW step, DCP save, then a fresh meta
   model (its storage filled with NaN) and optimizer loaded from it: model and optimizer state bit-equal.
 - throughput: the '1b' preset at 8,192 tokens per row in bf16 (CUDA; 'tiny' at 256 tokens in fp32 on the
   CPU) with and without compiled blocks and activation checkpointing: tokens/s, achieved TFLOPS, both MFUs
-  (``mfu``, this project's count; ``mfu_6n``, torchtitan's and PaLM's: ``train.flops``) and the peak
+  (``mfu``, this project's count; ``mfu_6n``, torchtitan's and PaLM's: ``xprep.train.flops``) and the peak
   memory allocated. Targets (issue 30) on one H100/H200, compiled, no activation checkpointing:
   ``mfu_6n`` ≥ 40 % and peak memory well inside 80 GB; their ratios are printed, and checked there.
 - resilience: issue 31's paths through ``xtrain run`` itself, in child processes on the device
@@ -82,26 +82,26 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+import xprep.train.attention as attention  # noqa: E402
+import xprep.train.cp as cp  # noqa: E402
+import xprep.train.dist as tdist  # noqa: E402
+import xprep.train.flops as flops  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
+from xprep.train.checkpoint import find_latest  # noqa: E402
+from xprep.train.config import ModelSection  # noqa: E402
+from xprep.train.data import PackedDataset, collate  # noqa: E402
+from xprep.train.hf_weights import export_run, model_from_checkpoint  # noqa: E402
+from xprep.train.loss import IGNORE, auto_loss_chunk, token_ce  # noqa: E402
+from xprep.train.model import PRESETS, ModelConfig, Transformer  # noqa: E402
+from xprep.train.optim import build_optimizer  # noqa: E402
+from xprep.train.samplers import BinSampler  # noqa: E402
 
-import train.attention as attention  # noqa: E402
-import train.cp as cp  # noqa: E402
-import train.dist as tdist  # noqa: E402
-import train.flops as flops  # noqa: E402
 from bench import tinyrun  # noqa: E402
-from train.checkpoint import find_latest  # noqa: E402
-from train.config import ModelSection  # noqa: E402
-from train.data import PackedDataset, collate  # noqa: E402
-from train.hf_weights import export_run, model_from_checkpoint  # noqa: E402
-from train.loss import IGNORE, auto_loss_chunk, token_ce  # noqa: E402
-from train.model import PRESETS, ModelConfig, Transformer  # noqa: E402
-from train.optim import build_optimizer  # noqa: E402
-from train.samplers import BinSampler  # noqa: E402
 
 PARTS = ("env", "kernels", "model", "fsdp1", "throughput", "resilience")
 BF16_TOL, FP32_TOL = 2e-2, 1e-4  # relative error of attention kernels (output, dq, dk, dv)
@@ -273,7 +273,7 @@ def build_model(preset: str, vocab: int, seed: int) -> tuple[nn.Module, ModelCon
 def model_loss(model: nn.Module, batch: dict[str, Tensor], autocast: torch.dtype | None = None,
                loss_chunk: int | None = None) -> tuple[float, Tensor]:
     """(loss, all gradients flattened in fp32 on the CPU) of one packed row; ``loss_chunk`` None: whole logits
-    and ``train.loss.token_ce``, as the trainer computes it without --loss-chunk."""
+    and ``xprep.train.loss.token_ce``, as the trainer computes it without --loss-chunk."""
     model.zero_grad(set_to_none=True)
     device_type = batch["input_ids"].device.type
     ctx = torch.autocast(device_type, dtype=autocast) if autocast else contextlib.nullcontext()
@@ -308,7 +308,7 @@ def part_env(b: Bench) -> None:
         r.note("compute capability", f"{capability[0]}.{capability[1]}, {props.multi_processor_count} SMs, "
                                      f"{props.total_memory / 2**30:.1f} GiB")
         is_mig = getattr(flops, "is_mig", None)
-        r.note("MIG slice", "unknown (train.flops has no is_mig)" if is_mig is None else
+        r.note("MIG slice", "unknown (xprep.train.flops has no is_mig)" if is_mig is None else
                ("yes" if is_mig(device) else "no"))
     else:
         capability = None
@@ -317,7 +317,7 @@ def part_env(b: Bench) -> None:
     r.note("peak fp32", _peak_line(device, "fp32"))  # with TF32, as xtrain runs fp32 unless --no-tf32
     signature = getattr(attention, "varlen_signature", None)
     if signature is None:
-        r.note("varlen_attn signature", "unknown (train.attention has no varlen_signature)")
+        r.note("varlen_attn signature", "unknown (xprep.train.attention has no varlen_signature)")
     else:
         keywords = signature()
         r.note("varlen_attn signature", "none: this torch has no torch.nn.attention.varlen" if keywords is None
@@ -345,7 +345,7 @@ def part_env(b: Bench) -> None:
 def _peak_line(device: torch.device, precision: str) -> str:
     try:
         peak, line = flops.resolve_peak_tflops(device, None, precision=precision, tf32=True)
-    except TypeError:  # a train.flops without per-precision peaks: bf16 only
+    except TypeError:  # a xprep.train.flops without per-precision peaks: bf16 only
         peak, line = flops.resolve_peak_tflops(device)
     return line
 
@@ -443,7 +443,7 @@ def _check_grads(report: Report, name: str, grads, ref_grads, tol: float) -> Non
 
 def check_cp(b: Bench, size: int, dtype: torch.dtype, lengths: list[int]) -> None:
     """Context parallelism over ``size`` ranks simulated in one process: each rank's zigzag query pieces over
-    the whole sequence's keys (``train.cp.piece_attention``, what ``CPContext.attention`` runs after its
+    the whole sequence's keys (``xprep.train.cp.piece_attention``, what ``CPContext.attention`` runs after its
     all-gather), the outputs put back in global order, and the ranks' losses summed before one backward
     (the all-gather's backward sums each rank's K/V gradients the same way)."""
     cu_padded, _, _ = cp.pad_documents(torch.tensor(bounds_of(lengths), dtype=torch.int32), size)
@@ -470,7 +470,7 @@ def check_block_mask(b: Bench, total: int) -> None:
     made while building it and (CUDA) the peak allocated meanwhile, each under T²/64 bytes."""
     bounds = bounds_of(doc_lengths(total, seed=4))
     build = getattr(attention, "document_block_mask", None)
-    if build is None:  # a train.attention that only has the cached builder
+    if build is None:  # a xprep.train.attention that only has the cached builder
         build = lambda bounds, device: attention._document_block_mask(tuple(bounds), device)  # noqa: E731
     bound = total * total // 64
     shown = f"< {_size(bound)}"
@@ -726,7 +726,7 @@ def time_steps(b: Bench, cfg: ModelConfig, lengths: list[int], dtype: torch.dtyp
 
 
 def _rates(model_flops, peak: float | None, seq_len: int, tokens: int, pairs: int, seconds: float) -> dict:
-    """TFLOPS and both MFUs of a step, from ``train.flops.Throughput`` (its ``mfu_6n`` where it has one)."""
+    """TFLOPS and both MFUs of a step, from ``xprep.train.flops.Throughput`` (its ``mfu_6n`` where it has one)."""
     try:
         measured = flops.Throughput(model_flops, peak, 1, seq_len=seq_len).measure(tokens, pairs, seconds)
     except TypeError:  # a Throughput without the 6N convention: (tflops, mfu)
@@ -845,7 +845,7 @@ def check_stopped(r: Report, run_dir: Path, status: int, rows: int) -> None:
 
 def check_save_hf(r: Report, ref: Path, step: int, out: Path) -> None:
     """RUN/hf/step-N (gathered from the device by the run) = `xtrain export` of step-N (DCP read on the CPU here)."""
-    from safetensors.torch import load_file  # deferred: as in train.hf_weights, only this check reads safetensors
+    from safetensors.torch import load_file  # deferred: as in xprep.train.hf_weights, only this check reads safetensors
 
     exported = export_run(ref, step, out)
     saved = load_file(ref / "hf" / f"step-{step}" / "model.safetensors")

@@ -5,7 +5,7 @@
 
 Target (issue 14): the page renders in Chromium in < 2 s and weighs < 5 MB, whatever the size of the data
 (histograms are binned on the Python side, in the report). The dataset is written in its on-disk format
-straight from numpy (lengths drawn log-normal, ``.idx`` by ``prep.indexed.write_index``, the ``.bin`` a sparse
+straight from numpy (lengths drawn log-normal, ``.idx`` by ``prep.dataset.indexed.write_index``, the ``.bin`` a sparse
 file of the right size: the reports never read token ids), then packed by the real ``xprep pack``
 (sequential, ``--seq-len 256 --overlong split``, about one bin a document). The reports are the real ones.
 Render time: Chromium's navigation to the load event and two animation frames after it (laid out and
@@ -29,14 +29,13 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from browserkit import Chromium, file_url, find_chromium  # noqa: E402  (tests/browserkit.py: DevTools, stdlib)
-
-from prep.cache import PackConfig, pack  # noqa: E402
-from prep.dataset import FORMAT_VERSION, fingerprint  # noqa: E402
-from prep.dataset_report import dataset_report  # noqa: E402
-from prep.formats import DATASET_FORMAT, MANIFEST, TOKENS_STREAM  # noqa: E402
-from prep.html_report import page  # noqa: E402
-from prep.indexed import bin_path, idx_path, write_index  # noqa: E402
-from prep.pack_report import pack_report  # noqa: E402
+from xprep.prep.dataset.indexed import bin_path, idx_path, write_index  # noqa: E402
+from xprep.prep.dataset.token_dataset import FORMAT_VERSION, fingerprint  # noqa: E402
+from xprep.prep.formats import DATASET_FORMAT, MANIFEST, TOKENS_STREAM  # noqa: E402
+from xprep.prep.inspect.dataset_report import dataset_report  # noqa: E402
+from xprep.prep.inspect.html import page  # noqa: E402
+from xprep.prep.inspect.pack_report import pack_report  # noqa: E402
+from xprep.prep.pack.cache import PackConfig, pack  # noqa: E402
 
 CATEGORIES = ("web", "code", "math", "chat", "books", "papers")
 TARGET_SECONDS, TARGET_BYTES = 2.0, 5 * 2**20

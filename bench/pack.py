@@ -31,10 +31,9 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
-
-from prep.cache import PackConfig, pack  # noqa: E402
-from prep.dataset import CategoryTable, DatasetWriter, TokenDataset  # noqa: E402
-from prep.packing import pack_lengths  # noqa: E402
+from xprep.prep.dataset.token_dataset import CategoryTable, DatasetWriter, TokenDataset  # noqa: E402
+from xprep.prep.pack.cache import PackConfig, pack  # noqa: E402
+from xprep.prep.pack.kernels import pack_lengths  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 CAPACITY = 8192
@@ -49,7 +48,7 @@ def real_lengths() -> np.ndarray | None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ds"
-        run = subprocess.run([sys.executable, "-c", "import cli; cli.xprep()", "tokenize", str(chat), "-o",
+        run = subprocess.run([sys.executable, "-c", "from xprep import cli; cli.xprep()", "tokenize", str(chat), "-o",
                               str(out), "--tokenizer", str(tok)], cwd=ROOT, capture_output=True, text=True)
         if run.returncode:
             print(f"(tokenize failed, using a lognormal fit: {run.stderr.strip()[-200:]})")
@@ -155,7 +154,7 @@ def cache_hit_seconds(n: int) -> tuple[float, float]:
         assert pack([ds], Path(tmp) / "P", config).hit
         in_process = time.perf_counter() - t0
         t0 = time.perf_counter()
-        run = subprocess.run([sys.executable, "-c", "import cli; cli.xprep()", "pack", str(ds), "-o",
+        run = subprocess.run([sys.executable, "-c", "from xprep import cli; cli.xprep()", "pack", str(ds), "-o",
                               str(Path(tmp) / "P"), "--method", "multipack", "--seq-len", str(CAPACITY)],
                              cwd=ROOT, capture_output=True, text=True, check=True)
         cli_seconds = time.perf_counter() - t0

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 from bench.procs import descendants  # noqa: E402
 
 if TYPE_CHECKING:
-    from train.model import ModelConfig
+    from xprep.train.model import ModelConfig
 
 RESULT = "RESULT "  # prefix of the one line a worker's rank 0 prints on stdout
 FAILED = "WORKER FAILED"  # prefix of a failed rank's traceback on stderr
@@ -108,7 +108,7 @@ class BenchConfig:
         return cls(cp_seq=2048, dp_seq=1024, warmup=1, steps=2, rounds=3, round_steps=1, timeout=180.0)
 
     def model_config(self) -> ModelConfig:
-        from train.model import ModelConfig
+        from xprep.train.model import ModelConfig
 
         return ModelConfig(vocab_size=self.vocab, dim=self.dim, n_layers=self.layers, n_heads=self.heads,
                            n_kv_heads=self.kv_heads)
@@ -187,7 +187,7 @@ class PeakRSS:
 
 # ------------------------------------------------------------------------------------- model, data, step
 def build_model(cfg: BenchConfig):
-    from train.model import Transformer
+    from xprep.train.model import Transformer
 
     model = Transformer(cfg.model_config())
     model.init_weights(cfg.seed)
@@ -228,7 +228,7 @@ def all_reduce_grads(model) -> None:
 def train_step(model, opt, batch: dict, n_targets: int, cp=None, all_reduce: bool = False,
                keep_grads: bool = False):
     """forward → Σ CE / global targets → backward → (gradient all-reduce) → AdamW. Returns the local loss."""
-    from train.loss import token_ce
+    from xprep.train.loss import token_ce
 
     logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], cp=cp)  # (1, T, V)
     loss = token_ce(logits, batch["labels"]).sum() / n_targets
@@ -265,8 +265,7 @@ def cp_worker(cfg: BenchConfig) -> dict:
     """cp = world size (1: one plain process, no process group). Returns rank 0's result."""
     import torch
     import torch.distributed as dist
-
-    from train.cp import CPContext, shard_batch
+    from xprep.train.cp import CPContext, shard_batch
 
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size > 1:
@@ -528,7 +527,7 @@ def parse_args() -> tuple[argparse.Namespace, BenchConfig]:
 
 
 def main() -> int:
-    from prep.errors import XprepError
+    from xprep.prep.errors import XprepError
 
     try:
         args, cfg = parse_args()

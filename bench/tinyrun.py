@@ -1,10 +1,10 @@
 """Tiny ``xtrain run``s as child processes, for a bench that proves the command end to end (bench/gpu.py).
 
-``tiny_pack`` writes a small token dataset and packs it with ``xprep pack``'s own code (no tokenizer: random
-ids). ``Xtrain`` starts ``xtrain run`` as ``python -c "import cli; cli.xtrain()" run ...`` from the repository
-root, so it works where the project is only a source tree (no console script installed), on the device named
-by ``XTRAIN_DEVICE``; each run's stdout and stderr go to files beside its run directory, and a run still alive
-when the ``Xtrain`` closes is killed (a bench that breaks leaves no trainer behind).
+``tiny_pack`` writes a small token dataset and packs it with ``xprep pack``'s own code (no tokenizer: random ids).
+``Xtrain`` starts ``xtrain run`` as ``python -c "from xprep import cli; cli.xtrain()" run ...`` from the repository
+root, so it works where the project is only a source tree (no console script installed), on the device named by
+``XTRAIN_DEVICE``; each run's stdout and stderr go to files beside its run directory, and a run still alive when the
+``Xtrain`` closes is killed (a bench that breaks leaves no trainer behind).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from prep.cache import PackConfig, pack
-from prep.dataset import CategoryTable, DatasetWriter
+from xprep.prep.dataset.token_dataset import CategoryTable, DatasetWriter
+from xprep.prep.pack.cache import PackConfig, pack
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 600.0  # one tiny run; far above what one takes, even on a loaded CPU
@@ -60,7 +59,7 @@ class Xtrain:
     def start(self, run_dir: Path, args: list[str]) -> subprocess.Popen:
         """``xtrain run ARGS -o RUN_DIR``; stdout to RUN_DIR.out, stderr to RUN_DIR.err."""
         with open(f"{run_dir}.out", "wb") as out, open(f"{run_dir}.err", "wb") as err:
-            child = subprocess.Popen([sys.executable, "-c", "import cli; cli.xtrain()", "run", *args, "-o",
+            child = subprocess.Popen([sys.executable, "-c", "from xprep import cli; cli.xtrain()", "run", *args, "-o",
                                       str(run_dir)], cwd=ROOT, env=self.env, stdout=out, stderr=err)
         self.children.append(child)
         return child

@@ -171,7 +171,7 @@ def xprep_tokenize(corpus: Path, out: Path, *extra: str, cache: Path | None = No
 # main when issue 15 was filed: the parent of its first commit (7b4b6bb, the fast renderers); its chat path renders
 # twice a conversation in jinja2's sandbox and encodes conversation by conversation
 BEFORE_ISSUE_15 = "c1b76ef"
-RENDER = "XPREP_CHAT_RENDER"  # prep.templates.RENDER_ENV (prep is imported only where a function needs it)
+RENDER = "XPREP_CHAT_RENDER"  # xprep.prep.chat.templates.RENDER_ENV (prep is imported only where a function needs it)
 
 
 def checkout(work: Path, rev: str) -> Path | None:
@@ -193,7 +193,7 @@ MISTRAL = DATA / "tokenizers" / "mistral"
 def mistral_tokenizer(work: Path) -> Path:
     """Mistral's tokenizer.json beside a tokenizer_config.json holding Mistral-7B-Instruct-v0.2's template (the
     shared material's has none)."""
-    from prep.chat_fast import MISTRAL as TEMPLATE  # deferred, as chat_breakdown's imports of prep
+    from xprep.prep.chat.fast import MISTRAL as TEMPLATE  # deferred, as chat_breakdown's imports of prep
 
     out = work / "mistral-tokenizer"
     out.mkdir(exist_ok=True)
@@ -206,7 +206,7 @@ def mistral_tokenizer(work: Path) -> Path:
 def llama31_tokenizer(work: Path) -> Path:
     """A directory with a Llama 3 shaped tokenizer.json (Qwen3's vocabulary, Llama 3's split pattern and markers)
     and Meta's Llama 3.1 template in its tokenizer_config.json: no Llama tokenizer is in the shared material."""
-    from prep.encoder import NEWLINE_SAFE_PATTERNS  # deferred, as chat_breakdown's imports of prep
+    from xprep.prep.tokenizer.encoder import NEWLINE_SAFE_PATTERNS  # deferred, as chat_breakdown's imports of prep
 
     spec = json.loads((QWEN3 / "tokenizer.json").read_text())
     spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = next(
@@ -262,11 +262,11 @@ def chat_breakdown(corpus: Path, limit: int, tokenizer: Path = QWEN3) -> dict:
     calling process (run it in a worker process: see chat_bench), and the share of it spent rendering (with
     spans; column-wise, parsing too): for the fast path (column-wise), the same per record
     (``XPREP_CHAT_RENDER=records``) and the general Jinja path."""
-    from prep.encoder import choose_backend, load_tokenizer_info
-    from prep.formats import CHAT
-    from prep.sources import LINES, RawBatch
-    from prep.templates import RENDER_ENV, resolve_template
-    from prep.tokenize import Options, Processor
+    from xprep.prep.chat.templates import RENDER_ENV, resolve_template
+    from xprep.prep.formats import CHAT
+    from xprep.prep.sources.discover import LINES, RawBatch
+    from xprep.prep.tokenize.processor import Options, Processor
+    from xprep.prep.tokenizer.encoder import choose_backend, load_tokenizer_info
 
     info = load_tokenizer_info(str(tokenizer))
     spec = resolve_template("auto", info.chat_template, info.bos_token, info.eos_token)

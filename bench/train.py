@@ -4,7 +4,7 @@
     python bench/train.py --quick    # a 20M-token pack, fewer steps
     python bench/train.py --only loss   # peak memory of the loss: whole logits vs --loss-chunk
 
-``xtrain run`` is timed through ``train.trainer.run`` (what the command calls after parsing) in
+``xtrain run`` is timed through ``xprep.train.trainer.run`` (what the command calls after parsing) in
 this process, alternating with the baseline, best of three each. Rates are given per CPU second of
 this process (the one-core figure, robust to other processes on a shared machine) and per wall
 second.
@@ -37,9 +37,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
-
-from prep.cache import PackConfig, pack  # noqa: E402
-from prep.dataset import CategoryTable, DatasetWriter  # noqa: E402
+from xprep.prep.dataset.token_dataset import CategoryTable, DatasetWriter  # noqa: E402
+from xprep.prep.pack.cache import PackConfig, pack  # noqa: E402
 
 CAPACITY = 8192
 STEP_CAPACITY = 512
@@ -78,8 +77,7 @@ def bench_assembly(packed: Path, seconds: float) -> tuple[float, float]:
     (per wall-clock second, per CPU second of this process). On a shared machine the CPU-time rate
     is the one-core figure; the wall rate also counts time other processes held the core."""
     import torch
-
-    from train.data import PackedDataset, collate
+    from xprep.train.data import PackedDataset, collate
 
     torch.set_num_threads(1)
     ds = PackedDataset(packed)
@@ -100,7 +98,7 @@ def bench_assembly(packed: Path, seconds: float) -> tuple[float, float]:
 FIRST_BATCH = """
 import time, sys
 t0 = time.perf_counter()
-from train.data import PackedDataset, collate
+from xprep.train.data import PackedDataset, collate
 t1, c1 = time.perf_counter(), time.process_time()
 ds = PackedDataset(sys.argv[1])
 t_open = time.perf_counter()
@@ -111,7 +109,7 @@ print(t1 - t0, t2 - t1, c2 - c1, t_open - t1)
 
 
 def bench_first_batch(packed: Path) -> tuple[float, float, float, float]:
-    """Fresh process, best of 3: (import of train.data incl. torch + numba; open pack + datasets +
+    """Fresh process, best of 3: (import of xprep.train.data incl. torch + numba; open pack + datasets +
     first batch in wall seconds; the same in CPU seconds; the opening alone, wall)."""
     runs = []
     for _ in range(3):
@@ -133,9 +131,8 @@ def bare_loop(packed: Path, model_json: Path, steps: int, warmup: int) -> tuple[
     Returns steps per (wall-clock second, CPU second) over the steps after ``warmup``."""
     import torch
     import torch.nn.functional as F
-
-    from train.config import ModelSection, OptimizerSection
-    from train.data import PackedDataset, collate
+    from xprep.train.config import ModelSection, OptimizerSection
+    from xprep.train.data import PackedDataset, collate
 
     ds = PackedDataset(packed)
     model, _ = ModelSection(str(model_json)).build(ds.vocab_size, 0)
@@ -173,13 +170,13 @@ class _StepClock:
 
 
 def xtrain_rate(packed: Path, model_json: Path, steps: int, warmup: int, run_dir: Path) -> tuple[float, float]:
-    """What `xtrain run` calls (train.trainer.run), in this process like the baseline: steps per
+    """What `xtrain run` calls (xprep.train.trainer.run), in this process like the baseline: steps per
     (wall-clock second, CPU second) from the end of step ``warmup`` to the end of the last step,
     so everything between steps counts (batch assembly, target counts, loss sums, metrics, console)."""
     import shutil
 
-    from train.config import TrainConfig
-    from train.trainer import run
+    from xprep.train.config import TrainConfig
+    from xprep.train.trainer import run
 
     shutil.rmtree(run_dir, ignore_errors=True)
     clock = _StepClock()
@@ -195,7 +192,7 @@ def xtrain_rate(packed: Path, model_json: Path, steps: int, warmup: int, run_dir
 LOSS_PEAK = """
 import resource, sys, time
 import torch
-from train.loss import chunked_token_ce
+from xprep.train.loss import chunked_token_ce
 t, d, v, chunk = (int(x) for x in sys.argv[1:5])
 torch.set_num_threads(1)
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,6 +1,6 @@
 """The embedded demo corpus: built offline from Python's own standard library, on any machine.
 
-``python -m prep.demo OUT`` writes
+``python -m xprep.prep.demo OUT`` writes
   OUT/corpus/code.jsonl   {"text", "category": "code"}         one standard-library module each
   OUT/corpus/chat.jsonl   {"messages", "category": <package>}   "what does X do?" → its docstring
   OUT/tokenizer/          a byte-level BPE trained here on the same sources, ChatML template
@@ -16,8 +16,7 @@ import sysconfig
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from prep.templates import BUILTIN_TEMPLATES
+from xprep.prep.chat import BUILTIN_TEMPLATES
 
 VOCAB_SIZE = 8192
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -115,5 +114,5 @@ def _family(package: str) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m prep.demo OUT_DIR")
+        raise SystemExit("usage: python -m xprep.prep.demo OUT_DIR")
     build(Path(sys.argv[1]))

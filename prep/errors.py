@@ -13,7 +13,7 @@ class XprepError(Exception):
     Messages name the file (and line or record), what is wrong, and what to do about it.
     """
 
-    exit_code = 2  # the CLI's exit status (a subclass may name another: train.trainer.TooManyBadSteps)
+    exit_code = 2  # the CLI's exit status (a subclass may name another: xprep.train.trainer.TooManyBadSteps)
 
 
 # What the machine, not the program, refuses: a full disk or quota, a permission, a read-only filesystem.

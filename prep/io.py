@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from prep.errors import XprepError
+from xprep.prep.errors import XprepError
 
 
 def check_output_dir(path: str | Path, *, option: str = "-o", allow_nonempty: bool = False) -> Path:

@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
-
-from train import checkpoint
-from train.checkpoint import RETIRED_PREFIX, CheckpointManager
-from train.dist import ParallelDims
+from xprep.train import checkpoint
+from xprep.train.checkpoint import RETIRED_PREFIX, CheckpointManager
+from xprep.train.dist import ParallelDims
 
 SHORT_S = 0.2  # the default group's timeout while checkpointing
 SLOW_S = 0.8  # what rank 0's fsync of a publication and each deletion take

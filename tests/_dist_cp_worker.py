@@ -15,9 +15,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from train.cp import CPContext, shard_batch
-from train.model import PRESETS, ModelConfig, Transformer
+from xprep.train.cp import CPContext, shard_batch
+from xprep.train.model import PRESETS, ModelConfig, Transformer
 
 VOCAB = 101
 TOL = 1e-5

@@ -7,11 +7,11 @@ pack.json not yet) when another ``xprep pack`` starts or the test kills it.
 import sys
 import time
 
-import cli
-import prep.cache
+import xprep.prep.pack.cache
+from xprep import cli
 
 seconds = float(sys.argv.pop(1))
-mark_complete = prep.cache._mark_complete
+mark_complete = xprep.prep.pack.cache._mark_complete
 
 
 def slow_mark_complete(*args, **kwargs):
@@ -19,5 +19,5 @@ def slow_mark_complete(*args, **kwargs):
     return mark_complete(*args, **kwargs)
 
 
-prep.cache._mark_complete = slow_mark_complete
+xprep.prep.pack.cache._mark_complete = slow_mark_complete
 cli.xprep()

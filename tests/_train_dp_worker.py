@@ -7,8 +7,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainkit import grads, make_trainer  # noqa: E402
-
-from train.dist import ParallelDims, init_distributed, shutdown  # noqa: E402
+from xprep.train.dist import ParallelDims, init_distributed, shutdown  # noqa: E402
 
 packed, out, micro, accum = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 dims = ParallelDims.from_env()

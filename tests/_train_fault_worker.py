@@ -12,7 +12,7 @@ The faults are read from this environment here, never by xtrain itself (children
   XTRAIN_TEST_PARAMS_DIR=DIR     after every step, rank 0 saves the whole parameters to DIR/step-N.pt
   XTRAIN_TEST_KILL_PUBLISHING=step-N  SIGKILL this process inside the publication of step-N: its `latest` written
                                  to the temporary file, not renamed yet
-With `run`, ranks that `--nproc-per-node` starts run through this file too (``train.launch.RANK_ENTRY``).
+With `run`, ranks that `--nproc-per-node` starts run through this file too (``xprep.train.launch.RANK_ENTRY``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import sys
 from pathlib import Path
 
 import torch
-
-from cli import xtrain
-from train import launch, trainer
-from train.dist import full_tensor, plain_name
+from xprep.cli import xtrain
+from xprep.train import launch, trainer
+from xprep.train.dist import full_tensor, plain_name
 
 KILL_AFTER_STEP_ENV = "XTRAIN_TEST_KILL_AFTER_STEP"
 KILL_RANK_ENV = "XTRAIN_TEST_KILL_RANK"
@@ -67,7 +66,7 @@ def send_after(name: str, step: int, to: str):
 
 def signal_in_save(name: str) -> None:
     """Wrap DCP's writes so that each sends ``name`` to this process midway (a signal during a save)."""
-    import torch.distributed.checkpoint as dcp  # train.checkpoint calls dcp.save / dcp.async_save through it
+    import torch.distributed.checkpoint as dcp  # xprep.train.checkpoint calls dcp.save / dcp.async_save through it
 
     sig = getattr(signal, "SIG" + name)
     for fn in ("save", "async_save"):

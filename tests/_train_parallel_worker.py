@@ -21,9 +21,8 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 from trainkit import grads, make_trainer, params  # noqa: E402
-
-from train.dist import ParallelDims, all_reduce_sum, init_distributed, shutdown  # noqa: E402
-from train.loss import LossSums, step_losses  # noqa: E402
+from xprep.train.dist import ParallelDims, all_reduce_sum, init_distributed, shutdown  # noqa: E402
+from xprep.train.loss import LossSums, step_losses  # noqa: E402
 
 packed, out, global_batch, layouts = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 results = {}

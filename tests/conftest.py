@@ -37,7 +37,7 @@ TINY_CHAT_TEMPLATE = (
 )
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Meta's Llama 3.1 and 3.2 Instruct chat templates, byte for byte as their tokenizer_config.json holds them (the
-# sha256 of each is prep.chat_fast.LLAMA31_SHA256 / LLAMA32_SHA256): what the fast path must agree with
+# sha256 of each is xprep.prep.chat.fast.LLAMA31_SHA256 / LLAMA32_SHA256): what the fast path must agree with
 META_TEMPLATES = {name: (REPO_ROOT / "tests" / "templates" / f"{name}-instruct.jinja").read_text(encoding="utf-8")
                   for name in ("llama-3.1", "llama-3.2")}
 
@@ -97,7 +97,7 @@ def tiny_tokenizer(tmp_path_factory) -> Path:
 def xprep_cli(*args, timeout: float = 300, cwd: str | Path | None = None) -> tuple[int, str, str]:
     """Run ``xprep ARGS...`` in a fresh process (not a TTY: no progress bar); (exit code, stdout, stderr)."""
     script = Path(sys.executable).with_name("xprep")
-    cmd = [str(script)] if script.is_file() else [sys.executable, "-c", "import cli; cli.xprep()"]
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-c", "from xprep import cli; cli.xprep()"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env=env)

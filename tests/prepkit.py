@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from prep.tokenize import TokenizeConfig
-from prep.tokenize_run import run_tokenize
+from trainkit import random_docs
+from xprep.prep.dataset.token_dataset import CategoryTable, DatasetWriter
+from xprep.prep.tokenize.processor import TokenizeConfig
+from xprep.prep.tokenize.run import run_tokenize
 
 
 def tokenize(inputs, out: Path, tokenizer, **options) -> dict:
@@ -104,8 +105,7 @@ def is_valid(instance, name: str) -> bool:
 def xprep_invoke(*args):
     """``xprep ARGS`` in this process (click's runner; exceptions propagate, so a traceback fails the test)."""
     from click.testing import CliRunner
-
-    import cli
+    from xprep import cli
 
     return CliRunner().invoke(cli.xprep, list(map(str, args)), catch_exceptions=False)
 
@@ -150,3 +150,33 @@ def conversation_counts(records: list[dict]) -> dict:
     return {"count": len(kept), "answers": len(answers), "assistant_first": first.count("assistant"),
             "empty_answers": sum(not m["content"].strip() for m in answers),
             "ends_without_answer": sum(messages[-1]["role"] != "assistant" for messages in kept)}
+
+
+def category_dataset(path: Path, lengths, seed: int = 0, categories: bool = True, tokenizer_sha: str = "t") -> Path:
+    """A small token dataset with a category stream (ids 0..2) built with the real writer."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, np.int64)
+    tokens = rng.integers(0, 1000, int(lengths.sum()))
+    cats = rng.integers(0, 3, int(lengths.sum())).astype(np.uint8) if categories else None
+    table = CategoryTable()
+    table.id_of("chat")
+    table.id_of("code")
+    with DatasetWriter(path, vocab_size=1000) as w:
+        w.append(tokens, lengths, category_ids=cats)
+        w.finish({"tokenizer": {"path": "test", "sha256": tokenizer_sha, "vocab_size": 1000}}, table)
+    return path
+
+
+def lengths_for(seed: int, n: int = 500) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 300, n)
+
+
+def random_dataset(path: Path, n: int, seed: int, tokenizer_sha: str = "a" * 64) -> Path:
+    """``n`` random documents (4-39 tokens, vocabulary 128) written as a dataset with the real writer."""
+    docs = random_docs(n, 4, 40, vocab=128, seed=seed)
+    with DatasetWriter(path, 128) as w:
+        for d in docs:
+            w.append(np.asarray(d), np.array([len(d)]))
+        w.finish({"tokenizer": {"path": "t", "vocab_size": 128, "pad_id": 0, "eod_id": 1, "sha256": tokenizer_sha}},
+                 CategoryTable())
+    return path

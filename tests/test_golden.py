@@ -126,7 +126,7 @@ def invoke(group, *args):
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory, shared_data):
     """The datasets and packs of the pinned commands, built once for the module."""
-    import cli
+    from xprep import cli
 
     root = tmp_path_factory.mktemp("golden")
     addresses = root / "sotu"
@@ -167,7 +167,7 @@ def test_datasets_are_byte_identical(golden, name):
 
 @pytest.mark.parametrize("method", sorted(PACKS))
 def test_pack_entries_keep_their_keys_and_bytes(golden, method):
-    import cli
+    from xprep import cli
 
     packed = golden / f"pack-{method}"
     invoke(cli.xprep, "pack", golden / "text", golden / "chat", "-o", packed, *PACKS[method])
@@ -175,7 +175,7 @@ def test_pack_entries_keep_their_keys_and_bytes(golden, method):
 
 
 def test_a_blend_with_a_split_keeps_its_keys_and_bytes(golden):
-    import cli
+    from xprep import cli
 
     packed = golden / "pack-blend"
     invoke(cli.xprep, "pack", f"{golden / 'text'}@0.7", f"{golden / 'chat'}@0.3", "-o", packed, "--method",
@@ -186,7 +186,7 @@ def test_a_blend_with_a_split_keeps_its_keys_and_bytes(golden):
 def test_a_short_run_trains_on_the_same_data(golden, tmp_path):
     """fp32 on the CPU, one process: the losses of 4 steps on the Mistral chunk pack. The tolerance absorbs the
     CPU's summation order on another machine; a different batch moves the loss by far more."""
-    import cli
+    from xprep import cli
 
     packed = golden / "pack-mistral"
     invoke(cli.xprep, "pack", golden / "mistral", "-o", packed, "--method", "chunk", "--seq-len", "256")

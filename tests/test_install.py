@@ -29,8 +29,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import REPO_ROOT
 from prepkit import chat_records, text_records, write_jsonl
-
-from cli import xprep, xtrain
+from xprep.cli import xprep, xtrain
 
 try:
     import tomllib
@@ -38,7 +37,7 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-PROJECT_PACKAGES = ("prep", "train")
+PROJECT_PACKAGES = ("prep", "train")  # folders of the repository, xprep.prep and xprep.train installed
 # Imported by the code but declared nowhere, on purpose: each with why.
 UNDECLARED = {"flash-attn": "an optional CUDA kernel (train/attention.py), built for the machine's CUDA by hand"}
 # Import name → distribution, for distributions that are not installed here (others are read from the metadata).
@@ -71,7 +70,7 @@ def third_party_imports(tree: ast.Module) -> list[tuple[str, bool, int]]:
                 names = [a.name for a in child.names] if isinstance(child, ast.Import) else [child.module or ""]
                 for name in names:
                     top = name.split(".")[0]
-                    if top not in sys.stdlib_module_names and top not in ("__future__", "cli", *PROJECT_PACKAGES):
+                    if top not in sys.stdlib_module_names and top not in ("__future__", "xprep"):
                         found.append((top, at_import_time and not guarded, child.lineno))
             is_function = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
             catches_import_error = isinstance(child, ast.Try) and any(
@@ -113,22 +112,35 @@ def test_every_import_is_declared_and_every_dependency_imported():
     assert not problems and not stale, problems + [f"{d} is a dependency nothing imports" for d in stale]
 
 
+def folder_of(package: str) -> Path:
+    """The repository folder of an installed package name: ``xprep`` is the top level, ``prep.pack`` prep/pack/."""
+    parts = package.split(".")
+    assert parts[0] == "xprep", f"{package}: everything installs under xprep"
+    return REPO_ROOT.joinpath(*parts[1:])
+
+
+def test_every_folder_of_code_and_data_is_a_listed_package():
+    """pyproject.toml lists the packages by hand (the top level maps to xprep): a new folder of code or data left
+    out of the list would be missing from the wheel, and a listed one that is gone fails the build."""
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    folders = {p.parent for top in (*PROJECT_PACKAGES, "schemas") for p in (REPO_ROOT / top).rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+    wanted = {"xprep", *(".".join(("xprep", *f.relative_to(REPO_ROOT).parts)) for f in folders)}
+    assert listed == wanted, (f"not listed: {sorted(wanted - listed)}", f"listed, not there: {sorted(listed - wanted)}")
+
+
 def test_package_data_lists_what_exists_and_every_data_file():
     """Every package-data pattern matches a file, and every file of the packages that is not Python (HTML assets,
     JSON Schemas) is matched by one, so a wheel never silently lacks it (schemas/: config validation)."""
-    setuptools = PYPROJECT["tool"]["setuptools"]
-    patterns = setuptools["package-data"]
-    include = setuptools["packages"]["find"]["include"]
+    patterns = PYPROJECT["tool"]["setuptools"]["package-data"]
     for package, globs in patterns.items():
-        folder = REPO_ROOT / package.replace(".", "/")
         for pattern in globs:
-            assert any(folder.glob(pattern)), f"package-data {package}: {pattern!r} matches no file in {folder}"
+            assert any(folder_of(package).glob(pattern)), f"package-data {package}: {pattern!r} matches no file"
     data = [p for top in (*PROJECT_PACKAGES, "schemas") for p in (REPO_ROOT / top).rglob("*")
             if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
     assert any(p.parent.name == "schemas" for p in data)
     for path in data:
-        package = ".".join(path.parent.relative_to(REPO_ROOT).parts)
-        assert any(fnmatch(package, i) for i in include), f"{package} (holding {path.name}) is not packaged"
+        package = ".".join(("xprep", *path.parent.relative_to(REPO_ROOT).parts))
         assert any(fnmatch(path.name, g) for g in patterns.get(package, [])), f"{path} is not in package-data"
 
 
@@ -149,8 +161,9 @@ def test_shell_completion(program, words, expected):
 class Installed:
     """A clean virtualenv with the wheel installed, and a working directory outside the source tree."""
 
-    def __init__(self, venv: Path, work: Path):
+    def __init__(self, venv: Path, work: Path, wheel: Path):
         self.bin = venv / "bin"
+        self.wheel = wheel
         self.work = work
         self.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         self.env.update(PATH=f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
@@ -239,7 +252,7 @@ def installed(tmp_path_factory) -> Installed:
     _pip("--python", python, "install", "-q", "--no-deps", "--no-compile", "--no-index", str(wheel), cwd=tmp)
     _pip("--python", python, "check", cwd=tmp)  # every requirement, versions included, satisfied by what is linked
     (tmp / "work").mkdir()
-    return Installed(venv, tmp / "work")
+    return Installed(venv, tmp / "work", wheel)
 
 
 @pytest.fixture(scope="module")
@@ -263,9 +276,9 @@ def test_the_installed_wheel_runs_every_command(trained):
     here = trained
     assert not (here.work / "prep").exists() and REPO_ROOT not in here.work.parents
     site, pytest_spec, *where = json.loads(here.python(
-        "import json, sysconfig, importlib.util, cli, prep, train, train.config as c; print(json.dumps("
-        "[sysconfig.get_paths()['purelib'], str(importlib.util.find_spec('pytest')), cli.__file__, prep.__file__, "
-        "train.__file__, str(c.SCHEMA)]))"))
+        "import json, sysconfig, importlib.util, xprep.cli, xprep.prep, xprep.train.config as c; print(json.dumps("
+        "[sysconfig.get_paths()['purelib'], str(importlib.util.find_spec('pytest')), xprep.cli.__file__, "
+        "xprep.prep.__file__, xprep.train.__file__, str(c.SCHEMA)]))"))
     assert all(Path(p).is_relative_to(site) for p in where), where  # the installed copy, not the sources
     assert Path(where[-1]).is_file()  # schemas/train.schema.json installed: configs are validated
     assert pytest_spec == "None"  # a test dependency, not a runtime one
@@ -275,6 +288,26 @@ def test_the_installed_wheel_runs_every_command(trained):
     here.run("xtrain", "export", "run", "-o", "hf")
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in (here.work / "hf").iterdir()}
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_one_top_level_name(installed):
+    """Only ``xprep`` (and its .dist-info) lands in site-packages: a user's own ``train.py`` or another
+    distribution's ``cli`` neither shadows nor is overwritten by this project; the scripts go to bin/."""
+    with zipfile.ZipFile(installed.wheel) as z:
+        tops = {name.split("/")[0] for name in z.namelist()}
+    assert tops == {"xprep", f"xprep-{PYPROJECT['project']['version']}.dist-info"}, sorted(tops)
+    here = installed.run("python", "-c", "import importlib.util as u; print([m for m in ('cli', 'prep', 'train') "
+                         "if u.find_spec(m)])")
+    assert here.stdout.strip() == "[]", here.stdout
+    shadow = installed.work / "shadow"  # a user's project: its own train.py and cli.py beside the script
+    shadow.mkdir()
+    for name in ("train.py", "cli.py", "prep.py"):
+        (shadow / name).write_text("raise SystemExit('the user module was imported')\n")
+    proc = subprocess.run([str(installed.bin / "python"), "-c", "from xprep.train.data import PackedDataset; "
+                           "from xprep.cli import xtrain; print('ok')"], cwd=shadow, env=installed.env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "ok", proc.stderr
 
 
 @pytest.mark.slow

@@ -14,11 +14,10 @@ from click.testing import CliRunner
 from conftest import REPO_ROOT
 from prepkit import text_records, tokenize, write_jsonl
 from trainkit import category_pack
+from xprep import cli
+from xprep.prep.errors import XprepError, machine_error, machine_errors
 
-import cli
-from prep.errors import XprepError, machine_error, machine_errors
-
-XPREP = [sys.executable, "-c", "import cli; cli.xprep()"]
+XPREP = [sys.executable, "-c", "from xprep import cli; cli.xprep()"]
 XTRAIN = Path(sys.executable).with_name("xtrain")
 
 
@@ -45,7 +44,7 @@ def test_the_cli_turns_a_machine_oserror_into_one_line_and_keeps_other_traceback
     def denied(path):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr("prep.inspect.kind_of", denied)
+    monkeypatch.setattr("xprep.prep.inspect.kind_of", denied)
     result = CliRunner().invoke(cli.xprep, ["inspect", str(tmp_path)])
     assert result.exit_code == 2 and result.stderr == (
         f"error: permission denied: {tmp_path}; check its permissions (and its directory's) or write elsewhere\n")
@@ -53,7 +52,7 @@ def test_the_cli_turns_a_machine_oserror_into_one_line_and_keeps_other_traceback
     def broken(path):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr("prep.inspect.kind_of", broken)
+    monkeypatch.setattr("xprep.prep.inspect.kind_of", broken)
     result = CliRunner().invoke(cli.xprep, ["inspect", str(tmp_path)])
     assert result.exit_code == 1 and isinstance(result.exception, OSError)  # a traceback, as any unexpected error
 

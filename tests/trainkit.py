@@ -1,6 +1,6 @@
 """Test helpers for the trainer: small token datasets and hand-made pack entries.
 
-Pack entries are written straight from their arrays and ``pack.json`` (prep/packfile.py layout),
+Pack entries are written straight from their arrays and ``pack.json`` (prep/pack/entry.py layout),
 so trainer tests do not depend on the packing algorithms.
 """
 
@@ -13,17 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from prep.cache import PackConfig, pack
-from prep.dataset import CategoryTable, DatasetWriter, TokenDataset
-from prep.packfile import MANIFEST, PACK_FORMAT, PACK_JSON, PackEntry
-from train.config import ModelSection, OptimizerSection, ParallelSection
-from train.cp import CPContext
-from train.data import PackedDataset, collate
-from train.dist import ParallelDims, full_tensor, param_dtype_for, plain_name
-from train.model import Transformer, load_model_config
-from train.samplers import build_sampler
-from train.trainer import Trainer, autocast_for, build_model
+from click.testing import CliRunner
+from xprep.cli import xtrain
+from xprep.prep.dataset.token_dataset import CategoryTable, DatasetWriter, TokenDataset
+from xprep.prep.pack.cache import PackConfig, pack
+from xprep.prep.pack.entry import MANIFEST, PACK_FORMAT, PACK_JSON, PackEntry
+from xprep.train.config import ModelSection, OptimizerSection, ParallelSection
+from xprep.train.cp import CPContext
+from xprep.train.data import PackedDataset, collate
+from xprep.train.dist import ParallelDims, full_tensor, param_dtype_for, plain_name
+from xprep.train.model import Transformer, load_model_config
+from xprep.train.samplers import build_sampler
+from xprep.train.trainer import Trainer, autocast_for, build_model
 
 
 def make_dataset(out: Path, docs: list[np.ndarray], vocab_size: int = 256,
@@ -261,3 +262,11 @@ def assert_simulated_cp_attention(shards: list[dict], lengths: list[int], cp_siz
     for got, want in zip(torch.autograd.grad(total, (q, k, v)), ref_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
+
+def user_error(*args: str) -> str:
+    """Run `xtrain run ARGS` in-process; assert exit 2 with one line on stderr; return it."""
+    result = CliRunner().invoke(xtrain, ["run", *args])
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
-from prep.errors import XprepError
+from xprep.prep.errors import XprepError
 
 LOGS = "logs"
 _ATTEMPT = re.compile(r"^attempt-(\d+)\.log$")
@@ -113,7 +113,7 @@ def exit_of(error: BaseException | None) -> tuple[int, str]:
     if isinstance(error, XprepError):
         return error.exit_code, f"error: {first}"
     code = getattr(error, "exit_code", None)
-    if code is not None:  # train.preempt.Stopped, train.launch.RanksFailed
+    if code is not None:  # xprep.train.preempt.Stopped, xprep.train.launch.RanksFailed
         return int(code), first
     if isinstance(error, KeyboardInterrupt):
         return 130, "interrupted"

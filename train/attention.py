@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
-
-from prep.errors import XprepError
+from xprep.prep.errors import XprepError
 
 try:  # optional CUDA kernel; absent on CPU machines
     import flash_attn
@@ -126,7 +125,7 @@ def attention_path(device: torch.device | str, dtype: torch.dtype, head_dim: int
     """The attention path a forward takes for these inputs, named for a start line.
 
     One of FLASH_VARLEN, TORCH_VARLEN, FLEX, SDPA_PER_DOCUMENT, or with `context_parallel` (the
-    pieces of `train.cp.piece_attention`) SDPA_PER_PIECE where no varlen kernel serves. Raises
+    pieces of `xprep.train.cp.piece_attention`) SDPA_PER_PIECE where no varlen kernel serves. Raises
     XprepError where the path would be wrong (flash-attn < 2.1 with context parallelism).
     """
     path = _varlen_path(device, dtype, head_dim)

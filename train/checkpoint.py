@@ -82,12 +82,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-
-from prep.errors import XprepError, machine_cause, machine_error
-from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
-from prep.io import file_sha256, fsync_tree, read_json, write_atomic, write_json_atomic
-from train.dist import ParallelDims
-from train.metrics import best_step
+from xprep.prep.errors import XprepError, machine_cause, machine_error
+from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
+from xprep.prep.io import file_sha256, fsync_tree, read_json, write_atomic, write_json_atomic
+from xprep.train.dist import ParallelDims
+from xprep.train.metrics import best_step
 
 LATEST = "latest"
 TRAINER_JSON = "trainer.json"
@@ -332,7 +331,7 @@ class CheckpointManager:
                 self._deleter.retire(stale)
         for retired in sorted(self.root.glob(RETIRED_PREFIX + "*")):
             self._deleter.delete(retired)
-        for stray in self.root.glob(f".{LATEST}.tmp-*"):  # write_atomic's temporary name (prep.io)
+        for stray in self.root.glob(f".{LATEST}.tmp-*"):  # write_atomic's temporary name (xprep.prep.io)
             stray.unlink(missing_ok=True)
 
     def _group(self):

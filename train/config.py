@@ -41,19 +41,25 @@ import jsonschema
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
-
-from prep.errors import XprepError
-from train.checkpoint import CheckpointManager
-from train.data import PackedDataset
-from train.dist import DEVICES, ParallelDims, materialize
-from train.evaluate import DEFAULT_EVAL_BINS, Validation, eval_rounds, open_validation, spaced_bins, validation_entry
-from train.flops import check_peak_tflops
-from train.hf import build_hf_fallback, hf_builtin_config
-from train.hf_weights import read_hf_weights
-from train.loggers import parse_backends
-from train.loss import Channels, auto_loss_chunk
-from train.model import ModelConfig, Transformer, initial_value, load_model_config
-from train.optim import SCHEDULES, WSD_SCHEDULES, LRSchedule, build_optimizer, build_scheduler
+from xprep.prep.errors import XprepError
+from xprep.train.checkpoint import CheckpointManager
+from xprep.train.data import PackedDataset
+from xprep.train.dist import DEVICES, ParallelDims, materialize
+from xprep.train.evaluate import (
+    DEFAULT_EVAL_BINS,
+    Validation,
+    eval_rounds,
+    open_validation,
+    spaced_bins,
+    validation_entry,
+)
+from xprep.train.flops import check_peak_tflops
+from xprep.train.hf import build_hf_fallback, hf_builtin_config
+from xprep.train.hf_weights import read_hf_weights
+from xprep.train.loggers import parse_backends
+from xprep.train.loss import Channels, auto_loss_chunk
+from xprep.train.model import ModelConfig, Transformer, initial_value, load_model_config
+from xprep.train.optim import SCHEDULES, WSD_SCHEDULES, LRSchedule, build_optimizer, build_scheduler
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "train.schema.json"
 SAMPLERS = ("sequential", "random")
@@ -97,8 +103,8 @@ class ModelSection:
 
     SECTION: ClassVar[str] = "model"
     name: str = "tiny"
-    precision: str = "auto"  # auto = bf16 on a GPU with bf16 tensor cores, else fp32 (train.dist.param_dtype_for)
-    tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (train.dist.configure_device)
+    precision: str = "auto"  # auto = bf16 on a GPU with bf16 tensor cores, else fp32 (xprep.train.dist.param_dtype_for)
+    tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (xprep.train.dist.configure_device)
     loss_chunk: int | None = None  # tokens per chunk of the output layer + loss; 0 = all at once; None: auto
     compile: bool = False  # torch.compile each block
     init_from: str | None = None  # weights only, from a checkpoint (or hf:DIR), when the run has none of its own
@@ -128,7 +134,7 @@ class ModelSection:
 
     def chunk_for(self, tokens: int, vocab_size: int, builtin: bool = True) -> int:
         """The loss chunk of micro-batches of ``tokens`` tokens per rank: --loss-chunk as given, else
-        ``train.loss.auto_loss_chunk`` for the built-in model (a transformers module computes whole logits)."""
+        ``xprep.train.loss.auto_loss_chunk`` for the built-in model (a transformers module computes whole logits)."""
         if self.loss_chunk is not None:
             return self.loss_chunk
         return auto_loss_chunk(tokens, vocab_size) if builtin else 0
@@ -142,7 +148,7 @@ class ModelSection:
 
     def build_meta(self, vocab_size: int, seed: int) -> tuple[nn.Module, dict, Callable[[str], torch.Tensor] | None]:
         """The built-in model on the meta device, its config as a dict, and each parameter's initial value by
-        name (from ``seed``, or hf:DIR's weights) for ``train.dist.materialize``. An hf:DIR architecture the
+        name (from ``seed``, or hf:DIR's weights) for ``xprep.train.dist.materialize``. An hf:DIR architecture the
         built-in model cannot compute comes back as the loaded transformers module, with None."""
         torch.manual_seed(seed)
         if self.hf_dir is not None:
@@ -239,7 +245,7 @@ class ParallelSection:
     """How many processes, their dp × cp layout, and how the model is spread over them."""
 
     SECTION: ClassVar[str] = "parallel"
-    device: str | None = None  # auto | cpu | cuda; None: $XTRAIN_DEVICE, else auto (train.dist.resolve_device)
+    device: str | None = None  # auto | cpu | cuda; None: $XTRAIN_DEVICE, else auto (xprep.train.dist.resolve_device)
     nproc_per_node: int | None = None  # None: run in this process (or the ranks torchrun started)
     dp: int | None = None  # None: processes / cp
     cp: int = 1

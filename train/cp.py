@@ -36,8 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
-
-from train.attention import check_lower_right, lower_right_causal_attention, to_device_async, varlen_kernel
+from xprep.train.attention import check_lower_right, lower_right_causal_attention, to_device_async, varlen_kernel
 
 Lengths = TypeVar("Lengths", int, np.ndarray, Tensor)
 GatherFn = Callable[[Tensor], Tensor]  # (T_local, ...) -> (C·T_local, ...) concatenated in rank order
@@ -57,7 +56,7 @@ def cp_alignment(cp_size: int) -> int:
 def padded_length(doc_len: Lengths, cp_size: int) -> Lengths:
     """A document's length once padded for CP: rounded up to a multiple of `cp_alignment(cp_size)`.
 
-    The pack's CP alignment (`xprep pack --cp-size C`, prep.packing.item_costs with
+    The pack's CP alignment (`xprep pack --cp-size C`, xprep.prep.pack.kernels.item_costs with
     PackConfig.align) must count documents with exactly this rule, so a bin that fits its
     capacity still fits after sharding; tests/test_cp.py checks the two agree. Works on ints
     and elementwise on integer numpy arrays / torch tensors.
@@ -269,7 +268,7 @@ def piece_attention(q: Tensor, k: Tensor, v: Tensor, pieces: list[Piece]) -> Ten
 
     q holds the pieces' queries one after the other. A piece (start, end, key_start) attends to
     keys [key_start, end) with bottom-right causal alignment: query start + i sees keys up to
-    start + i, and none before its document's start. Where a varlen kernel serves (train.attention:
+    start + i, and none before its document's start. Where a varlen kernel serves (xprep.train.attention:
     CUDA, half precision, Ampere or later) all pieces go in one call, each piece's key range gathered
     after the previous one's; elsewhere one call per piece. A kernel that would align a piece top-left
     (flash-attn < 2.1) is refused with an XprepError.

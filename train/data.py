@@ -34,13 +34,10 @@ from pathlib import Path
 import numba
 import numpy as np
 import torch
-
-from prep.dataset import MAX_CATEGORY, CategoryTable, TokenDataset
-from prep.errors import XprepError
-from prep.mixture import PackBins, open_entry
-from prep.packconfig import check_chunk_cp
-from prep.packfile import PackEntry
-from train.cp import padded_length
+from xprep.prep.dataset import MAX_CATEGORY, CategoryTable, TokenDataset
+from xprep.prep.errors import XprepError
+from xprep.prep.pack import PackBins, PackEntry, check_chunk_cp, open_entry
+from xprep.train.cp import padded_length
 
 IGNORE = -100
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "category_ids", "source_ids", "cu_seqlens")
@@ -111,7 +108,7 @@ class PackedDataset:
 
     @property
     def cp_sample_len(self) -> int | None:
-        """What ``train.cp.shard_batch`` zigzags under CP: whole samples of this many tokens (a chunk pack's
+        """What ``xprep.train.cp.shard_batch`` zigzags under CP: whole samples of this many tokens (a chunk pack's
         bins), or None: each document."""
         return self.capacity if self.whole_samples else None
 

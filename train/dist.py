@@ -38,8 +38,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-
-from prep.errors import XprepError
+from xprep.prep.errors import XprepError
 
 TIMEOUT_ENV = "XTRAIN_DIST_TIMEOUT"  # seconds a collective may wait for a peer [default 600]
 DEVICE_ENV = "XTRAIN_DEVICE"  # the default of --device when neither a flag nor a config sets it (the tests: cpu)
@@ -291,7 +290,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     ``_orig_mod`` to parameter names, which DCP's state-dict API does not strip inside an activation-
     checkpointing wrapper): names, and so checkpoints, are those of the eager model, and the hooks of
     the wrappers around the block (activation checkpointing, FSDP2) stay outside the graphs. Attention
-    runs outside them too (train.model.run_attention).
+    runs outside them too (xprep.train.model.run_attention).
     ``backend`` is torch.compile's (another than inductor for tests and benchmarks on a CPU, where inductor
     builds C++ first).
     """

@@ -29,11 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prep.errors import XprepError
-from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
-from prep.io import read_json
-from train.data import PackedDataset
-from train.loss import Channels
+from xprep.prep.errors import XprepError
+from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
+from xprep.prep.io import read_json
+from xprep.train.data import PackedDataset
+from xprep.train.loss import Channels
 
 VALIDATION_KEY = "validation"  # of PACKED/manifest.json: the name of the validation entry
 DEFAULT_EVAL_BINS = 256  # bins an evaluation reads unless --eval-bins says otherwise (see the module docstring)
@@ -132,7 +132,7 @@ class Validation:
 
 class EvalProgress:
     """Progress of one evaluation, on rank 0: a line redrawn in place on a terminal (~4 times a second), else
-    a plain line every ``interval`` seconds (logs of batch jobs), as ``prep.progress.Progress`` does for
+    a plain line every ``interval`` seconds (logs of batch jobs), as ``xprep.prep.progress.Progress`` does for
     xprep. A short evaluation shows nothing; ``close`` clears the terminal line for the result's."""
 
     def __init__(self, step: int, rounds: int, bins: int, stream=None, interval: float = PROGRESS_EVERY):

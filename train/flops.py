@@ -41,9 +41,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-
-from prep.errors import XprepError
-from train.model import ModelConfig
+from xprep.prep.errors import XprepError
+from xprep.train.model import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ PEAK_TFLOPS: tuple[tuple[str, Peak], ...] = (
     ("MI250X", Peak(383.0, None, 95.7)),  # CDNA2: no TF32; fp32 on its FP32 matrix cores
 )
 
-PRECISIONS = ("bf16", "fp32")  # what a run computes in (train.config's --precision, resolved)
+PRECISIONS = ("bf16", "fp32")  # what a run computes in (xprep.train.config's --precision, resolved)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-
-from prep.errors import XprepError
-from train.hf_weights import builtin_config, safetensors_files
-from train.model import ModelConfig
+from xprep.prep.errors import XprepError
+from xprep.train.hf_weights import builtin_config, safetensors_files
+from xprep.train.model import ModelConfig
 
 
 class HFCausalLM(nn.Module):
@@ -93,7 +92,7 @@ def _read_hf_config(directory: str) -> dict:
 
 def build_hf_fallback(directory: str, vocab_size: int, why: str) -> tuple[HFCausalLM, dict]:
     """The transformers module for an architecture the built-in model cannot compute (``why``), with the
-    console note saying so; the built-in path is ``train.config.ModelSection.build_meta``."""
+    console note saying so; the built-in path is ``xprep.train.config.ModelSection.build_meta``."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"note: --model hf:{directory}: {why}; running it as the transformers module (no context "
               "parallelism)", file=sys.stderr)

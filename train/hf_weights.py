@@ -27,14 +27,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-
-from prep.errors import XprepError
-from prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
-from prep.io import file_sha256, fsync_dir, fsync_tree, read_json
-from prep.mixture import open_entry
-from prep.templates import BUILTIN_TEMPLATES
-from train.checkpoint import CheckpointManager, damage, find_latest, quiet_dcp
-from train.model import ModelConfig, Transformer
+from xprep.prep.chat import BUILTIN_TEMPLATES
+from xprep.prep.errors import XprepError
+from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
+from xprep.prep.io import file_sha256, fsync_dir, fsync_tree, read_json
+from xprep.prep.pack import open_entry
+from xprep.train.checkpoint import CheckpointManager, damage, find_latest, quiet_dcp
+from xprep.train.model import ModelConfig, Transformer
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -143,7 +142,7 @@ class HFWeights(Mapping[str, Tensor]):
     """hf:DIR's weights as the built-in model's state dict for ``cfg``, each tensor read from its file (an
     mmap) when asked and returned in fp32, so loading holds one whole tensor at a time, not the model.
 
-    ``train.dist.materialize`` asks for one parameter at a time and keeps this rank's shard of it: with
+    ``xprep.train.dist.materialize`` asks for one parameter at a time and keeps this rank's shard of it: with
     the whole state dict read first, every rank would hold 4 bytes × parameters of host memory besides
     its shard. The headers are read here, eagerly (they cost nothing): every tensor the model needs must
     be there with its shape and a floating-point dtype, and nothing else may be (a tied model may still
@@ -282,7 +281,7 @@ def builtin_to_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
 
 
 def checkpoint_path(run: str | Path, step: int | None) -> Path:
-    """The checkpoint directory of ``run`` at ``step``, whole and undamaged (``train.checkpoint.damage``); None:
+    """The checkpoint directory of ``run`` at ``step``, whole and undamaged (``xprep.train.checkpoint.damage``); None:
     the one ``--resume auto`` would take (``find_latest``: the one ``latest`` names, else the newest whole one,
     said on stderr)."""
     root = Path(run) / "checkpoints"

@@ -1,22 +1,22 @@
 """``xtrain run --nproc-per-node N``: start the N ranks on this machine, watch them, pass signals on.
 
-The CLI calls ``launch`` when ``should_launch`` says so, and ``train.trainer.run`` otherwise. This process
+The CLI calls ``launch`` when ``should_launch`` says so, and ``xprep.train.trainer.run`` otherwise. This process
 checks what would fail in every rank once (``prepare_run``), holds the run directory's lock, opens the
 rendezvous (a TCPStore on a free local port, which every rank joins as a client, as torchrun's agent store),
-and starts each rank as ``python -m train.launch CONFIG_JSON`` (``RANK_ENTRY``), running the same resolved
+and starts each rank as ``python -m xprep.train.launch CONFIG_JSON`` (``RANK_ENTRY``), running the same resolved
 config through ``main``. Under torchrun (or any launcher that sets RANK/WORLD_SIZE) nothing is spawned: this
 process already is one of the ranks, so plain ``torchrun ... xtrain run`` and multi-node runs need no code
 here.
 
 While the ranks run, the launcher
-- passes every signal that stops a run (SIGTERM, SIGINT, SIGUSR1: ``train.preempt``) on to each rank and
+- passes every signal that stops a run (SIGTERM, SIGINT, SIGUSR1: ``xprep.train.preempt``) on to each rank and
   waits for them, however long their checkpoint takes; a second signal is passed on too, and changes nothing.
   The launch then ends with the ranks' status (143 after SIGTERM, 130 after SIGINT, 0 after SIGUSR1);
 - ends the job when one rank fails: the others are killed at once (SIGKILL: a SIGTERM would make them
   checkpoint, waiting on the rank that died), and one line names the rank that failed first, how, and its
   error (its traceback is above; each rank records its error in a file of its own, TORCHELASTIC_ERROR_FILE,
   as under torchrun);
-- is their lifeline: each rank dies with it (``train.lifeline``), so a launcher killed alone leaves no rank
+- is their lifeline: each rank dies with it (``xprep.train.lifeline``), so a launcher killed alone leaves no rank
   training on without the run lock.
 """
 
@@ -35,21 +35,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed import TCPStore
-
-from prep.errors import XprepError
-from train.attempts import Attempt
-from train.config import TrainConfig, validate_against_schema
-from train.lifeline import PARENT_ENV, die_with_parent
-from train.preempt import STOP_FILE_ENV, STOP_SIGNALS, Stopped, signal_name, stop_status
-from train.rundir import RunLock
-from train.trainer import BAD_STEPS_EXIT, prepare_run, run
+from xprep.prep.errors import XprepError
+from xprep.train.attempts import Attempt
+from xprep.train.config import TrainConfig, validate_against_schema
+from xprep.train.lifeline import PARENT_ENV, die_with_parent
+from xprep.train.preempt import STOP_FILE_ENV, STOP_SIGNALS, Stopped, signal_name, stop_status
+from xprep.train.rundir import RunLock
+from xprep.train.trainer import BAD_STEPS_EXIT, prepare_run, run
 
 LAUNCHED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and by this launcher
 # python arguments that start one rank, before its CONFIG_JSON (tests replace them): the rank dies with the
 # launcher, and until training starts a stop signal ends it quietly (SIGINT too: no KeyboardInterrupt
-# traceback), from its first instructions on, before torch is imported; then train.preempt takes over
+# traceback), from its first instructions on, before torch is imported; then xprep.train.preempt takes over
 RANK_ENTRY = ["-c", "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-              "from train.lifeline import die_with_parent; die_with_parent(); "
+              "from xprep.train.lifeline import die_with_parent; die_with_parent(); "
               f"from {__name__} import main; main()"]
 FORWARDED = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT)  # passed on to the ranks as received
 POLL_S = 0.05
@@ -75,7 +74,7 @@ def should_launch(nproc_per_node: int | None) -> bool:
 
 def launch(cfg: TrainConfig, notes: Sequence[str] = ()) -> Path:
     """Run ``cfg`` on ``cfg.parallel.nproc_per_node`` local ranks; raise ``RanksFailed`` when one fails and
-    ``train.preempt.Stopped`` when a signal stopped them.
+    ``xprep.train.preempt.Stopped`` when a signal stopped them.
 
     What would fail in every rank (options, data, run directory, model) is checked here first, once; then
     ``notes`` (how the config was resolved) are said.
@@ -147,7 +146,7 @@ class _Job:
     def wait(self) -> None:
         """Until every rank has ended; raise when the job did not end well.
 
-        A rank that ends with a stop status (143, 130: train.preempt) stopped in step with the others, after
+        A rank that ends with a stop status (143, 130: xprep.train.preempt) stopped in step with the others, after
         their checkpoint: they end within ``STOP_GRACE_S``, or the job is failed.
         """
         stopping_since = None

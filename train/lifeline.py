@@ -3,7 +3,7 @@
 The ranks of ``xtrain run --nproc-per-node`` (and of torchrun) are child processes of a launcher. When the
 launcher alone is killed — an OOM killer, a scheduler ending the job step's head process with SIGKILL — its
 children would live on as orphans: training and checkpointing into the run directory beside the run that the
-requeue starts. So a launched rank asks to be ended when its parent ends (``prep.lifeline``: the kernel's
+requeue starts. So a launched rank asks to be ended when its parent ends (``xprep.prep.lifeline``: the kernel's
 parent-death signal, or a watchdog thread where that is refused). Both launchers start their ranks from their
 main thread, whose end is the process's.
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 
-from prep import lifeline
+from xprep.prep import lifeline
 
-PARENT_ENV = "XTRAIN_LAUNCHER_PID"  # set by train.launch for its ranks: the pid their parent must have
+PARENT_ENV = "XTRAIN_LAUNCHER_PID"  # set by xprep.train.launch for its ranks: the pid their parent must have
 
 
 def die_with_parent() -> None:

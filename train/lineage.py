@@ -19,12 +19,10 @@ from pathlib import Path
 
 import numpy as np
 from numba import njit
-
-from prep.errors import XprepError
-from prep.mixture import PackBins, open_entry
-from prep.packing import range_bincount
-from train.report import read_metrics
-from train.samplers import BinSampler, RandomBinSampler
+from xprep.prep.errors import XprepError
+from xprep.prep.pack import PackBins, open_entry, range_bincount
+from xprep.train.report import read_metrics
+from xprep.train.samplers import BinSampler, RandomBinSampler
 
 # train/checkpoint.py's layout (not imported: it loads torch): checkpoints/latest names step-<N>/trainer.json
 CHECKPOINTS, LATEST, TRAINER_JSON = "checkpoints", "latest", "trainer.json"

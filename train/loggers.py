@@ -24,8 +24,8 @@ import secrets
 from pathlib import Path
 from typing import Protocol
 
-from prep.errors import XprepError
-from prep.io import write_atomic
+from xprep.prep.errors import XprepError
+from xprep.prep.io import write_atomic
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"

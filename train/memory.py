@@ -16,8 +16,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-from train.dist import ParallelDims
+from xprep.train.dist import ParallelDims
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prep.io import fsync_dir
-from train.loggers import Logger, scalars
+from xprep.prep.io import fsync_dir
+from xprep.train.loggers import Logger, scalars
 
 
 @dataclass
@@ -75,7 +75,7 @@ class StepMetrics:
     consumed_samples: int
     source_loss: dict[str, float] = field(default_factory=dict)
     eval: EvalMetrics | None = None
-    tflops: float | None = None  # model TFLOPS achieved per GPU (train.flops.Throughput)
+    tflops: float | None = None  # model TFLOPS achieved per GPU (xprep.train.flops.Throughput)
     mfu: float | None = None  # tflops / the GPU's peak; None when either is unknown
     peak_mem_bytes: int | None = None  # CUDA max allocated during the step, max over ranks; None off CUDA
     peak_rss_bytes: int | None = None  # process peak RSS, max over ranks
@@ -108,7 +108,7 @@ class MetricsLog:
         self.total, self.every, self.enabled = total_steps, log_every, enabled
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.loggers = list(loggers)  # rank 0's TensorBoard / W&B (train.loggers.build_loggers); closed here
+        self.loggers = list(loggers)  # rank 0's TensorBoard / W&B (xprep.train.loggers.build_loggers); closed here
         self._file = None
         self._t0 = time.perf_counter()
         self._first_step: int | None = None

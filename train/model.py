@@ -20,16 +20,15 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from prep.errors import XprepError
-from train.attention import to_device_async, varlen_attention
-from train.loss import chunked_token_ce
+from xprep.prep.errors import XprepError
+from xprep.train.attention import to_device_async, varlen_attention
+from xprep.train.loss import chunked_token_ce
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # q (T, H, D), k/v (T, Hkv, D) -> (T, H, D)
 
 
 class ContextParallel(Protocol):
-    """What the model needs from a context-parallel context (train.cp.CPContext)."""
+    """What the model needs from a context-parallel context (xprep.train.cp.CPContext)."""
 
     size: int
 
@@ -201,7 +200,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields; those added later are left out at their default, so the model config recorded in
-        earlier checkpoints still compares equal on resume (train.checkpoint.check_same_model)."""
+        earlier checkpoints still compares equal on resume (xprep.train.checkpoint.check_same_model)."""
         d = asdict(self)
         for name, default in _LATER_FIELDS.items():
             if d[name] == default:
@@ -272,7 +271,7 @@ def initial_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> 
     scaled by 1/sqrt(2·n_layers), norms 1, biases 0.
 
     Drawn from a CPU generator seeded by (seed, name) alone, so it does not depend on device, build
-    order, which parameters exist, or how the model is sharded (train.dist.materialize cuts each
+    order, which parameters exist, or how the model is sharded (xprep.train.dist.materialize cuts each
     rank's shard out of it).
     """
     if name.endswith("norm.weight"):
@@ -317,11 +316,11 @@ class Transformer(nn.Module):
         """Logits (1, T, V) in fp32 for input_ids/position_ids (1, T) and int32 cu_seqlens [n_docs+1];
         with `labels` (1, T), the per-token cross-entropy (T,) in fp32 instead (0 where IGNORE).
 
-        With `cp` of size > 1 the row holds this rank's zigzag shard (train.cp.shard_batch):
+        With `cp` of size > 1 the row holds this rank's zigzag shard (xprep.train.cp.shard_batch):
         position_ids are global positions and attention runs through `cp.attention`.
         `max_seqlen` is only a hint for the flash kernel; computed from cu_seqlens when left out.
         `loss_chunk` > 0 computes the output layer and the loss `loss_chunk` tokens at a time, never
-        holding the whole (T, V) logits (train.loss.chunked_token_ce).
+        holding the whole (T, V) logits (xprep.train.loss.chunked_token_ce).
         """
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be one packed row (1, T), got {tuple(input_ids.shape)}")

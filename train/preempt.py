@@ -29,12 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from prep.io import write_json_atomic
-from train.dist import ParallelDims
+from xprep.prep.io import write_json_atomic
+from xprep.train.dist import ParallelDims
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-STOP_FILE_ENV = "XTRAIN_STOP_FILE"  # set by train.launch: where rank 0 records a stop (``record_stop``)
+STOP_FILE_ENV = "XTRAIN_STOP_FILE"  # set by xprep.train.launch: where rank 0 records a stop (``record_stop``)
 
 
 def stop_status(signum: int) -> int:

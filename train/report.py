@@ -1,6 +1,6 @@
 """The report on a run directory (``xprep inspect runs/NAME``): loss by category and by source over the
 run (first, last, best, trend), and the same of the validation loss when the run evaluated; throughput
-(median tokens/s, TFLOPS and both MFUs, peak memory); no torch; ``prep.render`` makes the text.
+(median tokens/s, TFLOPS and both MFUs, peak memory); no torch; ``xprep.prep.inspect.text`` makes the text.
 
 A step without target tokens has a null loss (train/metrics.py): it is left out of the loss summary
 (first, last, best, trend), a gap in the curves, and counted as ``steps_without_targets`` (evaluations
@@ -21,9 +21,9 @@ import json
 import os
 from pathlib import Path
 
-from prep.errors import XprepError
-from prep.io import check_output_file
-from train.metrics import best_step, line_step, replayed_files
+from xprep.prep.errors import XprepError
+from xprep.prep.io import check_output_file
+from xprep.train.metrics import best_step, line_step, replayed_files
 
 PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
 PLOT_FORMATS = {"": "png", ".png": "png", ".pdf": "pdf", ".svg": "svg"}

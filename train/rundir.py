@@ -27,8 +27,8 @@ import socket
 import time
 from pathlib import Path
 
-from prep.errors import XprepError
-from prep.io import describe_holder, read_holder
+from xprep.prep.errors import XprepError
+from xprep.prep.io import describe_holder, read_holder
 
 LOCK_FILE = "run.lock"
 RANKS_LOCK_FILE = "ranks.lock"

@@ -29,8 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-
-from prep.errors import XprepError
+from xprep.prep.errors import XprepError
 
 
 class BinSampler:

@@ -29,18 +29,17 @@ import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.optim.lr_scheduler import LambdaLR
-
-from prep.dataset import check_token_ids
-from prep.errors import XprepError, machine_cause, machine_error
-from prep.io import check_output_dir, write_json_atomic
-from prep.packfile import MANIFEST
-from train import attempts
-from train.attention import attention_path, check_head_dim
-from train.checkpoint import CheckpointManager, check_same_model, check_same_pack, pinned_entry
-from train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
-from train.cp import CPContext, shard_batch
-from train.data import PackedDataset, collate, count_targets
-from train.dist import (
+from xprep.prep.dataset import check_token_ids
+from xprep.prep.errors import XprepError, machine_cause, machine_error
+from xprep.prep.io import check_output_dir, write_json_atomic
+from xprep.prep.pack import MANIFEST
+from xprep.train import attempts
+from xprep.train.attention import attention_path, check_head_dim
+from xprep.train.checkpoint import CheckpointManager, check_same_model, check_same_pack, pinned_entry
+from xprep.train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
+from xprep.train.cp import CPContext, shard_batch
+from xprep.train.data import PackedDataset, collate, count_targets
+from xprep.train.dist import (
     ParallelDims,
     all_reduce_sum,
     check_precision,
@@ -56,18 +55,18 @@ from train.dist import (
     reduce_gradients,
     shutdown,
 )
-from train.evaluate import EvalProgress, Validation
-from train.flops import ModelFlops, Throughput, bin_attention_pairs, resolve_peak_tflops
-from train.lifeline import PARENT_ENV, die_with_parent
-from train.loggers import build_loggers, check_backends
-from train.loss import AUTO_CHUNK_ABOVE, Channels, LossSums, logits_bytes, token_ce
-from train.memory import peak_memory, reset_peak_memory
-from train.metrics import EvalMetrics, MetricsLog, StepMetrics
-from train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
-from train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
-from train.rundir import RanksLock, RunLock
-from train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
-from train.weights import HFSaver, InitFrom, check_exportable, init_record, plan_init
+from xprep.train.evaluate import EvalProgress, Validation
+from xprep.train.flops import ModelFlops, Throughput, bin_attention_pairs, resolve_peak_tflops
+from xprep.train.lifeline import PARENT_ENV, die_with_parent
+from xprep.train.loggers import build_loggers, check_backends
+from xprep.train.loss import AUTO_CHUNK_ABOVE, Channels, LossSums, logits_bytes, token_ce
+from xprep.train.memory import peak_memory, reset_peak_memory
+from xprep.train.metrics import EvalMetrics, MetricsLog, StepMetrics
+from xprep.train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
+from xprep.train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
+from xprep.train.rundir import RanksLock, RunLock
+from xprep.train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
+from xprep.train.weights import HFSaver, InitFrom, check_exportable, init_record, plan_init
 
 BAD_STEPS_EXIT = 3  # exit status of a run that --max-bad-steps stopped (every rank's, and xtrain run's)
 CPU_KEYS = ("cu_seqlens", "cu_seqlens_padded", "cu_units")  # batch keys that stay on the CPU (read as Python ints)
@@ -78,7 +77,7 @@ STEP_END_CALLBACKS: list[Callable[[Trainer], None]] = []  # called after every s
 def autocast_for(param_dtype: torch.dtype, device: torch.device, dims: ParallelDims):
     """The context the forward runs in: autocast to ``param_dtype`` when the parameters are not cast
     themselves, i.e. without FSDP2 (one process, or ``--no-fsdp``); nothing in fp32 or under FSDP2,
-    whose MixedPrecisionPolicy casts them (train.dist.apply_fsdp). Weights, gradients and optimizer
+    whose MixedPrecisionPolicy casts them (xprep.train.dist.apply_fsdp). Weights, gradients and optimizer
     state stay fp32 either way, and the loss is computed in fp32."""
     if param_dtype == torch.float32 or (dims.fsdp and dims.distributed):
         return contextlib.nullcontext
@@ -88,7 +87,7 @@ def autocast_for(param_dtype: torch.dtype, device: torch.device, dims: ParallelD
 def build_model(model: ModelSection, parallel: ParallelSection, vocab_size: int, seed: int, dims: ParallelDims,
                 device: torch.device, initial: Callable[[str], torch.Tensor] | None = None) -> tuple[nn.Module, dict]:
     """The model spread over the layout: built on the meta device, sharded, then given its initial values
-    shard by shard (train.dist.materialize), so no rank holds it whole (but for a transformers module,
+    shard by shard (xprep.train.dist.materialize), so no rank holds it whole (but for a transformers module,
     which is loaded whole and sharded after). ``initial``: the built-in model's values by name instead of its own
     (``--init-from hf:DIR``)."""
     module, config, own = model.build_meta(vocab_size, seed)
@@ -120,7 +119,7 @@ class Trainer:
         self.category_names = category_names if category_names is not None else dataset.category_names
         self.channels = Channels.of(self.category_names, dataset.source_names)
         self.model_config, self.hparams = model_config, hparams  # recorded in checkpoints, compared on resume
-        self.init = init  # where the run's initial weights came from (train.weights.init_record), carried on
+        self.init = init  # where the run's initial weights came from (xprep.train.weights.init_record), carried on
         self.settings = optimizer_settings(optimizer, scheduler)  # this run's, put back after a checkpoint loads
         # model FLOPs → TFLOPS and MFU of each step (no peak: no MFU; no model FLOPs: neither)
         self.throughput = throughput or Throughput(ModelFlops.from_dict(model_config), None, dims.world_size)
@@ -341,9 +340,9 @@ class RunSetup:
     validation: Validation | None = None
     pinned: Path | None = None  # the entry resumed on, when it is not the one PACKED names (pinned_entry)
     loss_chunk: int = 0  # --loss-chunk as given, or as chosen for this pack, model and layout
-    attention: str = ""  # the attention path the built-in model's forward takes here (train.attention)
+    attention: str = ""  # the attention path the built-in model's forward takes here (xprep.train.attention)
     attention_note: str = ""  # why it is not the fastest kernel, when the model's head dim is refused by one
-    init: InitFrom | None = None  # --init-from, when this run takes it (train.weights.plan_init)
+    init: InitFrom | None = None  # --init-from, when this run takes it (xprep.train.weights.plan_init)
     init_note: str = ""  # why --init-from is not used (the run resumes)
 
 
@@ -389,7 +388,7 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
 
 def attention_plan(cfg: TrainConfig, dims: ParallelDims, model_config: dict | None) -> tuple[str, str]:
     """The built-in model's attention path on this device, precision and layout, and a note when its head dim
-    keeps it off a faster kernel (``train.attention``); an attention that would be wrong here (flash-attn < 2.1
+    keeps it off a faster kernel (``xprep.train.attention``); an attention that would be wrong here (flash-attn < 2.1
     under context parallelism) is refused now, before any process group."""
     if model_config is None:
         return "", ""
@@ -408,10 +407,10 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] =
     """Train per ``cfg`` in this process (one process, or one rank of a launched job); returns the run directory.
 
     Rank 0 holds the run directory's ``RunLock`` for the whole run; ``lock=False`` for the ranks that
-    ``train.launch`` starts, whose launcher holds it. Every rank of a distributed run also holds the run's
-    ranks lock (``train.rundir.RanksLock``), so that no later run starts while one of them lives. Rank 0
+    ``xprep.train.launch`` starts, whose launcher holds it. Every rank of a distributed run also holds the run's
+    ranks lock (``xprep.train.rundir.RanksLock``), so that no later run starts while one of them lives. Rank 0
     says ``notes`` (how the config was resolved) once the run has passed its checks. A stop signal ends
-    the run after a checkpoint with ``train.preempt.Stopped`` (one process) or its exit status (a rank).
+    the run after a checkpoint with ``xprep.train.preempt.Stopped`` (one process) or its exit status (a rank).
     """
     validate_against_schema(cfg.to_dict())
     dims = cfg.parallel.build()
@@ -680,7 +679,7 @@ def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan, attention: 
 
 
 def _loss_chunk_line(chunk: int, tokens: int, vocab_size: int) -> str:
-    """What --loss-chunk was chosen, and why (``train.loss.auto_loss_chunk``)."""
+    """What --loss-chunk was chosen, and why (``xprep.train.loss.auto_loss_chunk``)."""
     whole = logits_bytes(tokens, vocab_size)
     return (f"loss computed in chunks of {chunk:,} tokens (--loss-chunk auto): a micro-batch's whole logits would take "
             f"{whole / 2**30:.1f} GiB ({tokens:,} tokens × {vocab_size:,} vocabulary × 4 bytes, above "

@@ -2,7 +2,7 @@
 
 ```
 RUN/hf/step-<N>/   model.safetensors + config.json (+ the data's tokenizer, hf:DIR's generation config): what
-                   `xtrain export` writes (train.hf_weights.write_hf_model), at the end of the run and every
+                   `xtrain export` writes (xprep.train.hf_weights.write_hf_model), at the end of the run and every
                    --save-hf-every N steps, whether DCP checkpoints are saved or not
 RUN/hf/latest      a symbolic link to the step-<N> written last: from_pretrained("RUN/hf/latest") loads it
 ```
@@ -29,10 +29,9 @@ from pathlib import Path
 
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-from prep.errors import XprepError
-from prep.io import fsync_dir
-from train.checkpoint import (
+from xprep.prep.errors import XprepError
+from xprep.prep.io import fsync_dir
+from xprep.train.checkpoint import (
     DCP_METADATA,
     LATEST,
     RETIRED_PREFIX,
@@ -41,10 +40,10 @@ from train.checkpoint import (
     check_same_model,
     damage,
 )
-from train.dist import ParallelDims
-from train.hf import hf_builtin_config
-from train.hf_weights import ExportExtras, builtin_model_config, publishing, read_hf_weights, write_hf_model
-from train.model import ModelConfig
+from xprep.train.dist import ParallelDims
+from xprep.train.hf import hf_builtin_config
+from xprep.train.hf_weights import ExportExtras, builtin_model_config, publishing, read_hf_weights, write_hf_model
+from xprep.train.model import ModelConfig
 
 HF_DIR = "hf"  # RUN/hf/: the --save-hf directories
 _INIT_ONLY = ("multiple_of", "init_std")  # model config fields that shape no computation (ffn_dim is set; the init)
@@ -127,7 +126,7 @@ class InitFrom:
         return {"from": "checkpoint", "path": str(self.path.resolve()), "step": self.step}
 
     def initial(self) -> Callable[[str], Tensor] | None:
-        """hf:DIR's tensors by parameter name, each read when ``train.dist.materialize`` asks for it; None for a
+        """hf:DIR's tensors by parameter name, each read when ``xprep.train.dist.materialize`` asks for it; None for a
         checkpoint, which DCP loads into the model once it is built (``CheckpointManager.load_model``)."""
         return read_hf_weights(self.path, self.cfg).__getitem__ if self.step is None else None
 
@@ -190,7 +189,7 @@ def _hf_source(given: str, cfg: ModelConfig, model_config: dict) -> InitFrom:
 
 @contextlib.contextmanager
 def _naming_init_from(directory: str) -> Iterator[None]:
-    """hf:DIR's checks (train.hf, train.hf_weights) name the option --model; here it is --init-from."""
+    """hf:DIR's checks (xprep.train.hf, xprep.train.hf_weights) name the option --model; here it is --init-from."""
     try:
         yield
     except XprepError as e:

@@ -1,0 +1,33 @@
+"""Token datasets: Megatron ``.bin/.idx`` streams, the manifest, merging, and datasets at URLs. Imports nothing of the
+other stages.
+
+What other stages (and train/, cli.py) may import is what this file exports; inside the stage, modules
+import each other directly.
+"""
+
+from xprep.prep.dataset.indexed import bin_path, idx_path
+from xprep.prep.dataset.merge import append_dataset, merge_datasets
+from xprep.prep.dataset.remote import check_output_url, sync_dataset, synced_from, upload_dataset
+from xprep.prep.dataset.token_dataset import (
+    CONVERSATION_COUNTS,
+    KEPT_TOKENIZER,
+    MAX_CATEGORY,
+    CategoryTable,
+    DatasetWriter,
+    TokenDataset,
+    canonical_json,
+    check_token_ids,
+    conversation_counts,
+    count,
+    dataset_tokenizer,
+    read_manifest,
+    token_dtype,
+    verify_streams,
+)
+
+__all__ = [
+    "CONVERSATION_COUNTS", "CategoryTable", "DatasetWriter", "KEPT_TOKENIZER", "MAX_CATEGORY", "TokenDataset",
+    "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids", "conversation_counts",
+    "count", "dataset_tokenizer", "idx_path", "merge_datasets", "read_manifest", "sync_dataset", "synced_from",
+    "token_dtype", "upload_dataset", "verify_streams"
+]

@@ -1,0 +1,126 @@
+"""Datasets at URLs (``s3://``, ``gs://``; the file systems are ``prep/fs.py``'s):
+
+- a dataset is written to a URL from a finished local directory (``upload_dataset``), its files first and
+  the completion marker ``COMPLETE`` last, so a reader that finds the marker finds the whole dataset;
+- ``sync_dataset`` brings a dataset at a URL into a local cache directory keyed by its fingerprint (files
+  checked against the manifest's sizes), for commands that memory-map it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from xprep.prep.dataset.token_dataset import stream_mismatch
+from xprep.prep.errors import XprepError
+from xprep.prep.formats import MANIFEST
+from xprep.prep.fs import filesystem
+
+COMPLETE = "COMPLETE"  # written last into a dataset at a URL: its content is the manifest's fingerprint
+DEFAULT_CACHE = "~/.cache/xprep"
+
+
+def check_output_url(url: str, option: str = "-o") -> None:
+    """The URL must not hold a dataset already (nothing is overwritten in place)."""
+    fs, inner = filesystem(url)
+    try:
+        taken = fs.exists(f"{inner.rstrip('/')}/{MANIFEST}") or fs.exists(f"{inner.rstrip('/')}/{COMPLETE}")
+    except OSError as e:
+        raise XprepError(f"{option} {url}: cannot reach it ({e})") from None
+    if taken:
+        raise XprepError(f"{option} {url}: already holds a dataset; remove it or choose another {option}")
+
+
+def upload_dataset(local: str | Path, url: str) -> None:
+    """Copy a finished dataset directory to ``url``: data files, then the manifest, then the ``COMPLETE`` marker."""
+    local = Path(local)
+    fs, inner = filesystem(url)
+    inner = inner.rstrip("/")
+    names = sorted(p.name for p in local.iterdir() if p.is_file() and p.name != MANIFEST)
+    fingerprint = json.loads((local / MANIFEST).read_text())["fingerprint"]
+    try:
+        for name in [*names, MANIFEST]:
+            fs.put_file(str(local / name), f"{inner}/{name}")
+        fs.pipe_file(f"{inner}/{COMPLETE}", fingerprint.encode())
+    except OSError as e:  # s3fs, gcsfs: a refused or dropped request is an OSError
+        raise XprepError(f"-o {url}: the upload failed ({type(e).__name__}: {e}); no {COMPLETE} marker was "
+                         "written, so no reader takes it for a dataset: run the command again") from None
+
+
+def read_complete_manifest(url: str) -> dict:
+    """The manifest of the dataset at ``url``, once its ``COMPLETE`` marker says it is whole."""
+    fs, inner = filesystem(url)
+    inner = inner.rstrip("/")
+    try:
+        marker = fs.cat_file(f"{inner}/{COMPLETE}").decode().strip()
+    except FileNotFoundError:
+        raise XprepError(f"{url}: no complete dataset there (no {COMPLETE} marker: not written by xprep, or its "
+                         "upload has not finished)") from None
+    try:
+        manifest = json.loads(fs.cat_file(f"{inner}/{MANIFEST}"))
+    except (FileNotFoundError, ValueError) as e:
+        raise XprepError(f"{url}/{MANIFEST}: unreadable ({e})") from None
+    if manifest.get("fingerprint") != marker:
+        raise XprepError(f"{url}: its {MANIFEST} does not match its {COMPLETE} marker (being rewritten?); try again")
+    return manifest
+
+
+def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
+    """A local copy of the dataset at ``url`` under ``cache_dir``/datasets/FINGERPRINT/NAME, made once and reused.
+
+    Files are downloaded into a temporary sibling and renamed into place, so a copy that exists is whole.
+    """
+    manifest = read_complete_manifest(url)
+    # DIR/datasets/FINGERPRINT/NAME: one copy per content; the URL's last part stays the dataset's name (blends
+    # name their sources by it)
+    root = Path(os.path.expanduser(cache_dir or os.environ.get("XPREP_CACHE", DEFAULT_CACHE))) / "datasets"
+    root = root / manifest["fingerprint"]
+    target = root / (url.rstrip("/").rsplit("/", 1)[-1] or "dataset")
+    if (target / MANIFEST).is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    _origin_file(target).write_text(url + "\n")  # read by synced_from: a pack records where its inputs came from
+    fs, inner = filesystem(url)
+    inner = inner.rstrip("/")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        for entry in fs.ls(inner, detail=True):
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if entry.get("type") == "file" and name != COMPLETE:
+                fs.get_file(f"{inner}/{name}", str(tmp / name))
+        _check_digests(tmp, manifest, url)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process synced it first
+            if not (target / MANIFEST).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def synced_from(path: str | Path) -> str | None:
+    """The URL a dataset at ``path`` was synced from by ``sync_dataset``, if it is such a copy."""
+    try:
+        return _origin_file(Path(path)).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _origin_file(target: Path) -> Path:
+    return target.with_name(f".{target.name}.origin")
+
+
+def _check_digests(directory: Path, manifest: dict, url: str) -> None:
+    """Every stream the manifest lists arrived whole: its .bin and .idx digests are the manifest's."""
+    streams = manifest.get("streams", {})
+    for part in ("bin", "idx"):
+        files = [directory / f"{name}.{part}" for name in streams]
+        wrong = next((f for f in files if not f.is_file()), None) or stream_mismatch(directory, manifest, part,
+                                                                                      "run again", list(streams))
+        if wrong is not None:
+            raise XprepError(f"{url}: {wrong.name} is missing or differs from its manifest digest after download; "
+                             "run again")

@@ -1,0 +1,17 @@
+"""``xprep pack``: its config, the packing methods and their numba kernels, chunked packs, blends and mixtures, the
+entry format and the cache. Uses dataset.
+
+What other stages (and train/, cli.py) may import is what this file exports; inside the stage, modules
+import each other directly.
+"""
+
+from xprep.prep.pack.cache import PackConfig, pack
+from xprep.prep.pack.config import check_chunk_cp, parse_sources, parse_split
+from xprep.prep.pack.entry import MANIFEST, PACK_JSON, DatasetChanged, PackEntry
+from xprep.prep.pack.kernels import range_bincount
+from xprep.prep.pack.mixture import BlendEntry, PackBins, doc_lengths, open_entry
+
+__all__ = [
+    "BlendEntry", "DatasetChanged", "MANIFEST", "PACK_JSON", "PackBins", "PackConfig", "PackEntry", "check_chunk_cp",
+    "doc_lengths", "open_entry", "pack", "parse_sources", "parse_split", "range_bincount"
+]

@@ -1,0 +1,585 @@
+"""Pack caches (entries described by schemas/pack.schema.json): cache keys, and atomic, locked publication.
+
+``pack(datasets, output, config)`` is the whole of ``xprep pack``:
+
+1. key = sha256 of canonical JSON over the pack format version, the options that change the
+   output (``PackConfig.key_fields``) and every input dataset's fingerprint, in order;
+2. if ``output/<method>-<key16>/`` is complete, it is a hit: nothing is packed;
+3. otherwise, under an exclusive ``fcntl.flock`` on ``output/.<name>.lock`` (so concurrent
+   identical invocations build once), the entry is built in ``output/.tmp-<name>-<pid>/``,
+   ``pack.json`` with ``"complete": true`` is written last, and the directory is renamed into
+   place; a killed build leaves only a temp directory, removed by the next build;
+4. ``output/manifest.json`` names the entry as current (written atomically, under its own lock).
+
+With ``--split TRAIN,VALID`` the documents are divided first (``split_documents``, a rule on each document's
+dataset content and index alone) and each part is its own entry, keyed with the split (the validation
+part also with ``"part": "validation"``); the manifest's ``"validation"`` names the validation entry
+of the current one. The validation entry is built first, so an empty validation publishes nothing.
+
+A hit reads only the datasets' manifests (and re-hashes their token indexes) and memory-maps the
+entry. An entry that exists but does not open is reported as corrupt, never silently rebuilt.
+``PackConfig`` is defined in ``xprep.prep.pack.config`` (the packing pipeline takes it too);
+``from xprep.prep.pack.cache import PackConfig`` keeps working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from xprep.prep.dataset import TokenDataset, canonical_json, read_manifest, synced_from, verify_streams
+from xprep.prep.errors import XprepError, machine_errors
+from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
+from xprep.prep.interrupt import temporary
+from xprep.prep.io import (
+    TempDir,
+    check_output_dir,
+    fsync_dir,
+    fsync_tree,
+    read_json,
+    remove_stale_temps,
+    write_json_atomic,
+)
+from xprep.prep.pack.config import PackConfig
+from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted
+from xprep.prep.pack.kernels import Packed, Targets, held_out, item_targets, pack_lengths
+from xprep.prep.pack.mixture import (
+    BlendEntry,
+    blend_key,
+    blend_name,
+    blend_total,
+    blend_unit,
+    blend_units,
+    build_blend,
+    check_blend_config,
+    doc_lengths,
+    read_sources,
+    shares,
+    source_configs,
+)
+
+PACK_VERSION = 2  # bump when the same options and data would pack differently (2: items with no target dropped)
+TRAIN, VALIDATION = "train", "validation"  # the parts of a --split pack
+SPLIT_RULE = ("document d of dataset D is held out for validation when u(D, d) < VALID/(TRAIN+VALID), u = splitmix64 "
+              "of (the first 8 bytes of sha256(D's fingerprint), d) as a fraction of 2**64: it depends on the "
+              "dataset content and d alone")
+
+
+def layout_of(config: PackConfig) -> str:
+    """How the trainer must read the order of bins (recorded in pack.json)."""
+    if not config.balance_dp:
+        return "bins in packing order; documents inside a bin in visiting order"
+    n, m = config.balance_dp, config.dp_micro_batches
+    return (f"data-parallel steps, step-major then micro-batch then rank: bin b goes to rank b % {n}; "
+            f"a step is {n * m} consecutive bins ({m} per rank; the last step may be shorter but is a "
+            f"multiple of {n}); empty bins pad the total to a multiple of {n}")
+
+
+# --------------------------------------------------------------------------------------------- keys
+def read_fingerprints(paths: list[str | Path]) -> list[dict]:
+    """Path and fingerprint of each dataset, from its manifest (cheap: of the streams, only the token index is read).
+
+    Datasets packed together must share a tokenizer: their token ids end up in the same batches.
+    """
+    out, tokenizers = [], {}
+    for p in paths:
+        manifest = read_manifest(p)
+        # The fingerprint stands for the data only if the streams were not edited since: re-hash the
+        # token index (all a pack depends on; ~12 bytes a document, ~0.1 s at 10M documents).
+        verify_streams(p, manifest, "idx", [TOKENS_STREAM])
+        described = {"path": str(Path(p).resolve()), "fingerprint": manifest["fingerprint"]}
+        url = synced_from(p)  # a copy of a dataset at a URL: where a machine without the copy syncs it from
+        out.append({**described, "url": url} if url else described)
+        tokenizers.setdefault((manifest.get("tokenizer") or {}).get("sha256"), str(p))
+    if len(tokenizers) > 1:
+        (_, first), (_, other) = list(tokenizers.items())[:2]
+        raise XprepError(f"{first} and {other} were tokenized with different tokenizers (tokenizer.json "
+                         "sha256 differs): pack datasets of one tokenizer together, or re-tokenize")
+    return out
+
+
+def cache_key(config: PackConfig, datasets: list[dict], part: str | None = None) -> str:
+    """sha256 of canonical JSON: pack format and version, output-changing options, fingerprints (and the
+    ``--split`` part, for the validation one)."""
+    payload = {"pack_format": PACK_FORMAT, "pack_version": PACK_VERSION, **config.key_fields(),
+               "datasets": [d["fingerprint"] for d in datasets]}
+    if part == VALIDATION:
+        payload["part"] = part
+    return hashlib.sha256(canonical_json(payload)).hexdigest()
+
+
+def entry_name(config: PackConfig, key: str) -> str:
+    return f"{config.method}-{key[:16]}"
+
+
+# -------------------------------------------------------------------------------------------- pack
+@dataclass
+class PackOutcome:
+    entry: PackEntry | BlendEntry
+    hit: bool
+    seconds: float
+    sources: list[PackOutcome] | None = None  # a blend's: each source's own entry, found or built
+    validation: PackEntry | None = None  # the --split validation entry
+
+
+def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
+         log: Callable[[str], None] | None = None, allow_empty: bool = False, weights: list[float] | None = None,
+         mix: str | None = None, make_current: bool = True, localize: Callable[[str], str] | None = None,
+         source_options: list[dict] | None = None) -> PackOutcome:
+    """Return the cache entry for these datasets and options, building it unless it exists.
+
+    A pack of 0 bins (no documents, or all empty or dropped) is refused before anything is published,
+    hit or build, unless ``allow_empty``: training on it would do nothing, silently. ``make_current``:
+    record it as PACKED/manifest.json's current entry (a blend's sources are not: only the blend is).
+    ``localize``: a dataset URL named in the ``mix`` file → the local copy to pack (see ``read_sources``).
+    ``source_options``: each ``DATASET@WEIGHT:key=value`` argument's options (a blend's ``method``/``overlong``).
+    A full disk (a permission, a read-only filesystem) is the one-line error naming ``-o``; the entry being built
+    is removed, and nothing is published.
+    """
+    with machine_errors(str(output), "-o"):
+        return _pack(datasets, output, config, force, log, allow_empty, weights, mix, make_current, localize,
+                     source_options)
+
+
+def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
+          log: Callable[[str], None] | None, allow_empty: bool, weights: list[float] | None, mix: str | None,
+          make_current: bool, localize: Callable[[str], str] | None, source_options: list[dict] | None) -> PackOutcome:
+    t0 = time.perf_counter()
+    log = log or (lambda _msg: None)
+    if weights is not None or mix is not None:
+        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, localize, source_options)
+    new_root = not Path(output).exists()
+    root = _prepare_root(Path(output))
+    try:
+        inputs = read_fingerprints(datasets)
+        check_sizing(config)
+        split = split_names(config, inputs)
+        validation = None
+        if split:
+            validation, _ = _entry(root, inputs, config.for_validation(), force, allow_empty, log, split, VALIDATION)
+        entry, hit = _entry(root, inputs, config, force, allow_empty, log, split, TRAIN)
+    except BaseException:
+        if new_root:
+            _remove_if_only_locks(root)
+        raise
+    entry = _refresh_paths(root, entry, inputs)
+    validation = validation and _refresh_paths(root, validation, inputs)
+    if make_current:
+        _set_current(root, entry, validation)
+    return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, validation=validation)
+
+
+def _entry(root: Path, inputs: list[dict], config: PackConfig, force: bool, allow_empty: bool,
+           log: Callable[[str], None], split: dict | None, part: str) -> tuple[PackEntry, bool]:
+    """The entry of one part (the whole pack without --split): found, or built under its lock."""
+    key = cache_key(config, inputs, part if split else None)
+    name = entry_name(config, key)
+    entry = None if force else _open_existing(root / name, key, inputs, log)
+    hit = entry is not None
+    if not hit:
+        entry, hit = _build_once(root, name, key, inputs, config, force, allow_empty, log,
+                                 split and {**split, "part": part})
+    check_not_empty(entry.meta["stats"], config, allow_empty, part if split else None)  # an --allow-empty hit
+    return entry, hit
+
+
+def check_sizing(config: PackConfig) -> None:
+    """--total-tokens / --epochs size a chunk pack or a blend (which never reaches here), nothing else."""
+    if config.method == "chunk":
+        return
+    option = f"--total-tokens {config.total_tokens}" if config.total_tokens is not None else (
+        f"--epochs {config.epochs:g}" if config.epochs is not None else None)
+    if option:
+        raise XprepError(f"{option} sizes a --method chunk pack or a blend (DATASET@WEIGHT, --mix), not a "
+                         f"--method {config.method} pack of every document once: leave it out")
+
+
+# ------------------------------------------------------------------------------------------- split
+def split_names(config: PackConfig, inputs: list[dict]) -> dict | None:
+    """What pack.json records of a --split pack: the shares, the rule and both entries' names."""
+    if config.split is None:
+        return None
+    train, valid = config.split
+    names = {TRAIN: entry_name(config, cache_key(config, inputs)),
+             VALIDATION: entry_name(config, cache_key(config.for_validation(), inputs, VALIDATION))}
+    return {"train": train, "valid": valid, "rule": SPLIT_RULE, "entries": names}
+
+
+def split_base(fingerprint: str) -> int:
+    """64 bits of a dataset's content: the first 8 bytes (little-endian) of sha256 of its fingerprint."""
+    return int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:8], "little")
+
+
+def split_documents(datasets: list[dict], split: tuple[int, int]) -> np.ndarray:
+    """Which global documents go to validation (bool per document), by ``SPLIT_RULE``.
+
+    ``datasets``: {"fingerprint", "documents"} each, in the pack's order (pack.json's "datasets").
+    """
+    train, valid = split
+    share = valid / (train + valid)
+    parts = [held_out(int(d["documents"]), np.uint64(split_base(d["fingerprint"])), share) for d in datasets]
+    return np.concatenate(parts) if parts else np.zeros(0, np.bool_)
+
+
+# ------------------------------------------------------------------------------------------- blend
+def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
+                log: Callable[[str], None], weights: list[float] | None, mix: str | None, allow_empty: bool,
+                localize: Callable[[str], str] | None = None, source_options: list[dict] | None = None
+                ) -> PackOutcome:
+    """A blend (prep/pack/mixture.py): every source packed alone by the plain path (its own entry, shared with
+    other mixtures), then the blend entry ordering their bins, built under its lock and made current."""
+    t0 = time.perf_counter()
+    check_blend_config(config)
+    sources = read_sources([str(d) for d in datasets], weights, mix, localize, source_options)  # all checked first
+    configs = source_configs(sources, config)
+    outcomes = []
+    for s, c in zip(sources, configs, strict=True):
+        try:
+            outcomes.append(pack([s.path], output, c, force=force, log=log, allow_empty=allow_empty,
+                                 make_current=False))
+        except XprepError as e:
+            raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
+    entries = [o.entry for o in outcomes]
+    shares_ = shares(sources)
+    unit = blend_unit(entries)
+    total, size_option = blend_total(config, shares_, [blend_units(e, unit) for e in entries])
+    root = Path(output)
+    entry, hit = _blend_once(root, sources, entries, config, total, size_option, force, log)
+    validation = None
+    if config.split is not None:  # the held-out parts of every source, each bin once
+        held_out = [o.validation for o in outcomes]
+        validation, _ = _blend_once(root, sources, held_out, config, sum(blend_units(e, unit) for e in held_out),
+                                    "validation", force, log, every_bin_once=True)
+    _set_current(root, entry, validation)
+    return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, sources=outcomes,
+                       validation=validation)
+
+
+def _blend_once(root: Path, sources: list, entries: list[PackEntry], config: PackConfig, total: int,
+                size_option: str, force: bool, log: Callable[[str], None], every_bin_once: bool = False
+                ) -> tuple[BlendEntry, bool]:
+    """The blend entry of these sources, built under its lock unless the cache has it; (entry, hit)."""
+    key = blend_key(entries, sources, shares(sources), config.seed, total, every_bin_once)
+    name = blend_name(key)
+    entry = None if force else _open_blend(root / name, key, log)
+    if entry is not None:
+        return entry, True
+    with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
+        entry = None if force else _open_blend(root / name, key, log)
+        if entry is not None:
+            return entry, True
+        return _build_blend(root, name, sources, entries, config, key, total, size_option, every_bin_once), False
+
+
+def _open_blend(path: Path, key: str, log: Callable[[str], None]) -> BlendEntry | None:
+    """The complete blend at ``path``, None if absent or its arrays are damaged (said through ``log``, then
+    rebuilt); one that does not open otherwise is an error."""
+    if not path.exists():
+        return None
+    try:
+        entry = BlendEntry.open(path)
+    except DamagedEntry as e:
+        if e.path != path:  # a source entry: built again (or found whole) just before, so this is not the blend's
+            raise
+        log(f"{path}: damaged pack entry ({e.problem}): building it again")
+        return None
+    if entry.key != key:
+        raise XprepError(f"{path}: its blend.json has key {entry.key!r}, not {key!r}: the entry is corrupt; "
+                         "re-run with --force")
+    return entry
+
+
+def _build_blend(root: Path, name: str, sources: list, entries: list[PackEntry], config: PackConfig, key: str,
+                 total: int, size_option: str, every_bin_once: bool = False) -> BlendEntry:
+    """Blend into a fresh temp directory, blend.json last, and publish it by rename (the caller holds the lock)."""
+    with _building(root, name) as claim:
+        tmp = claim.path
+        blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
+        BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
+                   sources=entries).write_arrays(tmp)
+        write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable
+        fsync_tree(tmp)
+        _publish(claim, root / name)
+    return BlendEntry.open(root / name)
+
+
+@contextmanager
+def _building(root: Path, name: str) -> Iterator[TempDir]:
+    """A fresh temporary directory to build entry ``name`` in (the caller holds the entry's lock), removed if the
+    build fails. First removed: earlier builds' temporaries whose owner is gone (``xprep.prep.io.owner_gone``: never one
+    of another host, where this lock may not reach) and old entries a publisher moved aside and died before
+    removing (it removes them under this lock)."""
+    remove_stale_temps(root, f".tmp-{name}-*")
+    for old in root.glob(f".old-{name}-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    claim = TempDir(root, f".tmp-{name}-{os.getpid()}-")
+    try:
+        with temporary(claim.path):
+            yield claim
+    except BaseException:
+        shutil.rmtree(claim.path, ignore_errors=True)
+        raise
+    finally:
+        claim.release()
+
+
+def _remove_if_only_locks(root: Path) -> None:
+    """Undo a cache directory this command created and failed to fill, unless another command now uses it.
+
+    A lock another process holds (or waits on) stays, and so does the directory: only free locks are removed.
+    """
+    with contextlib.suppress(OSError):
+        children = list(root.iterdir())
+        if not all(p.name.startswith(".") and p.name.endswith(".lock") for p in children):
+            return
+        for lock in children:
+            with open(lock, "rb") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return  # in use: leave the directory to that command
+                lock.unlink()
+        root.rmdir()
+
+def _build_once(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig, force: bool,
+                allow_empty: bool, log: Callable[[str], None], split: dict | None = None) -> tuple[PackEntry, bool]:
+    """Build under the entry's lock; whoever waited for a builder finds its entry (a hit)."""
+    with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
+        entry = None if force else _open_existing(root / name, key, inputs, log)
+        if entry is not None:
+            return entry, True
+        return _build(root, name, key, inputs, config, allow_empty, split), False
+
+
+def _prepare_root(root: Path) -> Path:
+    """The cache directory: created if needed, refused if it is something else or cannot be made."""
+    check_output_dir(root, option="-o", allow_nonempty=True)  # a cache accumulates entries
+    manifest = root / MANIFEST
+    if manifest.is_file():
+        fmt = _read_cache_manifest(manifest).get("format")
+        if fmt != PACK_FORMAT:
+            raise XprepError(f"-o {root}: holds a {fmt!r} manifest, not a pack cache; choose another -o")
+    elif root.is_dir() and any(not _ours(p) for p in root.iterdir()):
+        raise XprepError(f"-o {root}: exists and is not a pack cache (no {MANIFEST}); choose another -o")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _ours(p: Path) -> bool:
+    return p.name.startswith(".") or (p / PACK_JSON).is_file() or (p / BLEND_JSON).is_file()
+
+
+def _open_existing(path: Path, key: str, inputs: list[dict], log: Callable[[str], None]) -> PackEntry | None:
+    """The complete entry at ``path``, None if absent or damaged (its arrays unreadable, or breaking the layout's
+    invariants or the documents of ``inputs``: said through ``log``, then rebuilt); an entry whose pack.json does
+    not open, or names another key, is an error."""
+    if not path.exists():
+        return None
+    try:
+        entry = PackEntry.open(path)
+        if entry.meta.get("key") == key:
+            entry.check_items(doc_lengths(open_fingerprinted(inputs, path)))
+    except DamagedEntry as e:
+        log(f"{path}: damaged pack entry ({e.problem}): building it again")
+        return None
+    if entry.meta.get("key") != key:
+        raise XprepError(f"{path}: its pack.json has key {entry.meta.get('key')!r}, not {key!r}: "
+                         "the entry is corrupt; re-run with --force")
+    return entry
+
+
+@contextmanager
+def _locked(path: Path, on_wait: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (released by the kernel if the process dies); ``on_wait`` runs
+    first when another process holds it."""
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool, part: str | None = None) -> None:
+    """Refuse a pack of 0 bins, saying why it is empty and what to change."""
+    if stats["bins"] or allow_empty:
+        return
+    n, empty, dropped = stats["documents_in"], stats["empty_documents"], stats["dropped_documents"]
+    opt = f"{config.capacity_option} {config.capacity}"
+    what = f"the {part} part of --split {config.split[0]},{config.split[1]}" if part else "the pack"
+    if n == 0 and part == VALIDATION:
+        train, valid = config.split
+        raise XprepError(f"--split {train},{valid}: no document was drawn for validation (each goes there with "
+                         f"probability {valid}/{train + valid}); give validation a larger share, e.g. --split "
+                         f"{max(1, train // 10)},{valid}, pack more documents, or leave --split out")
+    if n == 0:
+        why, fix = "the input has no documents", "check the DATASET arguments (`xprep inspect DATASET`)"
+    elif empty == n:
+        why, fix = f"all {n:,} documents are empty", "re-tokenize with the right --text-field or --format"
+    elif config.method == "chunk" and (config.epochs is not None or config.total_tokens is not None):
+        size = f"--epochs {config.epochs:g}" if config.epochs is not None else f"--total-tokens {config.total_tokens}"
+        why, fix = (f"{size} asks for less than one sample of {opt} (which needs {config.capacity + 1:,} tokens of "
+                    f"the {stats['tokens_in']:,}-token stream)", f"raise {size.split()[0]} or leave it out")
+    elif config.method == "chunk":
+        why, fix = (f"its stream of {stats['tokens_in']:,} tokens is too short for one sample of {opt} (which needs "
+                    f"{config.capacity + 1:,})", f"lower {config.capacity_option} or repeat it with --total-tokens N")
+    elif empty == 0:
+        why, fix = (f"all {n:,} documents are longer than {opt} (--overlong drop)",
+                    f"raise {config.capacity_option} or use --overlong split|truncate")
+    else:
+        why, fix = (f"{empty:,} of {n:,} documents are empty and the other {dropped:,} are longer than {opt} "
+                    "(--overlong drop)", f"raise {config.capacity_option} or use --overlong split|truncate")
+    raise XprepError(f"{what} would have 0 bins: {why}; {fix}, or pass --allow-empty to publish an empty pack")
+
+
+# ------------------------------------------------------------------------------------------- build
+def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig,
+           allow_empty: bool = False, split: dict | None = None) -> PackEntry:
+    """Pack into a fresh temp directory and publish it by rename (the caller holds the lock).
+
+    ``split``: what ``split_names`` gives plus the ``part`` to pack; None packs every document.
+    """
+    with _building(root, name) as claim:
+        datasets = open_fingerprinted(inputs, root / name, since="`xprep pack` started")
+        lengths, described = _load_lengths(inputs, datasets)
+        t0 = time.perf_counter()
+        docs = _part_documents(described, split)
+        packed = pack_lengths(lengths, config, docs, dataset_targets(datasets))
+        check_not_empty(packed.stats, config, allow_empty, split and split["part"])
+        meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
+                "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
+                "loss_mask": any(ds.loss_mask is not None for ds in datasets),
+                "layout": layout_of(config), "stats": packed.stats,
+                "pack_seconds": round(time.perf_counter() - t0, 3),
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
+        if config.method == "chunk":
+            meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
+        if split:
+            meta["split"] = {**split, "documents": len(docs)}
+        _write_entry(claim.path, packed, meta)
+        _publish(claim, root / name)
+    return PackEntry.open(root / name)
+
+
+def _part_documents(described: list[dict], split: dict | None) -> np.ndarray | None:
+    """The global ids of the documents of this --split part, in order (None: no split, all of them)."""
+    if split is None:
+        return None
+    valid = split_documents(described, (split["train"], split["valid"]))
+    return np.flatnonzero(valid if split["part"] == VALIDATION else ~valid)
+
+
+def _load_lengths(inputs: list[dict], datasets: list[TokenDataset]) -> tuple[np.ndarray, list[dict]]:
+    """Document lengths of all datasets concatenated (the global index), and their descriptions."""
+    parts, described, first = [], [], 0
+    for d, ds in zip(inputs, datasets, strict=True):
+        parts.append(ds.lengths)
+        described.append({**d, "documents": len(ds), "tokens": int(ds.manifest["counts"]["tokens"]),
+                          "first_document": first})
+        first += len(ds)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32), described
+
+
+def dataset_targets(datasets: list[TokenDataset]) -> Targets:
+    """``Targets`` over the global document index of these datasets, from their loss masks (one pass over the
+    masks of the items asked about; a dataset without a loss-mask stream learns every token but an item's first)."""
+    bases = np.cumsum([0, *(len(ds) for ds in datasets)])
+    streams = [(ds.loss_mask.items if ds.loss_mask is not None else np.zeros(0, np.uint8), ds.tokens.offsets(),
+                ds.lengths.astype(np.int64)) for ds in datasets]
+
+    def targets(item_doc, item_start, item_len, lookahead=False):
+        if len(streams) == 1:
+            return item_targets(*streams[0], item_doc, item_start, item_len, lookahead)
+        out = np.zeros(len(item_doc), np.int64)
+        which = np.searchsorted(bases, item_doc, side="right") - 1
+        for k in np.unique(which).tolist():
+            sel = np.flatnonzero(which == k)
+            out[sel] = item_targets(*streams[k], item_doc[sel] - bases[k], item_start[sel], item_len[sel], lookahead)
+        return out
+
+    return targets
+
+
+def _write_entry(tmp: Path, packed: Packed, meta: dict) -> None:
+    """Arrays first, then pack.json: the completion marker."""
+    PackEntry(path=tmp, meta=meta, bin_offsets=packed.bin_offsets, item_doc=packed.item_doc,
+              item_start=packed.item_start, item_len=packed.item_len, bin_targets=packed.bin_targets).write_arrays(tmp)
+    _mark_complete(tmp, meta)
+
+
+def _mark_complete(tmp: Path, meta: dict) -> None:
+    """Write pack.json (``"complete": true``) and make the whole entry durable before it is published."""
+    write_json_atomic(tmp / PACK_JSON, meta, durable=False)  # fsync_tree makes all of it durable
+    fsync_tree(tmp)
+
+
+def _publish(tmp: TempDir, final: Path) -> None:
+    """Rename the finished directory into place (its owner record gone first), moving a forced-out (or damaged) old
+    entry aside first."""
+    tmp.release()
+    fsync_dir(tmp.path)
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp.path, final)
+    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(final.parent)
+
+
+# ---------------------------------------------------------------------------------------- manifest
+def _refresh_paths(root: Path, entry: PackEntry, inputs: list[dict]) -> PackEntry:
+    """Same data found at other paths (moved or copied): point the entry at the paths given now."""
+    def where(d: dict) -> tuple:
+        return d["path"], d.get("url")
+
+    if [where(d) for d in entry.meta["datasets"]] == [where(d) for d in inputs]:
+        return entry
+    with _locked(root / f".{entry.path.name}.lock"):
+        meta = dict(entry.meta)
+        meta["datasets"] = [{**{k: v for k, v in old.items() if k != "url"}, **new} for old, new in
+                            zip(entry.meta["datasets"], inputs, strict=True)]
+        write_json_atomic(entry.path / PACK_JSON, meta)
+    return PackEntry.open(entry.path)
+
+
+def _set_current(root: Path, entry: PackEntry | BlendEntry, validation: PackEntry | BlendEntry | None = None
+                 ) -> None:
+    """Record the entry (and its --split validation entry) in ``manifest.json`` and make it the current one:
+    ``"current"`` names it, ``"validation"`` its validation entry (absent without one). Atomic, locked."""
+    with _locked(root / ".manifest.lock"):
+        path = root / MANIFEST
+        empty = {"format": PACK_FORMAT, "current": None, "entries": {}}
+        manifest = _read_cache_manifest(path) if path.is_file() else empty
+        for e in (entry, validation) if validation else (entry,):
+            manifest["entries"][e.path.name] = e.manifest_row()
+        if validation:  # which validation entry belongs to it, for a run that resumes on it once it is not current
+            manifest["entries"][entry.path.name][VALIDATION] = validation.path.name
+        manifest["current"] = entry.path.name
+        if validation:
+            manifest[VALIDATION] = validation.path.name
+        else:
+            manifest.pop(VALIDATION, None)
+        write_json_atomic(path, manifest)
+
+
+def _read_cache_manifest(path: Path) -> dict:
+    """The pack cache's manifest.json; one that does not read as a JSON object is corrupt."""
+    fix = "delete it (entries are kept) and re-run"
+    manifest = read_json(path, "pack cache manifest", fix)
+    if not isinstance(manifest, dict):
+        raise XprepError(f"{path}: corrupt (not a JSON object); {fix}")
+    return manifest

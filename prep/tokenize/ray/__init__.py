@@ -1,0 +1,1 @@
+"""``xprep tokenize --ray``: the cluster driver, its shards and their staging area."""

@@ -1,0 +1,402 @@
+"""``xprep tokenize --ray``: the same dataset, tokenized as shards on a Ray cluster.
+
+The driver plans shards (prep/sources/shards.py), runs each as one Ray task (``num_cpus=1``, retried by Ray
+up to ``--max-retries`` times when its worker or node is lost), and merges the finished shards in
+shard order through the same writer as a single run, so the published dataset is byte for byte the
+one the command writes without ``--ray``, manifest included.
+
+Shards live in a staging area (prep/tokenize/ray/staging.py) beside the output, ``OUT.xprep-shards`` (a directory, or a
+URL for an object-store output), which every node must see. A task writes its shard dataset completely, then publishes
+it (a rename, or an upload) and writes its completion marker ``KEY.done`` last; a shard
+whose marker exists is finished, so a retried or duplicated task is harmless and a rerun of the
+same command after a crash reuses every finished shard. The staging area is removed once the
+dataset is published.
+
+Under ``--on-error fail`` the first bad record in input order ends the run: a shard that hits one
+cancels the shards after it, the shards before it still finish (one of them may hold an earlier
+bad record), and the error names the file and its line. Lines of a cut file are counted from each
+piece's start on the worker and renumbered by the driver, so no worker reads the file before its
+piece.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xprep.prep.dataset import CategoryTable, DatasetWriter, TokenDataset, append_dataset, bin_path
+from xprep.prep.errors import XprepError
+from xprep.prep.fs import is_url
+from xprep.prep.progress import Progress
+from xprep.prep.sources import Shard, plan_shard, plan_shards
+from xprep.prep.tokenize.processor import BadInput, Job, Pipeline, TokenizeConfig, check_not_empty, write_all
+from xprep.prep.tokenize.ray.staging import ShardDone, ShardOutcome, Staging
+
+
+def tokenize_shard(config: TokenizeConfig, job: Job, shard: Shard, key: str, root: str, cwd: str,
+                   env: dict[str, str]) -> ShardOutcome:
+    """The Ray task: tokenize one shard into the staging area at ``root`` (or find it already there).
+
+    ``env`` is set in the worker first: the same for every task of the job (a Ray worker serves one job), and
+    given here rather than as a ``runtime_env``, for which Ray starts new worker processes instead of using the
+    idle ones it keeps (~2 s before the first task ran)."""
+    os.environ.update(env)
+    if os.path.isdir(cwd):
+        os.chdir(cwd)  # inputs and the tokenizer may be given relative to where the command ran
+    staging = Staging(root)
+    done = staging.finished(key)
+    if done is not None:  # a duplicate of a task that already finished
+        return ShardOutcome(done=done)
+    scratch = staging.scratch()
+    out = os.path.join(scratch, "dataset")
+    lines_read: list[int] = []
+    try:
+        with DatasetWriter(out, job.info.vocab_size, job.dtype, durable=False) as writer:  # see ray/staging.py
+            pipeline = _pipeline(job)
+            quiet = Progress("shard", interval=0, stream=open(os.devnull, "w"))
+            categories = write_all(config, job.sources, list(shard.pieces), writer, pipeline, lines_read, quiet)
+            manifest = {**job.head, "sources": [job.sources[p.source].describe() for p in shard.pieces]}
+            manifest = writer.finish(manifest, categories)
+        nbytes = sum(p.stop - p.start for p in shard.pieces)
+        done = ShardDone(manifest["counts"]["documents"], manifest["counts"]["tokens"], nbytes, tuple(lines_read))
+        staging.publish(out, key, done)
+        return ShardOutcome(done=done)
+    except BadInput as e:
+        return ShardOutcome(bad=(e.path, e.line, e.reason))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+_PIPELINES: dict[int, Pipeline] = {}  # per worker process: tokenizer and template are loaded once, not per task
+
+
+def _pipeline(job: Job) -> Pipeline:
+    key = hash(repr(job.processor_args))
+    if key not in _PIPELINES:
+        _PIPELINES.clear()
+        _PIPELINES[key] = Pipeline(job.processor_args, 1, overlap=False)  # num_cpus=1: one thread of work
+    return _PIPELINES[key]
+
+
+@dataclass
+class Cluster:
+    """The Ray cluster this command joined; ``leave`` disconnects (and stops a local one started here)."""
+
+    ray: Any
+    joined_here: bool
+
+    def leave(self) -> None:
+        if self.joined_here:
+            self.ray.shutdown()
+
+
+def join_cluster(address: str) -> Cluster:
+    """Join the cluster ``--ray`` names (``auto``: the running one, else a new local one)."""
+    ray = _import_ray()
+    return Cluster(ray, _connect(ray, address))
+
+
+def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster) -> tuple[dict, str]:
+    """Tokenize on ``cluster`` and publish into ``out``: (manifest, how it ran). The staging area stays: the caller
+    removes it (``Staging.beside(config.output).remove()``) once the dataset is where it goes (uploaded, for a
+    URL), so that a run that fails before then can still reuse every shard."""
+    ray = cluster.ray
+    shards = plan_shards(job.sources, config.shard_size)
+    key_head = {**job.head, "on_error": config.on_error}
+    keys = [s.key(job.sources, key_head) for s in shards]
+    staging = Staging.beside(config.output)
+    # the output is locked (DatasetWriter) before the staging area is touched: a second run of the same command
+    # stops there, before it prunes the scratch of the first one's tasks
+    with DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer) as writer, \
+            tempfile.TemporaryDirectory() as tmp:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if len(nodes) > 1:
+            _check_shared(ray, nodes, staging, job, config)
+        staging.prune(set(keys))
+        results: dict[int, ShardDone] = {}
+        for k, key in enumerate(keys):
+            done = staging.reusable(key, len(shards[k].pieces))
+            if done is not None:
+                results[k] = done
+        reused = len(results)
+        t0 = time.perf_counter()
+        merge = Merge(job, shards, keys, results, staging, writer, tmp)
+        retried = _run_shards(ray, config, job, shards, keys, staging, results, merge.advance)
+        t1 = time.perf_counter()
+        manifest = merge.finish(config)
+    t2 = time.perf_counter()
+    merged = _bin_bytes(out, manifest)
+    print(f"xprep tokenize: ray: shards ran in {t1 - t0:.2f} s; the merge copied {merged / 1e6:,.1f} MB in "
+          f"{merge.seconds:.2f} s ({merged / 1e6 / max(merge.seconds, 1e-9):,.0f} MB/s), {t2 - t1:.2f} s of it after "
+          "the last shard", file=sys.stderr)
+    how = (f"ray: {len(shards)} shard{'s' if len(shards) != 1 else ''} on {len(nodes)} node"
+           f"{'s' if len(nodes) != 1 else ''}, {reused} reused, {retried} retried")
+    return manifest, how
+
+
+def _bin_bytes(out: str, manifest: dict) -> int:
+    """Bytes of the published streams' .bin files: what the merge copied."""
+    return sum(bin_path(os.path.join(out, name)).stat().st_size for name in manifest["streams"])
+
+
+def _run_shards(ray, config, job, shards, keys, staging, results, on_result) -> int:
+    """Run every shard not in ``results`` and add it there (then call ``on_result``); returns how many tasks
+    were run again.
+
+    A task lost with its worker or node (killed, out of memory, node gone) is submitted again, up to
+    --max-retries times, by this loop rather than by Ray, so every retry is counted; an error of the
+    task's own (a bug, a missing file) is reported with the shard and the worker's message.
+    """
+    lost = (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
+            ray.exceptions.OutOfMemoryError, ray.exceptions.LocalRayletDiedError)
+    # one CPU per task: the encoder's own thread pool is held to it (it would take every core of the node); it is
+    # sized when the worker first encodes, after the task has set this
+    env = {"RAYON_NUM_THREADS": "1", **_store_environment(job, config)}
+    task = ray.remote(tokenize_shard).options(num_cpus=1, max_retries=0)
+    job_ref = ray.put(job)
+    progress = Progress("tokenize", total_bytes=sum(s.size for s in job.sources), interval=config.progress_every,
+                        total_parts=len(shards), part_name="shards")
+    for done in results.values():
+        progress.update(done.documents, done.tokens, done.bytes, parts=1)
+    on_result()
+    pending: dict = {}
+
+    def submit(k: int) -> None:
+        pending[task.remote(config, job_ref, shards[k], keys[k], staging.root, os.getcwd(), env)] = k
+
+    for k in range(len(shards)):
+        if k not in results:
+            submit(k)
+    runs = dict.fromkeys(range(len(shards)), 0)
+    first_bad: tuple[int, tuple[str, int, str]] | None = None
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            for ref in ready:
+                k = pending.pop(ref)
+                try:
+                    outcome = ray.get(ref)
+                except ray.exceptions.TaskCancelledError:
+                    continue
+                except lost as e:
+                    if runs[k] < config.max_retries:
+                        runs[k] += 1
+                        submit(k)
+                        continue
+                    raise XprepError(f"shard {k + 1} of {len(shards)} ({shards[k].describe(job.sources)}) lost its "
+                                     f"worker {runs[k] + 1} times (--max-retries {config.max_retries}): "
+                                     f"{_task_message(e)}") from None
+                except ray.exceptions.RayError as e:
+                    raise XprepError(f"shard {k + 1} of {len(shards)} ({shards[k].describe(job.sources)}) failed: "
+                                     f"{_task_message(e)}") from None
+                if outcome.bad is not None:
+                    if first_bad is None or k < first_bad[0]:
+                        first_bad = (k, outcome.bad)
+                    _cancel(ray, [r for r, j in pending.items() if j > k])
+                    continue
+                results[k] = outcome.done
+                progress.update(outcome.done.documents, outcome.done.tokens, outcome.done.bytes, parts=1)
+                if first_bad is None:
+                    on_result()
+    finally:
+        _cancel(ray, list(pending))
+        progress.close()
+    if first_bad is not None:
+        k, (path, line, reason) = first_bad
+        raise BadInput(path, line + _line_shift(job, shards, results, k).get(path, 0) if line else 0, reason)
+    return sum(runs.values())
+
+
+class Merge:
+    """Appends finished shards in shard order into one writer while later shards still run: the single run's
+    bytes, with the copy hidden behind the tokenizing (``advance`` after each result, ``finish`` at the end)."""
+
+    def __init__(self, job, shards, keys, results, staging, writer: DatasetWriter, tmp: str):
+        self.job, self.shards, self.keys, self.results = job, shards, keys, results
+        self.staging, self.writer, self.tmp = staging, writer, tmp
+        self.categories = CategoryTable()
+        self.next = 0  # the first shard not appended yet
+        self.seconds = 0.0
+
+    def advance(self) -> None:
+        """Append every shard that is finished and next in order."""
+        t0 = time.perf_counter()
+        while self.next in self.results:
+            k, key = self.next, self.keys[self.next]
+            local = self.staging.fetch(key, os.path.join(self.tmp, key))
+            shift = _line_shift(self.job, self.shards, self.results, k)
+            append_dataset(TokenDataset(local), self.writer, self.categories, shift)
+            if local.startswith(self.tmp):
+                shutil.rmtree(local, ignore_errors=True)
+            self.next += 1
+        self.seconds += time.perf_counter() - t0
+
+    def finish(self, config: TokenizeConfig) -> dict:
+        """Publish: every shard appended, the single run's manifest written."""
+        self.advance()
+        t0 = time.perf_counter()
+        manifest = {**self.job.head, "sources": [self.job.sources[p.source].describe()
+                                                 for p in plan_shard(self.job.sources, 1, 0)]}
+        check_not_empty(config, self.writer)
+        manifest = self.writer.finish(manifest, self.categories)
+        self.seconds += time.perf_counter() - t0
+        return manifest
+
+
+def _line_shift(job: Job, shards: list[Shard], results: dict[int, ShardDone], k: int) -> dict[str, int]:
+    """Lines to add to shard ``k``'s line numbers, per path: the lines its file's earlier pieces read."""
+    before: dict[int, int] = {}
+    for j in range(k):
+        for piece, n in zip(shards[j].pieces, results[j].lines_read, strict=True):
+            before[piece.source] = before.get(piece.source, 0) + n
+    return {job.sources[p.source].path: before.get(p.source, 0) for p in shards[k].pieces}
+
+
+STORE_ENV_PREFIXES = ("AWS_", "FSSPEC_", "GOOGLE_", "GCS_", "AZURE_")
+
+
+def _store_environment(job: Job, config: TokenizeConfig) -> dict[str, str]:
+    """The object-store settings of this command's environment (AWS_*, FSSPEC_*, …), given to its tasks when it
+    reads or writes URLs: a worker started before them would not see them otherwise. Nodes with their own
+    credentials (instance roles) need none; what is set here wins for this job's tasks."""
+    if not (is_url(config.output) or any(is_url(s.path) for s in job.sources)):
+        return {}
+    return {k: v for k, v in os.environ.items() if k.startswith(STORE_ENV_PREFIXES)}
+
+
+def _cancel(ray, refs) -> None:
+    for ref in refs:
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:  # noqa: BLE001 - already finished or gone: nothing to cancel
+            pass
+
+
+def _task_message(error) -> str:
+    """The worker's own words for a failed task, without Ray's traceback."""
+    cause = getattr(error, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    text = str(error).strip().splitlines()
+    return text[-1] if text else type(error).__name__
+
+
+def _import_ray():
+    try:
+        import ray  # optional extra: xprep[ray]
+    except ImportError:
+        raise XprepError("--ray needs the ray package: pip install 'xprep[ray]' (on every node)") from None
+    return ray
+
+
+def _connect(ray, address: str) -> bool:
+    """Join the cluster ``--ray`` names; with ``auto`` and none running, start a local one. True if started here.
+
+    An address is first tried with a plain TCP connection: Ray itself retries one that nothing answers for
+    ~14 minutes before it gives up.
+    """
+    quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
+    if ray.is_initialized():
+        return False
+    if address != "auto":
+        _check_answers(address, f"--ray {address}", "is `ray start --head` running at that address?")
+        try:
+            ray.init(address=address, **quiet)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise XprepError(f"--ray {address}: cannot join a Ray cluster there ({e}); is `ray start --head` "
+                             "running at that address?") from None
+        return True
+    if os.environ.get("RAY_ADDRESS"):
+        named = f"--ray auto: RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
+        _check_answers(os.environ["RAY_ADDRESS"], named, "unset RAY_ADDRESS to start a local cluster")
+        try:
+            ray.init(address="auto", **quiet)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise XprepError(f"{named}: cannot join the Ray cluster it names ({e})") from None
+        return True
+    found = _cluster_left_here()
+    if found is not None and _unanswered(found) is None:
+        try:
+            ray.init(address="auto", **quiet)  # the cluster `ray start` left on this machine
+            return True
+        except (ConnectionError, ValueError, RuntimeError):
+            pass
+    why = "RAY_ADDRESS unset, no `ray start`" if found is None else f"the cluster `ray start` left at {found} is gone"
+    print(f"xprep tokenize: no Ray cluster found ({why}): starting a local one", file=sys.stderr)
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
+    return True
+
+
+def _cluster_left_here() -> str | None:
+    """The address of the cluster ``ray.init(address="auto")`` would join (the one ``ray start`` recorded on this
+    machine, or a running one), or None. Ray's own lookup, which is not public API: None where it fails."""
+    try:
+        from ray._private.services import get_ray_address_from_environment  # ray is an optional extra
+
+        return get_ray_address_from_environment("auto", None)
+    except Exception:  # noqa: BLE001 - none found (ConnectionError), or another Ray: as if none were found
+        return None
+
+
+def _check_answers(address: str, named: str, hint: str) -> None:
+    reason = _unanswered(address)
+    if reason is not None:
+        raise XprepError(f"{named}: no Ray cluster answers there ({reason}); {hint}")
+
+
+def _unanswered(address: str, timeout: float = 5.0) -> str | None:
+    """Why nothing accepts a TCP connection at ``address`` (HOST:PORT, or ray://HOST:PORT), or None where something
+    does (or the address is not of that form: Ray judges it)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def _check_shared(ray, nodes: list[dict], staging: Staging, job: Job, config: TokenizeConfig) -> None:
+    """With several nodes, every node must see the staging area, local inputs and the tokenizer: ask each one."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # ray is an optional extra
+
+    probe_dir = None if staging.remote else staging._path("probe")
+    token = uuid.uuid4().hex
+    if probe_dir is not None:
+        os.makedirs(probe_dir, exist_ok=True)
+        Path(probe_dir, token).touch()
+    paths = [os.path.abspath(p) for p in [job.info.path, *(s.path for s in job.sources)] if not is_url(p)]
+    if probe_dir is not None:
+        paths.insert(0, os.path.join(os.path.abspath(probe_dir), token))
+    look = ray.remote(num_cpus=0)(_missing)
+    refs = {look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(paths):
+            n for n in nodes}
+    try:
+        for ref, node in refs.items():
+            missing = ray.get(ref, timeout=60)
+            if missing:
+                raise XprepError(
+                    f"--ray: node {node.get('NodeManagerAddress')} cannot see {missing}; with a cluster of "
+                    f"{len(nodes)} nodes, -o {config.output}, local inputs and --tokenizer must be on a file system "
+                    "every node mounts (NFS, Lustre, …), or inputs and -o must be object-store URLs")
+    finally:
+        if probe_dir is not None:
+            shutil.rmtree(probe_dir, ignore_errors=True)
+
+
+def _missing(paths: list[str]) -> str | None:
+    """The first of ``paths`` this node cannot see (runs on each node)."""
+    return next((p for p in paths if not os.path.exists(p)), None)
+
+
+__all__ = ["tokenize_on_ray", "tokenize_shard"]
