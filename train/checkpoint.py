@@ -33,10 +33,10 @@ alike. A checkpoint saved before trainer.json recorded digests (no "files") is t
 .metadata are there.
 
 The other ranks wait for rank 0's publication (fsync, renames) of a synchronous save; that waiting, and
-DCP's own collectives, run over a gloo group of the checkpoints' own, whose timeout is
-``XTRAIN_CKPT_TIMEOUT`` seconds (4 h), not training's ``XTRAIN_DIST_TIMEOUT`` (600 s): a large
-save on slow shared storage must not end the job (on GPUs the default group is nccl, whose
-watchdog would). The same group carries the asynchronous writes, one save at a time.
+DCP's own collectives, run over a gloo group of the checkpoints' own, whose timeout is the manager's
+``timeout`` (``--checkpoint-timeout``, ``checkpoint_timeout``: 4 h by default), not training's
+``--dist-timeout`` (600 s): a large save on slow shared storage must not end the job (on GPUs the default
+group is nccl, whose watchdog would). The same group carries the asynchronous writes, one save at a time.
 
 ``keep`` retention retires the oldest ``step-*`` (none with ``keep=None``, ``--keep all``) but never the one
 ``latest`` names nor the best: the lowest validation loss among the checkpoints saved at a step that evaluated
@@ -58,7 +58,6 @@ import contextlib
 import hashlib
 import io
 import json
-import math
 import os
 import queue
 import re
@@ -85,7 +84,7 @@ from torch.distributed.checkpoint.state_dict import (
 from xprep.prep.errors import XprepError, machine_cause, machine_error
 from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
 from xprep.prep.io import file_sha256, fsync_tree, read_json, write_atomic, write_json_atomic
-from xprep.train.dist import ParallelDims
+from xprep.train.dist import ParallelDims, timeout_from
 from xprep.train.metrics import best_step
 
 LATEST = "latest"
@@ -96,37 +95,28 @@ TRAINER_DIGEST = "trainer_sha256"  # trainer.json's own digest: of its canonical
 RANK_DIGESTS = "digests-{rank}.json"  # a rank's FILES entries, until rank 0 merges them into trainer.json
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 RETIRED_PREFIX = ".retired-"  # a checkpoint (or temporary directory) renamed out of the way, being deleted
-CKPT_TIMEOUT_ENV = "XTRAIN_CKPT_TIMEOUT"  # seconds checkpoint coordination may wait for a peer [default 4 h]
-DEFAULT_CKPT_TIMEOUT_S = 4 * 3600
+CKPT_TIMEOUT_ENV = "XTRAIN_CKPT_TIMEOUT"  # the default of --checkpoint-timeout when neither a flag nor a config sets it
+DEFAULT_CKPT_TIMEOUT_S = 4 * 3600.0
 
 
-def checkpoint_timeout() -> timedelta:
-    """How long a rank waits for the others while a checkpoint is written and published (``XTRAIN_CKPT_TIMEOUT``)."""
-    raw = os.environ.get(CKPT_TIMEOUT_ENV)
-    if raw is None:
-        return timedelta(seconds=DEFAULT_CKPT_TIMEOUT_S)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise XprepError(f"{CKPT_TIMEOUT_ENV}={raw!r}: must be a number of seconds > 0; set it to e.g. "
-                         f"{DEFAULT_CKPT_TIMEOUT_S} (the default, 4 h), or unset it")
-    return timedelta(seconds=seconds)
+def checkpoint_timeout(seconds: float | None = None) -> timedelta:
+    """How long a rank waits for the others while a checkpoint is written and published: ``seconds``
+    (``--checkpoint-timeout``), else ``$XTRAIN_CKPT_TIMEOUT``, else 4 h."""
+    return timeout_from(seconds, "--checkpoint-timeout", CKPT_TIMEOUT_ENV, DEFAULT_CKPT_TIMEOUT_S)
 
 
 class CheckpointManager:
     """Save and load the checkpoints of one run directory; every rank calls every method (``poll`` too, but it
-    waits for no other rank)."""
+    waits for no other rank). ``timeout``: how long checkpointing's collectives wait for a peer."""
 
     def __init__(self, run_dir: str | Path, dims: ParallelDims, keep: int | None = 2, async_save: bool = False,
-                 no_save: bool = False):
+                 no_save: bool = False, timeout: timedelta = timedelta(seconds=DEFAULT_CKPT_TIMEOUT_S)):
         self.root = Path(run_dir) / "checkpoints"
         self.dims = dims
         self.keep = keep  # newest checkpoints kept (+ latest's and the best); None: every one
         self.async_save = async_save
         self.no_save = no_save  # write no checkpoint at all
-        self.timeout = checkpoint_timeout()
+        self.timeout = timeout
         self._in_flight: _Save | None = None
         self._last_step: int | None = None  # of the last save started
         self._writer: ThreadPoolExecutor | None = None  # the thread that writes and publishes (``_write``)
@@ -336,8 +326,8 @@ class CheckpointManager:
 
     def _group(self):
         """The gloo group checkpointing waits on: DCP's collectives, the asynchronous writes, and the barriers
-        around rank 0's publication. Its own group, so that its timeout is ``XTRAIN_CKPT_TIMEOUT``'s and
-        not training's, and the background writes never race training's collectives (async_save also
+        around rank 0's publication. Its own group, so that its timeout is ``self.timeout`` and not
+        training's, and the background writes never race training's collectives (async_save also
         needs a CPU backend, which nccl is not). None on one process."""
         if not (self.dims.distributed and dist.is_initialized()):
             return None
@@ -405,7 +395,7 @@ class CheckpointManager:
         set_model_state_dict(model, loaded["model"])
 
     def wait_for_main(self) -> None:
-        """Every rank waits here until all are here, over checkpointing's group (``XTRAIN_CKPT_TIMEOUT``, not training's
+        """Every rank waits here until all are here, over checkpointing's group (``self.timeout``, not training's
         timeout): the others wait for what rank 0 writes alone, however long the storage takes (``--save-hf``)."""
         self._barrier()
 

@@ -429,7 +429,7 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] =
                 print(note, file=stream or sys.stderr)
         ranks_lock = None
         try:
-            device = init_distributed(dims)
+            device = init_distributed(dims, cfg.parallel.collective_timeout())
             ranks_lock = RanksLock(cfg.run_dir).acquire() if dims.distributed else None  # after rank 0's RunLock
             _train(cfg, dims, device, setup, stream)
         except BaseException as e:
