@@ -224,6 +224,7 @@ def merge(datasets, output):
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
          dp_micro_batches, shuffle, seed, force, allow_empty, mix, total_tokens, epochs, split, cache_dir):
     """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
+    # deferred, as every command's: numba/numpy load only for the command run
     from xprep.prep.inspect import outcome_report, summary_lines, warning_lines
     from xprep.prep.interrupt import run_interruptibly
     from xprep.prep.pack import (

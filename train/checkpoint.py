@@ -102,7 +102,8 @@ DEFAULT_CKPT_TIMEOUT_S = 4 * 3600.0
 def checkpoint_timeout(seconds: float | None = None) -> timedelta:
     """How long a rank waits for the others while a checkpoint is written and published: ``seconds``
     (``--checkpoint-timeout``), else ``$XTRAIN_CKPT_TIMEOUT``, else 4 h."""
-    return timeout_from(seconds, "--checkpoint-timeout", CKPT_TIMEOUT_ENV, DEFAULT_CKPT_TIMEOUT_S)
+    return timeout_from(seconds, "--checkpoint-timeout", CKPT_TIMEOUT_ENV, os.environ.get(CKPT_TIMEOUT_ENV),
+                        DEFAULT_CKPT_TIMEOUT_S)
 
 
 class CheckpointManager:

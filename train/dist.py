@@ -194,14 +194,14 @@ def collective_timeout(seconds: float | None = None) -> timedelta:
     ``$XTRAIN_DIST_TIMEOUT``, else 600 s. Every step all-reduces over that group, so a rank that hangs ends the job
     instead of blocking it for gloo's default 30 min (which the DeviceMesh groups of FSDP2 and CP keep); a rank
     that dies is noticed sooner by the launcher, which stops the others."""
-    return timeout_from(seconds, "--dist-timeout", TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+    return timeout_from(seconds, "--dist-timeout", TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV), DEFAULT_TIMEOUT_S)
 
 
-def timeout_from(seconds: float | None, flag: str, env: str, default: float) -> timedelta:
-    """``seconds`` as given by ``flag``, else the environment variable ``env`` (its documented default), else
-    ``default``: a number of seconds > 0, or an error naming where the bad value came from."""
+def timeout_from(seconds: float | None, flag: str, env: str, raw: str | None, default: float) -> timedelta:
+    """``seconds`` as given by ``flag``, else ``raw``, the value of the environment variable ``env`` (its documented
+    default; None: unset), else ``default``: a number of seconds > 0, or an error naming where the bad value came
+    from."""
     if seconds is None:
-        raw = os.environ.get(env)
         if raw is None:
             return timedelta(seconds=default)
         shown, fix = f"${env}={raw!r}", f"set it to e.g. {default:g} (the default), or unset it"
