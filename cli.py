@@ -1,6 +1,9 @@
 """Command lines of ``xprep`` and ``xtrain``: parsing and messages only, the work lives in prep/ and train/.
 
 Every user mistake surfaces as an ``XprepError``; ``main`` prints it as one line and exits 2.
+
+One module for both programs (pyproject's two console scripts point here): each command is parse → build → run, and
+its length is the options and their help, written where click reads them; there is no logic to split out.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from xprep.train import checkpoint
-from xprep.train.checkpoint import RETIRED_PREFIX, CheckpointManager
+from xprep.train.checkpoint import CheckpointManager
+from xprep.train.ckpt_files import RETIRED_PREFIX
 from xprep.train.dist import ParallelDims
 
 SHORT_S = 0.2  # the default group's timeout while checkpointing

@@ -22,6 +22,11 @@ one flag and one flat key, the flag's name with underscores (``--micro-batch-siz
 (``{"optimizer": {"lr": 1e-3}}``), flat (``{"lr": 1e-3}``, as config.json was before the sections)
 or both. The resolved config is written to the run directory as ``config.json``, nested, and
 checked against ``schemas/train.schema.json``.
+
+One module (~650 lines) because it is one contract: every flag's name, default, type check and place in the nested
+and flat forms derive from these dataclasses and the tables after them (``FLAT_KEYS``), and the checks name the
+flag through the same tables; tests/train/test_train_plan.py holds the sections, the CLI and the schema to each
+other. The seam, should it grow, is the files and precedence half (``read_config_file`` to ``config_changes``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,14 @@ gradient, over this rank's share of the validation bins (train/evaluate.py). ``T
 plain objects so tests can build one without a config.
 
 After every step (metrics logged, checkpoint saved) the loop calls each of ``STEP_END_CALLBACKS``
-with the trainer: tests install fault injection there (tests/_train_fault_worker.py).
+with the trainer: tests install fault injection there (tests/_train_fault_worker.py). It stays a module list, not
+a parameter: the faults must reach runs started through the real command line and launcher, in child processes.
+
+One module (~700 lines) because it is the training loop read in order: the step (``Trainer``), what a run checks
+before its process group exists (``prepare_run``), the loop around the step (``_train``: resume, evaluate, save,
+stop on a signal or on bad steps) and what the run says and records as it starts. Each part is small functions
+over plain objects; the seams, should it grow, are ``prepare_run`` with ``RunSetup`` (a run's setup) and the start
+lines with ``_write_run_config`` (a run's record).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from xprep.prep.io import check_output_dir, write_json_atomic
 from xprep.prep.pack import MANIFEST
 from xprep.train import attempts
 from xprep.train.attention import attention_path, check_head_dim
-from xprep.train.checkpoint import CheckpointManager, check_same_model, check_same_pack, pinned_entry
+from xprep.train.checkpoint import CheckpointManager
 from xprep.train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
 from xprep.train.cp import CPContext
 from xprep.train.data import PackedDataset, count_targets, micro_batch
@@ -64,6 +71,7 @@ from xprep.train.memory import peak_memory, reset_peak_memory
 from xprep.train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from xprep.train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
 from xprep.train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
+from xprep.train.resume import check_same_model, check_same_pack, pinned_entry
 from xprep.train.rundir import RanksLock, RunLock
 from xprep.train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
 from xprep.train.weights import HFSaver, InitFrom, check_exportable, init_record, plan_init

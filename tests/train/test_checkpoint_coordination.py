@@ -21,14 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from xprep.prep.errors import XprepError
-from xprep.train.checkpoint import (
-    CKPT_TIMEOUT_ENV,
-    DEFAULT_CKPT_TIMEOUT_S,
-    LATEST,
-    RETIRED_PREFIX,
-    TRAINER_JSON,
-    CheckpointManager,
-)
+from xprep.train.checkpoint import CKPT_TIMEOUT_ENV, DEFAULT_CKPT_TIMEOUT_S, CheckpointManager
+from xprep.train.ckpt_files import LATEST, RETIRED_PREFIX, TRAINER_JSON
 from xprep.train.config import CheckpointSection
 from xprep.train.dist import ParallelDims
 
