@@ -1,6 +1,9 @@
 """Command lines of ``xprep`` and ``xtrain``: parsing and messages only, the work lives in prep/ and train/.
 
 Every user mistake surfaces as an ``XprepError``; ``main`` prints it as one line and exits 2.
+
+One module for both programs (pyproject's two console scripts point here): each command is parse → build → run, and
+its length is the options and their help, written where click reads them; there is no logic to split out.
 """
 
 from __future__ import annotations
@@ -224,6 +227,7 @@ def merge(datasets, output):
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
          dp_micro_batches, shuffle, seed, force, allow_empty, mix, total_tokens, epochs, split, cache_dir):
     """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
+    # deferred, as every command's: numba/numpy load only for the command run
     from xprep.prep.inspect import outcome_report, summary_lines, warning_lines
     from xprep.prep.interrupt import run_interruptibly
     from xprep.prep.pack import (
@@ -458,6 +462,10 @@ def xtrain():
                    "sharded, or once per step: fewer collectives, but every rank holds the whole model's unsharded "
                    "fp32 gradients between micro-batches (4 bytes × parameters: ~5 GB per GPU at 1B, ~32 GB at 8B); "
                    "same gradients [default: every micro-batch].")
+@click.option("--dist-timeout", type=float, default=None, metavar="SECONDS",
+              help="How long a collective of the default process group (each step's all-reduces, barriers) waits "
+                   "for a peer before the rank fails, so that a rank that hangs ends the job "
+                   "[default: $XTRAIN_DIST_TIMEOUT, else 600].")
 @click.option("--async-save/--no-async-save", default=None,
               help="Write checkpoints in a background thread; each is published as soon as it is written "
                    "[default: off].")
@@ -469,6 +477,9 @@ def xtrain():
                    "the newest; with or without DCP checkpoints [default: off].")
 @click.option("--save-hf-every", type=int, default=None, metavar="N",
               help="With --save-hf: also every N steps; 0 = after the last step only [default: 0].")
+@click.option("--checkpoint-timeout", type=float, default=None, metavar="SECONDS",
+              help="How long the ranks wait for each other while a checkpoint is written, published and loaded "
+                   "(slow shared storage), instead of --dist-timeout [default: $XTRAIN_CKPT_TIMEOUT, else 14400].")
 @_user_errors
 def run(packed, config_file, **options):
     """Train on the current entry of the pack cache PACKED (works under torchrun too); resume RUN with

@@ -4,7 +4,8 @@ a timeout far shorter than rank 0's publication and deletions take.
     python tests/_ckpt_worker.py OUT RANK WORLD     one process per rank, meeting through the file OUT/store
 
 Every rank starts gloo (a long timeout, so that a slow start cannot fail it), then cuts the default group's
-timeout to ``SHORT_S``, as ``XTRAIN_DIST_TIMEOUT`` would, for the checkpointing only. On rank 0 each fsync of
+timeout to ``SHORT_S``, as ``--dist-timeout`` would, for the checkpointing only (whose managers wait up to
+``CKPT_TIMEOUT``, as ``--checkpoint-timeout`` would). On rank 0 each fsync of
 a publication and each directory deletion sleeps ``SLOW_S`` first. A save, synchronous and asynchronous, with
 ``keep`` 1 retiring the step before, must still complete on every rank; rank 0 then checks OUT. Exit status 0
 and "checkpoints ok" on rank 0's stdout = completed.
@@ -23,12 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from xprep.train import checkpoint
-from xprep.train.checkpoint import RETIRED_PREFIX, CheckpointManager
+from xprep.train.checkpoint import CheckpointManager
+from xprep.train.ckpt_files import RETIRED_PREFIX
 from xprep.train.dist import ParallelDims
 
 SHORT_S = 0.2  # the default group's timeout while checkpointing
 SLOW_S = 0.8  # what rank 0's fsync of a publication and each deletion take
 START_TIMEOUT = timedelta(seconds=60)
+CKPT_TIMEOUT = timedelta(seconds=61)
 
 
 def slowed(real):
@@ -47,7 +50,7 @@ def main(out: Path, rank: int, world: int) -> int:
         shutil.rmtree = slowed(shutil.rmtree)
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())
-    managers = {mode: CheckpointManager(out / mode, dims, keep=1, async_save=mode == "async")
+    managers = {mode: CheckpointManager(out / mode, dims, keep=1, async_save=mode == "async", timeout=CKPT_TIMEOUT)
                 for mode in ("sync", "async")}
     dist.barrier()
     _set_pg_timeout(timedelta(seconds=SHORT_S))
@@ -55,6 +58,7 @@ def main(out: Path, rank: int, world: int) -> int:
         m.save(1, model, optimizer, {"loss": 2.0})
         m.save(2, model, optimizer, {"loss": 1.0})  # retires step-1 (keep 1, and step-2 is the best)
         m.finish()
+        assert m._group()._get_backend(torch.device("cpu")).options._timeout == CKPT_TIMEOUT
     _set_pg_timeout(START_TIMEOUT)
     dist.barrier()
     if dims.is_main:

@@ -12,6 +12,8 @@ The faults are read from this environment here, never by xtrain itself (children
   XTRAIN_TEST_PARAMS_DIR=DIR     after every step, rank 0 saves the whole parameters to DIR/step-N.pt
   XTRAIN_TEST_KILL_PUBLISHING=step-N  SIGKILL this process inside the publication of step-N: its `latest` written
                                  to the temporary file, not renamed yet
+  XTRAIN_TEST_SAY_TIMEOUTS=1     after every step, each rank prints "rank R timeouts: DEFAULT OTHER..." (seconds): its
+                                 default process group's timeout, then those of every other group (sorted)
 With `run`, ranks that `--nproc-per-node` starts run through this file too (``xprep.train.launch.RANK_ENTRY``).
 """
 
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from xprep.cli import xtrain
 from xprep.train import launch, trainer
 from xprep.train.dist import full_tensor, plain_name
@@ -35,6 +38,7 @@ SIGNAL_ENV = "XTRAIN_TEST_SIGNAL"
 SIGNAL_IN_SAVE_ENV = "XTRAIN_TEST_SIGNAL_IN_SAVE"
 PARAMS_DIR_ENV = "XTRAIN_TEST_PARAMS_DIR"
 KILL_PUBLISHING_ENV = "XTRAIN_TEST_KILL_PUBLISHING"
+SAY_TIMEOUTS_ENV = "XTRAIN_TEST_SAY_TIMEOUTS"
 
 
 def kill_after(step: int, rank: int | None):
@@ -84,6 +88,17 @@ def save_params(directory: str):
         if trainer.dims.is_main:
             torch.save(whole, Path(directory) / f"step-{trainer.step}.pt")
     return callback
+def say_timeouts(trainer) -> None:
+    """Print how long each of this rank's process groups lets a collective wait (gloo: the CPU backend's options)."""
+    def seconds(group) -> float:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    default = dist.distributed_c10d._get_default_group()
+    others = sorted(seconds(g) for g in dist.distributed_c10d._world.pg_map if g is not default)
+    line = f"rank {trainer.dims.rank} timeouts: {seconds(default):g} {' '.join(f'{s:g}' for s in others)}\n"
+    os.write(sys.stdout.fileno(), line.encode())  # one write: the ranks share the pipe
+
+
 def kill_publishing(name: str):
     """os.replace that SIGKILLs this process instead of renaming a `latest` naming ``name`` into place."""
     real = os.replace
@@ -109,6 +124,8 @@ def install() -> None:
         signal_in_save(env[SIGNAL_IN_SAVE_ENV])
     if PARAMS_DIR_ENV in env:
         trainer.STEP_END_CALLBACKS.append(save_params(env[PARAMS_DIR_ENV]))
+    if SAY_TIMEOUTS_ENV in env:
+        trainer.STEP_END_CALLBACKS.append(say_timeouts)
     if KILL_PUBLISHING_ENV in env:
         os.replace = kill_publishing(env[KILL_PUBLISHING_ENV])
     launch.RANK_ENTRY = [os.path.abspath(__file__), "rank"]

@@ -1,13 +1,8 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): save, verify, retain, find, resume.
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, publish, retain, load (``CheckpointManager``).
 
-```
-runs/NAME/checkpoints/
-  latest              "step-<N>"  (written atomically, after the directory it names is complete)
-  step-<N>/           DCP files for {"model", "optim"} (get_state_dict: sharding-aware): *.distcp, .metadata
-    rng-<rank>.pt     this rank's torch RNG state                          (each rank)
-    trainer.json      step, scheduler (+ schedule shape), sampler, pack key, batch sizes, model, hparams (rank 0);
-                      "files": the size and sha256 of every other file; "trainer_sha256": its own, of the rest
-```
+The directory's layout, trainer.json's record of every file and the checks of a checkpoint before it is used are
+train/ckpt_files.py's; what a checkpoint must match to be resumed (the pack entry, the model), train/resume.py's.
+
 Writing. A checkpoint is written under ``.step-<N>.tmp`` and renamed into place once whole, so a killed run never
 leaves a directory that looks complete; what a killed run left (``.latest.tmp-*`` of a kill inside publishing
 included) is deleted by the next run's first save. Each rank writes its rng-<rank>.pt, then its part of the model
@@ -23,20 +18,16 @@ synchronous save, or ``save(..., blocking=True)`` (a preemption's: synchronous e
 on every rank once rank 0 has published it. ``flush`` waits for the save in flight, ``finish`` ends the run's
 checkpointing.
 
-Reading. A checkpoint is used only whole and undamaged (``damage``): trainer.json parses and matches its own
-digest, and every file it records is there with its size and sha256 (a flipped bit, a truncated or garbage file,
-a missing .metadata). sha256 (hashlib, on the CPU's SHA instructions) hashes ~1.4 GB/s on one core here: a strong
-hash at half crc32's speed and twice blake2b's. ``--resume auto`` (``latest``) takes the checkpoint ``latest``
-names, or the newest step-<N> that passes, saying which and why in one line per checkpoint skipped; ``--resume
-PATH`` of a damaged checkpoint is refused. Every rank (and the launcher) checks the same files, so all decide
-alike. A checkpoint saved before trainer.json recorded digests (no "files") is taken when trainer.json and
-.metadata are there.
+Reading. A checkpoint is used only whole and undamaged (``xprep.train.ckpt_files.damage``); ``--resume auto`` takes
+the checkpoint ``latest`` names, or the newest step-<N> that passes (``find_latest``), saying which and why;
+``--resume PATH`` of a damaged checkpoint is refused. Every rank (and the launcher) checks the same files, so all
+decide alike.
 
 The other ranks wait for rank 0's publication (fsync, renames) of a synchronous save; that waiting, and
-DCP's own collectives, run over a gloo group of the checkpoints' own, whose timeout is
-``XTRAIN_CKPT_TIMEOUT`` seconds (4 h), not training's ``XTRAIN_DIST_TIMEOUT`` (600 s): a large
-save on slow shared storage must not end the job (on GPUs the default group is nccl, whose
-watchdog would). The same group carries the asynchronous writes, one save at a time.
+DCP's own collectives, run over a gloo group of the checkpoints' own, whose timeout is the manager's
+``timeout`` (``--checkpoint-timeout``, ``checkpoint_timeout``: 4 h by default), not training's
+``--dist-timeout`` (600 s): a large save on slow shared storage must not end the job (on GPUs the default
+group is nccl, whose watchdog would). The same group carries the asynchronous writes, one save at a time.
 
 ``keep`` retention retires the oldest ``step-*`` (none with ``keep=None``, ``--keep all``) but never the one
 ``latest`` names nor the best: the lowest validation loss among the checkpoints saved at a step that evaluated
@@ -46,10 +37,10 @@ deleted), and a thread on rank 0 deletes the retired directories while training 
 end of the run (``finish``) waits for it. Retired or temporary directories left by a killed run
 are deleted the same way by the next one. ``no_save`` (``--no-save``) writes nothing at all; reading and
 resuming work as ever.
-A checkpoint names the pack entry it was trained on (``pack_key``, ``pack_entry``): a run resumes on that
-entry while the pack cache still holds it, even when another one has become current since (re-running
-an older ``xprep pack`` command is a cache hit that makes its entry current) — ``pinned_entry``. Resuming
-on other data is refused, saying how to get the entry back.
+
+This module is the manager alone (~500 lines): its writing thread, the publication, the coordination over its own
+group and retention share one state (the save in flight, the last step, the deleter), which splitting would only
+pass around.
 """
 
 from __future__ import annotations
@@ -58,10 +49,8 @@ import contextlib
 import hashlib
 import io
 import json
-import math
 import os
 import queue
-import re
 import shutil
 import threading
 import uuid
@@ -83,50 +72,47 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from xprep.prep.errors import XprepError, machine_cause, machine_error
-from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
-from xprep.prep.io import file_sha256, fsync_tree, read_json, write_atomic, write_json_atomic
-from xprep.train.dist import ParallelDims
+from xprep.prep.io import fsync_tree, read_json, write_atomic, write_json_atomic
+from xprep.train.ckpt_files import (
+    DCP_METADATA,
+    LATEST,
+    RANK_DIGESTS,
+    RETIRED_PREFIX,
+    TRAINER_JSON,
+    damage,
+    file_digest,
+    find_latest,
+    latest_name,
+    sealed,
+    step_numbers,
+)
+from xprep.train.dist import ParallelDims, timeout_from
 from xprep.train.metrics import best_step
+from xprep.train.resume import check_same_pack
 
-LATEST = "latest"
-TRAINER_JSON = "trainer.json"
-DCP_METADATA = ".metadata"  # DCP's index of a checkpoint's files, written once all of them are
-FILES = "files"  # trainer.json's record of every other file: {name: {"size": bytes, "sha256": hex}}
-TRAINER_DIGEST = "trainer_sha256"  # trainer.json's own digest: of its canonical JSON without this key
-RANK_DIGESTS = "digests-{rank}.json"  # a rank's FILES entries, until rank 0 merges them into trainer.json
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-RETIRED_PREFIX = ".retired-"  # a checkpoint (or temporary directory) renamed out of the way, being deleted
-CKPT_TIMEOUT_ENV = "XTRAIN_CKPT_TIMEOUT"  # seconds checkpoint coordination may wait for a peer [default 4 h]
-DEFAULT_CKPT_TIMEOUT_S = 4 * 3600
+CKPT_TIMEOUT_ENV = "XTRAIN_CKPT_TIMEOUT"  # the default of --checkpoint-timeout when neither a flag nor a config sets it
+DEFAULT_CKPT_TIMEOUT_S = 4 * 3600.0
 
 
-def checkpoint_timeout() -> timedelta:
-    """How long a rank waits for the others while a checkpoint is written and published (``XTRAIN_CKPT_TIMEOUT``)."""
-    raw = os.environ.get(CKPT_TIMEOUT_ENV)
-    if raw is None:
-        return timedelta(seconds=DEFAULT_CKPT_TIMEOUT_S)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise XprepError(f"{CKPT_TIMEOUT_ENV}={raw!r}: must be a number of seconds > 0; set it to e.g. "
-                         f"{DEFAULT_CKPT_TIMEOUT_S} (the default, 4 h), or unset it")
-    return timedelta(seconds=seconds)
+def checkpoint_timeout(seconds: float | None = None) -> timedelta:
+    """How long a rank waits for the others while a checkpoint is written and published: ``seconds``
+    (``--checkpoint-timeout``), else ``$XTRAIN_CKPT_TIMEOUT``, else 4 h."""
+    return timeout_from(seconds, "--checkpoint-timeout", CKPT_TIMEOUT_ENV, os.environ.get(CKPT_TIMEOUT_ENV),
+                        DEFAULT_CKPT_TIMEOUT_S)
 
 
 class CheckpointManager:
     """Save and load the checkpoints of one run directory; every rank calls every method (``poll`` too, but it
-    waits for no other rank)."""
+    waits for no other rank). ``timeout``: how long checkpointing's collectives wait for a peer."""
 
     def __init__(self, run_dir: str | Path, dims: ParallelDims, keep: int | None = 2, async_save: bool = False,
-                 no_save: bool = False):
+                 no_save: bool = False, timeout: timedelta = timedelta(seconds=DEFAULT_CKPT_TIMEOUT_S)):
         self.root = Path(run_dir) / "checkpoints"
         self.dims = dims
         self.keep = keep  # newest checkpoints kept (+ latest's and the best); None: every one
         self.async_save = async_save
         self.no_save = no_save  # write no checkpoint at all
-        self.timeout = checkpoint_timeout()
+        self.timeout = timeout
         self._in_flight: _Save | None = None
         self._last_step: int | None = None  # of the last save started
         self._writer: ThreadPoolExecutor | None = None  # the thread that writes and publishes (``_write``)
@@ -168,7 +154,7 @@ class CheckpointManager:
         return path
 
     def steps(self) -> list[int]:
-        return _steps(self.root)
+        return step_numbers(self.root)
 
     # ----------------------------------------------------------------------------------- save
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
@@ -284,7 +270,7 @@ class CheckpointManager:
         copy that a run killed meanwhile left ``latest`` naming (and resumed from) goes once ``latest`` moves on.
         """
         tmp, final, previous = save.tmp, save.final, self._latest_name()
-        write_json_atomic(tmp / TRAINER_JSON, _sealed(save.trainer_state, self._merge_digests(tmp)))
+        write_json_atomic(tmp / TRAINER_JSON, sealed(save.trainer_state, self._merge_digests(tmp)))
         fsync_tree(tmp)
         if final.exists():
             old = self.root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
@@ -312,11 +298,11 @@ class CheckpointManager:
             files.update(read_json(part, f"digests of rank {rank}'s checkpoint files",
                                    f"every rank must write {self.root} on storage they share"))
             part.unlink()
-        files[DCP_METADATA] = _file_digest(tmp / DCP_METADATA)
+        files[DCP_METADATA] = file_digest(tmp / DCP_METADATA)
         return files
 
     def _latest_name(self) -> str | None:
-        return _latest_name(self.root)
+        return latest_name(self.root)
 
     def _clean_leftovers(self) -> None:
         """Delete, in the background, what a killed run left (rank 0, once): its temporary directories
@@ -336,8 +322,8 @@ class CheckpointManager:
 
     def _group(self):
         """The gloo group checkpointing waits on: DCP's collectives, the asynchronous writes, and the barriers
-        around rank 0's publication. Its own group, so that its timeout is ``XTRAIN_CKPT_TIMEOUT``'s and
-        not training's, and the background writes never race training's collectives (async_save also
+        around rank 0's publication. Its own group, so that its timeout is ``self.timeout`` and not
+        training's, and the background writes never race training's collectives (async_save also
         needs a CPU backend, which nccl is not). None on one process."""
         if not (self.dims.distributed and dist.is_initialized()):
             return None
@@ -405,99 +391,9 @@ class CheckpointManager:
         set_model_state_dict(model, loaded["model"])
 
     def wait_for_main(self) -> None:
-        """Every rank waits here until all are here, over checkpointing's group (``XTRAIN_CKPT_TIMEOUT``, not training's
+        """Every rank waits here until all are here, over checkpointing's group (``self.timeout``, not training's
         timeout): the others wait for what rank 0 writes alone, however long the storage takes (``--save-hf``)."""
         self._barrier()
-
-
-def find_latest(root: Path) -> tuple[Path | None, str | None]:
-    """The checkpoint of checkpoints directory ``root`` a run continues from, and what to say about it.
-
-    The one ``latest`` names when it is whole and undamaged (``damage``), else the newest ``step-<N>`` that is,
-    said in the note: one line per checkpoint skipped, naming it and why; never a silent start from scratch.
-    (None, None) when there is no checkpoint; an error when there are some but none is usable.
-    """
-    pointer, named, steps = root / LATEST, _latest_name(root), _steps(root)
-    if named is None and not steps:
-        return None, None
-    why = f"{pointer} is missing"
-    if named is not None:
-        problem = "retired (being deleted)" if named.startswith(RETIRED_PREFIX) else damage(root / named)
-        if problem is None:
-            return root / named, None
-        why = f"{pointer} names {named}, which is {problem}"
-    skipped = []
-    for name in (f"step-{n}" for n in reversed(steps) if f"step-{n}" != named):
-        problem = damage(root / name)
-        if problem is None:
-            return root / name, "\n".join([*skipped, f"{why}: using {name}, the newest complete checkpoint"])
-        skipped.append(f"skipping {name}: {problem}")
-    listed = f" ({'; '.join(line.removeprefix('skipping ') for line in skipped)})" if skipped else ""
-    raise XprepError(f"{why}, and no step-<N> in {root} is a complete checkpoint{listed}: nothing to resume; give "
-                     "--resume PATH of a checkpoint, or another --output to start over")
-
-
-def damage(path: Path) -> str | None:
-    """Why ``path`` is no whole, undamaged checkpoint ("incomplete (.metadata is missing)", "damaged (...)");
-    None when it is one.
-
-    trainer.json must parse and match its own digest; every file it records must be there with its size (checked
-    for all first: cheap) and its sha256. A checkpoint from before the digests needs trainer.json and .metadata.
-    """
-    if not path.is_dir():
-        return "missing"
-    try:
-        state = json.loads((path / TRAINER_JSON).read_bytes())
-    except FileNotFoundError:
-        return f"incomplete ({TRAINER_JSON} is missing)"
-    except (OSError, ValueError) as e:
-        return f"damaged ({TRAINER_JSON} is unreadable: {e})"
-    if not isinstance(state, dict):
-        return f"damaged ({TRAINER_JSON} is not a JSON object)"
-    if FILES not in state:  # saved before checkpoints recorded digests
-        return None if (path / DCP_METADATA).is_file() else f"incomplete ({DCP_METADATA} is missing)"
-    recorded = state.pop(TRAINER_DIGEST, None)
-    files = state[FILES]
-    if recorded != _json_digest(state) or not _valid_files(files):
-        return f"damaged ({TRAINER_JSON} differs from its recorded digest)"
-    for name, want in files.items():
-        try:
-            size = (path / name).stat().st_size
-        except FileNotFoundError:
-            return f"incomplete ({name} is missing)"
-        if size != want["size"]:
-            return f"damaged ({name} is {size:,} bytes, {TRAINER_JSON} records {want['size']:,})"
-    for name, want in files.items():
-        try:
-            if file_sha256(path / name, "") != want["sha256"]:
-                return f"damaged ({name}: its sha256 differs from the one {TRAINER_JSON} records)"
-        except XprepError:
-            return f"damaged ({name} is unreadable)"
-    return None
-
-
-def _valid_files(files) -> bool:
-    """Whether trainer.json's FILES is what ``_sealed`` writes: plain names (no path) with a size and a sha256,
-    .metadata among them."""
-    return (isinstance(files, dict) and DCP_METADATA in files
-            and all(isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
-                    and isinstance(want, dict) and isinstance(want.get("size"), int)
-                    and isinstance(want.get("sha256"), str) for name, want in files.items()))
-
-
-def _sealed(trainer_state: dict, files: dict[str, dict]) -> dict:
-    """trainer.json's content: the trainer state, every file's digest, and its own digest (of the rest, as read
-    back from JSON)."""
-    state = json.loads(json.dumps({**trainer_state, FILES: dict(sorted(files.items()))}))
-    return {**state, TRAINER_DIGEST: _json_digest(state)}
-
-
-def _json_digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _file_digest(path: Path) -> dict:
-    return {"size": path.stat().st_size, "sha256": file_sha256(path, "the checkpoint being written is unreadable")}
 
 
 def _write_rng(directory: Path, rank: int) -> dict[str, dict]:
@@ -507,17 +403,6 @@ def _write_rng(directory: Path, rank: int) -> dict[str, dict]:
     data, name = buffer.getvalue(), f"rng-{rank}.pt"
     write_atomic(directory / name, data)
     return {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
-
-
-def _latest_name(root: Path) -> str | None:
-    pointer = root / LATEST
-    return pointer.read_text().strip() if pointer.is_file() else None
-
-
-def _steps(root: Path) -> list[int]:
-    if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
 
 
 def _write_error(error: BaseException, save: _Save, nbytes: int) -> BaseException:
@@ -586,7 +471,7 @@ class _DigestingWriter(FileSystemWriter):
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
         names = sorted({result.storage_data.relative_path for result in future.wait()})
-        write_json_atomic(self.digests, {**self.extra, **{n: _file_digest(self.digests.parent / n) for n in names}})
+        write_json_atomic(self.digests, {**self.extra, **{n: file_digest(self.digests.parent / n) for n in names}})
         return future
 
 
@@ -640,84 +525,6 @@ class _Deleter:
                 warnings.warn(f"{path}: not deleted ({e}); delete it by hand", stacklevel=1)
             finally:
                 self._queue.task_done()
-
-
-def check_same_pack(state: dict, path: Path, pack_key: str) -> None:
-    """Refuse to resume on another pack entry: the data order would silently change."""
-    if state.get("pack_key") != pack_key:
-        raise XprepError(
-            f"{path}: this checkpoint was trained on pack {str(state.get('pack_key'))[:16]}, but this run "
-            f"reads pack {pack_key[:16]}; resume with the same pack, or start a new run with another --output")
-
-
-def pinned_entry(packed: str | Path, state: dict, path: Path) -> Path | None:
-    """The entry of the pack cache ``packed`` that checkpoint ``path`` (its trainer ``state``) was trained on,
-    when it is not the one ``packed`` names (the cache's current entry); None when it is, or the checkpoint
-    records no pack.
-
-    A cache's current entry changes whenever an ``xprep pack`` into it runs, a cache hit of an older command
-    included: resuming follows the checkpoint's entry while the cache holds it. When it is gone, or PACKED
-    names another entry directly, resuming is refused with what to do.
-    """
-    want, packed = state.get("pack_key"), Path(packed)
-    direct, current = _entry_key(packed), _current_entry(packed)
-    if want is None or (direct is None and current is None):  # no pack recorded; PACKED is no pack cache
-        return None  # (opening PACKED says what it is, and check_same_pack refuses other data)
-    if want == (direct if direct is not None else _entry_key(current)):
-        return None
-    name = state.get("pack_entry") or f"…-{want[:16]}"
-    if direct is not None:
-        raise XprepError(f"{path}: this checkpoint was trained on pack entry {name} (key {want[:16]}), and PACKED "
-                         f"is entry {packed.name}: give that entry or its pack cache {packed.parent}, or start a new "
-                         "run with another --output")
-    for entry in [packed / name] + sorted(p for p in packed.iterdir() if p.is_dir()):
-        if _entry_key(entry) == want:
-            return entry
-    raise XprepError(
-        f"{path}: this checkpoint was trained on pack entry {name} (key {want[:16]}), which is no longer in "
-        f"{packed}" + (f" (its current entry is {current.name})" if current is not None else "")
-        + ": re-run the `xprep pack` command that made it (the same datasets and options rebuild the same entry), "
-        "then resume; or start a new run on the current entry with another --output")
-
-
-def _entry_key(entry: Path | None) -> str | None:
-    """The key a pack or blend entry's metadata records; None for anything else."""
-    for file in (PACK_JSON, BLEND_JSON):
-        if entry is not None and (entry / file).is_file():
-            with contextlib.suppress(XprepError):
-                meta = read_json(entry / file, "pack entry's metadata", "re-run `xprep pack --force`")
-                return meta.get("key") if isinstance(meta, dict) else None
-    return None
-
-
-def _current_entry(packed: Path) -> Path | None:
-    """The entry PACKED/manifest.json names as current; None without one."""
-    if not (packed / MANIFEST).is_file():
-        return None
-    with contextlib.suppress(XprepError):
-        manifest = read_json(packed / MANIFEST, "pack cache manifest", "re-run `xprep pack`")
-        current = manifest.get("current") if isinstance(manifest, dict) else None
-        return packed / current if isinstance(current, str) else None
-    return None
-
-
-_NOT_MODEL_SHAPE = {"hf", "transformers_version"}  # where a Hugging Face model was read from, not what it is
-
-
-def check_same_model(state: dict, path: Path | str, model_config: dict,
-                     fix: str = "resume with the same --model, or start a new run with another --output") -> None:
-    """Refuse to resume (or, ``fix`` saying what to do, initialize from) another model: other shapes would fail inside
-    DCP with a traceback."""
-    saved = state.get("model")
-    if saved is None:  # a checkpoint from before the model config was saved
-        return
-    differ = sorted(k for k in saved.keys() | model_config.keys()
-                    if saved.get(k) != model_config.get(k) and k not in _NOT_MODEL_SHAPE and not k.startswith("_"))
-    if differ:
-        what = ", ".join(f"{k} {saved.get(k)!r} → {model_config.get(k)!r}" for k in differ)
-        raise XprepError(f"{path}: this checkpoint holds another model ({what}); {fix}")
-
-
 
 
 def quiet_dcp() -> None:

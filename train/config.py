@@ -7,9 +7,9 @@ TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the ru
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
               max_bad_steps, inject_nonfinite (tests only)                        → Trainer's bad-step rule
   parallel    device, nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
-              reduce_every_micro_batch                                            → ParallelDims
+              reduce_every_micro_batch, dist_timeout                              → ParallelDims
   checkpoint  save_every, save_every_minutes, keep, resume, async_save, no_save,  → CheckpointManager
-              save_hf, save_hf_every
+              save_hf, save_hf_every, checkpoint_timeout
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
 ```
 Precedence: dataclass defaults < the run directory's own ``config.json`` (when ``--output`` names a run
@@ -22,6 +22,11 @@ one flag and one flat key, the flag's name with underscores (``--micro-batch-siz
 (``{"optimizer": {"lr": 1e-3}}``), flat (``{"lr": 1e-3}``, as config.json was before the sections)
 or both. The resolved config is written to the run directory as ``config.json``, nested, and
 checked against ``schemas/train.schema.json``.
+
+One module (~650 lines) because it is one contract: every flag's name, default, type check and place in the nested
+and flat forms derive from these dataclasses and the tables after them (``FLAT_KEYS``), and the checks name the
+flag through the same tables; tests/train/test_train_plan.py holds the sections, the CLI and the schema to each
+other. The seam, should it grow, is the files and precedence half (``read_config_file`` to ``config_changes``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from datetime import timedelta
 from pathlib import Path
 from typing import ClassVar
 
@@ -42,9 +48,9 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from xprep.prep.errors import XprepError
-from xprep.train.checkpoint import CheckpointManager
+from xprep.train.checkpoint import CheckpointManager, checkpoint_timeout
 from xprep.train.data import PackedDataset
-from xprep.train.dist import DEVICES, ParallelDims, materialize
+from xprep.train.dist import DEVICES, ParallelDims, collective_timeout, materialize
 from xprep.train.evaluate import (
     DEFAULT_EVAL_BINS,
     Validation,
@@ -253,12 +259,18 @@ class ParallelSection:
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
     reduce_every_micro_batch: bool = True  # FSDP2: reduce-scatter after every micro-batch (False: once per step)
+    dist_timeout: float | None = None  # seconds a collective waits for a peer; None: $XTRAIN_DIST_TIMEOUT, else 600
 
     def __post_init__(self):
         _check_types(self)
         _check_at_least(self, 1, "nproc_per_node", "dp", "cp")
         if self.device is not None:
             _check_choice(self, "device", DEVICES)
+        self.collective_timeout()  # a bad value (or $XTRAIN_DIST_TIMEOUT) fails here, before any process starts
+
+    def collective_timeout(self) -> timedelta:
+        """What ``dist_timeout`` resolves to here (``xprep.train.dist.collective_timeout``)."""
+        return collective_timeout(self.dist_timeout)
 
     def build(self, world: int | None = None) -> ParallelDims:
         """This process's layout (from torchrun's environment), or that of ``world`` processes to launch on this
@@ -282,9 +294,12 @@ class CheckpointSection:
     no_save: bool = False  # write no checkpoint, not even the last (resuming from one still works)
     save_hf: bool = False  # a Hugging Face model directory (train/weights.py) after the last step
     save_hf_every: int = 0  # and every N steps; 0 = at the end only
+    checkpoint_timeout: float | None = None  # seconds ranks wait for each other while checkpointing; None:
+    # $XTRAIN_CKPT_TIMEOUT, else 4 h (xprep.train.checkpoint.checkpoint_timeout)
 
     def __post_init__(self):
         _check_types(self)
+        checkpoint_timeout(self.checkpoint_timeout)  # a bad value (or $XTRAIN_CKPT_TIMEOUT) fails here
         if isinstance(self.keep, str) and self.keep != "all":  # from the command line (always a string) or a file
             try:
                 self.keep = int(self.keep)
@@ -302,7 +317,7 @@ class CheckpointSection:
 
     def build(self, run_dir: Path, dims: ParallelDims) -> CheckpointManager:
         return CheckpointManager(run_dir, dims, None if self.keep == "all" else self.keep, self.async_save,
-                                 self.no_save)
+                                 self.no_save, checkpoint_timeout(self.checkpoint_timeout))
 
 
 @dataclass

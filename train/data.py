@@ -18,7 +18,9 @@ micro-batch of that one bin, torch tensors:
     cu_seqlens    int32 (n_docs+1,)    document boundaries, padding document included
 
 ``collate`` puts the bins of a micro-batch one after the other in a single row (1, M·capacity)
-with ``cu_seqlens`` over all of them: the model sees documents, never bins.
+with ``cu_seqlens`` over all of them: the model sees documents, never bins. ``micro_batch`` is the whole
+path a micro-batch takes in ``xtrain run`` (bins → collate → this CP rank's zigzag shard), the trainer's and
+the Python API's alike.
 
 A bin is filled by one compiled call (``fill_bin`` → ``fill_items`` + ``pad_bin``, numba, cached on
 disk) that copies each item's slice of the streams and writes labels, positions and categories
@@ -37,7 +39,7 @@ import torch
 from xprep.prep.dataset import MAX_CATEGORY, CategoryTable, TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.pack import PackBins, PackEntry, check_chunk_cp, open_entry
-from xprep.train.cp import padded_length
+from xprep.train.cp import padded_length, shard_batch
 
 IGNORE = -100
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "category_ids", "source_ids", "cu_seqlens")
@@ -359,6 +361,24 @@ def collate(bins: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         shift += int(b["cu_seqlens"][-1])
     out["cu_seqlens"] = torch.cat(parts)
     return out
+
+
+def micro_batch(dataset: PackedDataset, bins: list[int], cp_rank: int = 0, cp_size: int = 1
+                ) -> dict[str, torch.Tensor]:
+    """The micro-batch of ``bins`` as ``xtrain run`` feeds it to the model on context-parallel rank ``cp_rank`` of
+    ``cp_size``, on the CPU: the bins side by side (``collate``), then, under CP, this rank's share (``shard_batch``).
+
+    Under CP every document is padded to a multiple of 2·cp and the rank keeps chunks r and 2cp−1−r of each; in
+    a chunk pack, of each whole sample instead (``PackedDataset.cp_sample_len``). ``dataset`` must have been
+    opened with the same ``cp_size`` (its bins then leave the room that padding takes), but for a chunk pack's,
+    whose samples are sharded unpadded.
+    """
+    if dataset.cp_size != cp_size and not dataset.whole_samples:
+        raise ValueError(f"{dataset.packed} was opened for cp_size {dataset.cp_size}, not {cp_size}")
+    batch = collate([dataset[b] for b in bins])
+    if cp_size > 1:
+        batch = shard_batch(batch, cp_rank, cp_size, dataset.cp_sample_len)
+    return batch
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:

@@ -24,6 +24,7 @@ layout (each full parameter is made from its name alone, then cut to this rank's
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import traceback
@@ -40,7 +41,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from xprep.prep.errors import XprepError
 
-TIMEOUT_ENV = "XTRAIN_DIST_TIMEOUT"  # seconds a collective may wait for a peer [default 600]
+TIMEOUT_ENV = "XTRAIN_DIST_TIMEOUT"  # the default of --dist-timeout when neither a flag nor a config sets it
+DEFAULT_TIMEOUT_S = 600.0  # seconds a collective waits for a peer when neither the option nor TIMEOUT_ENV says
 DEVICE_ENV = "XTRAIN_DEVICE"  # the default of --device when neither a flag nor a config sets it (the tests: cpu)
 DEVICES = ("auto", "cpu", "cuda")
 BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores and the flash (varlen) kernels
@@ -187,14 +189,39 @@ def configure_device(device_type: str, tf32: bool = True) -> None:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def init_distributed(dims: ParallelDims) -> torch.device:
+def collective_timeout(seconds: float | None = None) -> timedelta:
+    """How long a collective of the default process group waits for a peer: ``seconds`` (``--dist-timeout``), else
+    ``$XTRAIN_DIST_TIMEOUT``, else 600 s. Every step all-reduces over that group, so a rank that hangs ends the job
+    instead of blocking it for gloo's default 30 min (which the DeviceMesh groups of FSDP2 and CP keep); a rank
+    that dies is noticed sooner by the launcher, which stops the others."""
+    return timeout_from(seconds, "--dist-timeout", TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV), DEFAULT_TIMEOUT_S)
+
+
+def timeout_from(seconds: float | None, flag: str, env: str, raw: str | None, default: float) -> timedelta:
+    """``seconds`` as given by ``flag``, else ``raw``, the value of the environment variable ``env`` (its documented
+    default; None: unset), else ``default``: a number of seconds > 0, or an error naming where the bad value came
+    from."""
+    if seconds is None:
+        if raw is None:
+            return timedelta(seconds=default)
+        shown, fix = f"${env}={raw!r}", f"set it to e.g. {default:g} (the default), or unset it"
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = math.nan
+    else:
+        shown, fix = f"{flag} {seconds}", f"give e.g. {default:g} (the default)"
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise XprepError(f"{shown}: must be a number of seconds > 0; {fix}")
+    return timedelta(seconds=seconds)
+
+
+def init_distributed(dims: ParallelDims, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S)) -> torch.device:
     """Start the process group when launched with several ranks; return this rank's device.
 
     The device is ``dims.device_type``'s (``resolve_device``): GPU ``local_rank`` on CUDA. The backend is
     nccl on CUDA, else gloo (the mixed "cpu:gloo,cuda:nccl" backend string fails on CPU builds of torch).
-    A collective waits at most ``XTRAIN_DIST_TIMEOUT`` seconds (600) for a peer, so a rank that hangs
-    ends the job instead of blocking it for gloo's default 30 min; a rank that dies is noticed sooner
-    by the launcher, which stops the others.
+    A collective waits at most ``timeout`` for a peer (``collective_timeout``: ``--dist-timeout``).
     """
     if dims.device_type == "cuda":
         device = torch.device("cuda", dims.local_rank)
@@ -203,7 +230,6 @@ def init_distributed(dims: ParallelDims) -> torch.device:
         device = torch.device("cpu")
     if dims.distributed and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
         dist.init_process_group(backend, timeout=timeout,
                                 **({"device_id": device} if device.type == "cuda" else {}))
     return device

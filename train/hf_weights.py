@@ -5,7 +5,8 @@ HF config.json           ─builtin_config─▶ ModelConfig      (None + the re
 HF *.safetensors         ─read_hf_weights─▶ built-in state dict (names mapped, fp32, read lazily)
 run checkpoint (DCP)     ─export_run─▶ DIR/model.safetensors + config.json   (AutoModelForCausalLM loads it)
 whole built-in state     ─write_hf_model─▶ the same, for export and for --save-hf (train/weights.py)
-run → pack → datasets    ─data_tokenizer─▶ DIR/tokenizer.json + tokenizer_config.json   (AutoTokenizer loads it)
+run → pack → datasets    ─data_tokenizer─▶ DIR/tokenizer.json + tokenizer_config.json   (AutoTokenizer loads it;
+                                                                          train/hf_tokenizer.py)
 ```
 The built-in model rotates q/k by the half-split `rotate_half` convention, as Hugging Face does,
 so q/k weights map one to one (no Meta-style interleave permutation). Mistral without a sliding
@@ -16,7 +17,6 @@ window is Llama; Qwen2 is Llama with q/k/v biases. Exports are written as `Llama
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -27,12 +27,18 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from xprep.prep.chat import BUILTIN_TEMPLATES
 from xprep.prep.errors import XprepError
-from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
-from xprep.prep.io import file_sha256, fsync_dir, fsync_tree, read_json
-from xprep.prep.pack import open_entry
-from xprep.train.checkpoint import CheckpointManager, damage, find_latest, quiet_dcp
+from xprep.prep.io import fsync_dir, fsync_tree
+from xprep.train.checkpoint import CheckpointManager, quiet_dcp
+from xprep.train.ckpt_files import damage, find_latest
+from xprep.train.hf_tokenizer import (
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    DataTokenizer,
+    data_tokenizer,
+    read_json_or_empty,
+)
 from xprep.train.model import ModelConfig, Transformer
 
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -281,7 +287,7 @@ def builtin_to_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
 
 
 def checkpoint_path(run: str | Path, step: int | None) -> Path:
-    """The checkpoint directory of ``run`` at ``step``, whole and undamaged (``xprep.train.checkpoint.damage``); None:
+    """The checkpoint directory of ``run`` at ``step``, whole and undamaged (``xprep.train.ckpt_files.damage``); None:
     the one ``--resume auto`` would take (``find_latest``: the one ``latest`` names, else the newest whole one,
     said on stderr)."""
     root = Path(run) / "checkpoints"
@@ -304,8 +310,6 @@ def checkpoint_path(run: str | Path, step: int | None) -> Path:
 
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
-SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 _TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, "tokenizer.model", "vocab.json", "merges.txt",
                     "chat_template.jinja")
 # Copied from the hf:DIR a run started from, when it is still there: what a user of the export needs besides weights
@@ -374,7 +378,7 @@ class ExportExtras:
             tokenizer, missing = data_tokenizer(run, trainer_state.get("pack_key")), ""
         except XprepError as e:
             tokenizer, missing = None, str(e)
-        return cls(tokenizer, missing, source, _read_json(source / "config.json") if source else {})
+        return cls(tokenizer, missing, source, read_json_or_empty(source / "config.json") if source else {})
 
 
 def write_hf_model(out: Path, state: Mapping[str, Tensor], cfg: ModelConfig, extras: ExportExtras, shown: Path,
@@ -442,147 +446,6 @@ def _without_tokenizer(tmp: Path, output: Path, why: str) -> str:
             "the tokenizer.json and tokenizer_config.json the data was tokenized with are copied into it")
 
 
-# ------------------------------------------------------------------------------------------ tokenizer
-@dataclass(frozen=True)
-class DataTokenizer:
-    """The tokenizer a run's datasets were encoded with, as an export writes it."""
-
-    path: Path  # the tokenizer.json; its sha256 is the one the datasets' manifests record
-    sha256: str
-    config: dict  # the tokenizer_config.json to write (the one beside ``path``, or one built from the manifest)
-    copied: tuple[Path, ...]  # further files from beside ``path`` (special_tokens_map.json)
-    token_ids: dict[str, int]  # eos/bos/pad_token_id for config.json, from the manifest
-    said: str  # where it came from and which chat template it has, for the console
-
-    def write(self, out: Path) -> str:
-        """Copy the tokenizer into ``out``, checking the copy against the recorded sha256; the console line."""
-        shutil.copyfile(self.path, out / TOKENIZER_JSON)
-        if file_sha256(out / TOKENIZER_JSON, "check the disk") != self.sha256:
-            raise XprepError(f"{self.path}: changed while it was copied (its sha256 is no longer the one the data "
-                             "was tokenized with); run the export again once nothing writes it")
-        (out / TOKENIZER_CONFIG).write_text(json.dumps(self.config, indent=2, ensure_ascii=False) + "\n")
-        for path in self.copied:
-            shutil.copyfile(path, out / path.name)
-        return self.said
-
-
-def data_tokenizer(run: str | Path, pack_key: str | None = None) -> DataTokenizer:
-    """The tokenizer ``run``'s data was encoded with: run.json → the pack entry it trained on (the one with
-    ``pack_key``, the checkpoint's) → each dataset's manifest.json → the tokenizer.json it records (its
-    ``tokenizer.path``, relative to the dataset when not absolute, or a copy kept in the dataset as tokenizer.json),
-    taken only where its sha256 is the recorded one.
-
-    The tokenizer_config.json beside that file comes along, its chat template set to the one the chat data was
-    rendered with (the manifest's ``chat_template`` digest: the tokenizer's own, a built-in one, or a template
-    file); without a config beside it (a tokenizer converted from GPT-2, SentencePiece or tiktoken files) one
-    is written naming the special tokens the manifest records. XprepError saying why when there is none.
-    """
-    datasets = _pack_datasets(Path(run), pack_key)
-    manifests = [(d, read_json(d / MANIFEST, "dataset manifest", "re-create the dataset")) for d in datasets]
-    digests = {str((m.get("tokenizer") or {}).get("sha256")) for _, m in manifests}
-    if len(digests) != 1:
-        raise XprepError(f"the datasets of {run}'s pack record {len(digests)} different tokenizers")
-    sha = digests.pop()
-    path = _find_tokenizer_json(manifests, sha)
-    beside = path.parent / TOKENIZER_CONFIG
-    config = _read_json(beside) if beside.is_file() else {}
-    names = _added_tokens(path)
-    manifest = manifests[0][1]
-    ids = {"eos_token_id": (manifest.get("tokenizer") or {}).get("eod_id"),
-           "pad_token_id": (manifest.get("tokenizer") or {}).get("pad_id"),
-           "bos_token_id": ((manifest.get("special_tokens") or {}).get("bos") or {}).get("id")}
-    ids = {k: v for k, v in ids.items() if isinstance(v, int)}
-    if not config:
-        config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                  "eos_token": names.get(ids.get("eos_token_id")), "bos_token": names.get(ids.get("bos_token_id")),
-                  "pad_token": names.get(ids.get("pad_token_id"))}
-    template, which = _chat_template(config.get("chat_template"), [m for _, m in manifests])
-    config = {k: v for k, v in config.items() if k != "chat_template"}
-    if template is not None:
-        config["chat_template"] = template
-    copied = tuple(p for p in [path.parent / SPECIAL_TOKENS_MAP] if p.is_file() and beside.is_file())
-    return DataTokenizer(path, sha, config, copied, ids, f"tokenizer: {path} (sha256 as the data's manifests "
-                                                         f"record); chat template: {which}")
-
-
-def _pack_datasets(run: Path, pack_key: str | None) -> list[Path]:
-    """The dataset directories of the pack entry ``run`` trained on (run.json names it; ``pack_key``, when given,
-    must be its key, else the entry with that key beside it is taken)."""
-    pack = _read_json(run / "run.json").get("pack") or {}
-    if not pack.get("path"):
-        raise XprepError(f"{run}/run.json names no pack (it is written when training starts)")
-    path, key = Path(pack["path"]), pack_key or pack.get("key")
-    if not path.is_dir():
-        where = "" if path.is_absolute() else f" (from {Path.cwd()}: run the export where the run was started)"
-        raise XprepError(f"the pack {path} that {run}/run.json names is not found{where}")
-    root = path.parent if (path / PACK_JSON).is_file() or (path / BLEND_JSON).is_file() else path
-    for candidate in [path, *sorted(root.glob(f"*-{str(key)[:16]}"))]:
-        entry = open_entry(candidate)
-        if not key or entry.key == key:
-            parts = getattr(entry, "sources", None) or [entry]
-            return [p for part in parts for p in part.dataset_paths]
-    raise XprepError(f"{root}: holds no pack entry {str(key)[:16]}, the one the checkpoint was trained on "
-                     "(the cache was cleared or rebuilt)")
-
-
-def _find_tokenizer_json(manifests: list[tuple[Path, dict]], sha: str) -> Path:
-    """The first tokenizer.json a dataset records (or keeps) whose sha256 is ``sha``, preferring one with a
-    tokenizer_config.json beside it; XprepError naming each recorded file and what is wrong with it."""
-    found, problems = [], []
-    for dataset, manifest in manifests:
-        recorded = str((manifest.get("tokenizer") or {}).get("path") or "")
-        kept = dataset / TOKENIZER_JSON
-        for path in dict.fromkeys([dataset / recorded, kept] if recorded else [kept]):
-            if path in found or (path == kept and not path.is_file() and path != dataset / recorded):
-                continue  # no copy kept in the dataset: only the recorded file is worth a word
-            if not path.is_file():
-                problems.append(f"{path} is gone")
-            elif file_sha256(path, "check the file") != sha:
-                problems.append(f"{path} is not the one the data was tokenized with (its sha256 differs)")
-            else:
-                found.append(path)
-    if not found:
-        raise XprepError("the tokenizer the data was tokenized with is not found ("
-                         + ("; ".join(dict.fromkeys(problems)) or "the datasets' manifests name none") + ")")
-    return next((p for p in found if (p.parent / TOKENIZER_CONFIG).is_file()), found[0])
-
-
-def _added_tokens(path: Path) -> dict[int, str]:
-    """Id → text of a tokenizer.json's added (special) tokens."""
-    added = _read_json(path).get("added_tokens") or []
-    return {t["id"]: t["content"] for t in added if isinstance(t, dict) and "id" in t and "content" in t}
-
-
-def _chat_template(own, manifests: list[dict]) -> tuple[str | list | None, str]:
-    """The chat template for the export and, in words, which it is: the one the chat data was rendered with,
-    found by its sha256 among the tokenizer's own, the built-in ones and a template file of that name; none
-    when that one is not found or the data used several (and the tokenizer's own with text data only)."""
-    used = {(t.get("name"), t.get("sha256")) for m in manifests if isinstance(t := m.get("chat_template"), dict)}
-    if not used:
-        return own, "the tokenizer's own (the data is text)" if own else "none (the data is text)"
-    own_text = own if isinstance(own, str) else next(
-        (t.get("template") for t in own or [] if isinstance(t, dict) and t.get("name") == "default"), None)
-    if len(used) > 1:
-        if own_text is not None and _sha(own_text) in {sha for _, sha in used}:
-            return own, "the tokenizer's own (one of several the data was rendered with)"
-        return None, f"none (the data was rendered with {len(used)} different templates)"
-    name, sha = used.pop()
-    if own_text is not None and _sha(own_text) == sha:
-        return own, f"{name!r}, the one the data was rendered with"
-    builtin = BUILTIN_TEMPLATES.get(str(name))
-    if builtin is not None and _sha(builtin) == sha:
-        return builtin, f"{name!r} (built in), the one the data was rendered with"
-    file = Path(str(name))
-    if file.is_file() and file_sha256(file, "check the file") == sha:
-        return file.read_text(encoding="utf-8"), f"{name!r}, the one the data was rendered with"
-    return None, (f"none: the one the data was rendered with ({name!r}, sha256 {str(sha)[:12]}…) is no longer "
-                  f"where it was; set chat_template in {TOKENIZER_CONFIG} yourself")
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def builtin_model_config(saved: dict, where: Path | str, purpose: str) -> ModelConfig:
     """The built-in model config that a checkpoint's trainer.json records (its ``model``), for ``purpose`` (in
     words: "export", "--init-from")."""
@@ -591,10 +454,3 @@ def builtin_model_config(saved: dict, where: Path | str, purpose: str) -> ModelC
         raise XprepError(f"{where}: this run trained a transformers module (hf:DIR outside the built-in model), "
                          f"not the built-in model: {purpose} is for the built-in model only")
     return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}

@@ -18,6 +18,15 @@ While the ranks run, the launcher
   as under torchrun);
 - is their lifeline: each rank dies with it (``xprep.train.lifeline``), so a launcher killed alone leaves no rank
   training on without the run lock.
+
+The environment of a rank is the launcher's protocol with it, internal (docs/environment.md lists it; nothing a user
+sets): torch's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (``LAUNCHED_ENV``: a process that has
+them is a rank, and launches nothing), ``MASTER_ADDR``/``MASTER_PORT`` and ``TORCHELASTIC_USE_AGENT_STORE`` (the
+rendezvous on this launcher's store), ``TORCHELASTIC_ERROR_FILE`` (where the rank records its error), and xtrain's
+own ``XTRAIN_LAUNCHER_PID`` (``xprep.train.lifeline.PARENT_ENV``: the parent the rank dies with) and
+``XTRAIN_STOP_FILE`` (``xprep.train.preempt.STOP_FILE_ENV``: where rank 0 says why the run stopped on a signal).
+torchrun sets the torch ones, and ``TORCHELASTIC_RUN_ID``, by which a rank knows it was launched. ``OMP_NUM_THREADS``
+is the user's, set to cores / ranks only when unset.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ import numpy as np
 from numba import njit
 from xprep.prep.errors import XprepError
 from xprep.prep.pack import PackBins, open_entry, range_bincount
+from xprep.train.ckpt_files import LATEST, TRAINER_JSON
 from xprep.train.report import read_metrics
 from xprep.train.samplers import BinSampler, RandomBinSampler
 
-# train/checkpoint.py's layout (not imported: it loads torch): checkpoints/latest names step-<N>/trainer.json
-CHECKPOINTS, LATEST, TRAINER_JSON = "checkpoints", "latest", "trainer.json"
+CHECKPOINTS = "checkpoints"  # of a run directory: checkpoints/latest names step-<N>/trainer.json (train/ckpt_files.py)
 SAMPLERS = {"sequential": BinSampler, RandomBinSampler.kind: RandomBinSampler}
 CONFIG_SAMPLERS = {"sequential": BinSampler, "random": RandomBinSampler}  # config.json's --sampler
 

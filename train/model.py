@@ -200,7 +200,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields; those added later are left out at their default, so the model config recorded in
-        earlier checkpoints still compares equal on resume (xprep.train.checkpoint.check_same_model)."""
+        earlier checkpoints still compares equal on resume (xprep.train.resume.check_same_model)."""
         d = asdict(self)
         for name, default in _LATER_FIELDS.items():
             if d[name] == default:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from xprep.prep.errors import XprepError
 from xprep.prep.io import check_output_file
+from xprep.train.ckpt_files import TRAINER_JSON, latest_name, step_numbers
 from xprep.train.metrics import best_step, line_step, replayed_files
 
 PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
@@ -186,9 +187,8 @@ def _checkpoints(path: Path) -> dict:
     root = path / "checkpoints"
     if not root.is_dir():
         return {"latest": None, "steps": []}
-    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
-    steps = sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit())
-    return {"latest": latest, "steps": steps, **_best(root, steps)}
+    steps = step_numbers(root)
+    return {"latest": latest_name(root), "steps": steps, **_best(root, steps)}
 
 
 def _best(root: Path, steps: list[int]) -> dict:
@@ -196,7 +196,7 @@ def _best(root: Path, steps: list[int]) -> dict:
     states = {}
     for n in steps:
         with contextlib.suppress(OSError, json.JSONDecodeError):
-            states[n] = json.loads((root / f"step-{n}" / "trainer.json").read_text())
+            states[n] = json.loads((root / f"step-{n}" / TRAINER_JSON).read_text())
     best = best_step(states)
     if best is None:
         return {}

@@ -145,6 +145,9 @@ class RandomBinSampler(BinSampler):
 
 def build_sampler(kind: str, num_bins: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                   seed: int, group: int = 1) -> BinSampler:
+    """The sampler ``--sampler kind`` (sequential or random) gives data-parallel rank ``dp_rank`` of ``dp_size``:
+    ``micro_batch_size`` bins per micro-batch. ``group``: a balanced token-aware pack's ``balance_dp`` (its
+    pack.json config), whose bins go to the ranks in groups."""
     cls = {"sequential": BinSampler, "random": RandomBinSampler}[kind]
     return cls(num_bins, micro_batch_size, dp_rank, dp_size, seed, group)
 

@@ -9,7 +9,14 @@ gradient, over this rank's share of the validation bins (train/evaluate.py). ``T
 plain objects so tests can build one without a config.
 
 After every step (metrics logged, checkpoint saved) the loop calls each of ``STEP_END_CALLBACKS``
-with the trainer: tests install fault injection there (tests/_train_fault_worker.py).
+with the trainer: tests install fault injection there (tests/_train_fault_worker.py). It stays a module list, not
+a parameter: the faults must reach runs started through the real command line and launcher, in child processes.
+
+One module (~700 lines) because it is the training loop read in order: the step (``Trainer``), what a run checks
+before its process group exists (``prepare_run``), the loop around the step (``_train``: resume, evaluate, save,
+stop on a signal or on bad steps) and what the run says and records as it starts. Each part is small functions
+over plain objects; the seams, should it grow, are ``prepare_run`` with ``RunSetup`` (a run's setup) and the start
+lines with ``_write_run_config`` (a run's record).
 """
 
 from __future__ import annotations
@@ -35,10 +42,10 @@ from xprep.prep.io import check_output_dir, write_json_atomic
 from xprep.prep.pack import MANIFEST
 from xprep.train import attempts
 from xprep.train.attention import attention_path, check_head_dim
-from xprep.train.checkpoint import CheckpointManager, check_same_model, check_same_pack, pinned_entry
+from xprep.train.checkpoint import CheckpointManager
 from xprep.train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
-from xprep.train.cp import CPContext, shard_batch
-from xprep.train.data import PackedDataset, collate, count_targets
+from xprep.train.cp import CPContext
+from xprep.train.data import PackedDataset, count_targets, micro_batch
 from xprep.train.dist import (
     ParallelDims,
     all_reduce_sum,
@@ -64,6 +71,7 @@ from xprep.train.memory import peak_memory, reset_peak_memory
 from xprep.train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from xprep.train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
 from xprep.train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
+from xprep.train.resume import check_same_model, check_same_pack, pinned_entry
 from xprep.train.rundir import RanksLock, RunLock
 from xprep.train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
 from xprep.train.weights import HFSaver, InitFrom, check_exportable, init_record, plan_init
@@ -134,7 +142,10 @@ class Trainer:
     def next_micro_batches(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """This rank's micro-batches of the next step, ready for the model; its real tokens and targets.
 
-        Targets are counted on the CPU, before the batch moves (no device sync in the step).
+        Each is ``xprep.train.data.micro_batch`` of the sampler's next bins: under context parallelism this rank's
+        zigzag share, so each rank counts and sums only its own targets (padding never is one), and the
+        all-reduce over dp×cp adds them up. Targets are counted on the CPU, before the batch moves (no device
+        sync in the step).
         """
         batches, tokens, targets, pairs = [], 0, 0, 0
         for _ in range(self.grad_accum):
@@ -142,25 +153,11 @@ class Trainer:
             if self.dims.cp_rank == 0:  # the CP ranks of a DP rank read the same bins: count them once
                 tokens += self.dataset.bin_tokens(bins)
                 pairs += bin_attention_pairs(self.dataset, bins)
-            batch = self.shard_batch(collate([self.dataset[b] for b in bins]))
+            batch = micro_batch(self.dataset, bins, self.dims.cp_rank, self.dims.cp)
             targets += count_targets(batch)
             batches.append(self.to_device(batch))
         self._rank_pairs = pairs
         return batches, tokens, targets
-
-    def shard_batch(self, batch: dict[str, torch.Tensor], dataset: PackedDataset | None = None
-                    ) -> dict[str, torch.Tensor]:
-        """This rank's share of a micro-batch of ``dataset``'s bins (the training pack's by default), on the CPU.
-
-        Under context parallelism every document is padded to a multiple of 2·cp and this rank
-        keeps chunks r and 2cp−1−r of each; in a chunk pack, of each whole sample instead
-        (train/cp.py). Each rank then counts and sums only its own targets (padding never is
-        one), and the all-reduce over dp×cp adds them up.
-        """
-        if self.dims.cp_enabled:
-            sample_len = (dataset or self.dataset).cp_sample_len
-            batch = shard_batch(batch, self.dims.cp_rank, self.dims.cp, sample_len)
-        return batch
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors the model computes with, on the device; the document boundaries stay on the
@@ -276,7 +273,7 @@ class Trainer:
         try:
             with torch.no_grad():
                 for done, bins in enumerate(validation.rounds, start=1):
-                    batch = self.to_device(self.shard_batch(collate([dataset[b] for b in bins or [0]]), dataset))
+                    batch = self.to_device(micro_batch(dataset, bins or [0], self.dims.cp_rank, self.dims.cp))
                     ce = self.token_losses(batch)
                     if bins:
                         sums.add(ce, batch["labels"], *channels.ids(batch))
@@ -429,7 +426,7 @@ def run(cfg: TrainConfig, stream=None, lock: bool = True, notes: Sequence[str] =
                 print(note, file=stream or sys.stderr)
         ranks_lock = None
         try:
-            device = init_distributed(dims)
+            device = init_distributed(dims, cfg.parallel.collective_timeout())
             ranks_lock = RanksLock(cfg.run_dir).acquire() if dims.distributed else None  # after rank 0's RunLock
             _train(cfg, dims, device, setup, stream)
         except BaseException as e:

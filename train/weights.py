@@ -31,19 +31,13 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from xprep.prep.errors import XprepError
 from xprep.prep.io import fsync_dir
-from xprep.train.checkpoint import (
-    DCP_METADATA,
-    LATEST,
-    RETIRED_PREFIX,
-    TRAINER_JSON,
-    CheckpointManager,
-    check_same_model,
-    damage,
-)
+from xprep.train.checkpoint import CheckpointManager
+from xprep.train.ckpt_files import DCP_METADATA, LATEST, RETIRED_PREFIX, TRAINER_JSON, damage
 from xprep.train.dist import ParallelDims
 from xprep.train.hf import hf_builtin_config
 from xprep.train.hf_weights import ExportExtras, builtin_model_config, publishing, read_hf_weights, write_hf_model
 from xprep.train.model import ModelConfig
+from xprep.train.resume import check_same_model
 
 HF_DIR = "hf"  # RUN/hf/: the --save-hf directories
 _INIT_ONLY = ("multiple_of", "init_std")  # model config fields that shape no computation (ffn_dim is set; the init)

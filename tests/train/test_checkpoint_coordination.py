@@ -2,7 +2,7 @@
 and old checkpoints are deleted off the critical path.
 
 (a) Rank 0 publishes (fsync, renames) and retires checkpoints while the others wait: over a gloo group of the
-    checkpoints' own with ``XTRAIN_CKPT_TIMEOUT`` (hours), not the default group's ``XTRAIN_DIST_TIMEOUT``.
+    checkpoints' own with ``--checkpoint-timeout`` (hours), not the default group's ``--dist-timeout``.
 (b) Retiring renames ``step-<N>`` to ``.retired-*`` (atomic) and a thread deletes it: a save returns while the
     deletion is still going on, nothing resolves a retired directory as a checkpoint, the end of a run waits for
     the deletions, and what a killed run left is deleted by the next one.
@@ -21,14 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from xprep.prep.errors import XprepError
-from xprep.train.checkpoint import (
-    CKPT_TIMEOUT_ENV,
-    LATEST,
-    RETIRED_PREFIX,
-    TRAINER_JSON,
-    CheckpointManager,
-    checkpoint_timeout,
-)
+from xprep.train.checkpoint import CKPT_TIMEOUT_ENV, DEFAULT_CKPT_TIMEOUT_S, CheckpointManager
+from xprep.train.ckpt_files import LATEST, RETIRED_PREFIX, TRAINER_JSON
+from xprep.train.config import CheckpointSection
 from xprep.train.dist import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +38,7 @@ def test_a_slow_publication_outlasts_the_collective_timeout(tmp_path):
     """2 gloo ranks whose default group times out after 0.2 s, rank 0's fsync and deletes 0.8 s each: saves
     (synchronous and asynchronous, retiring the step before) complete on both ranks. (The ranks are started
     directly, meeting through a file: no launcher to import torch first.)"""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), CKPT_TIMEOUT_ENV: "60"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "_ckpt_worker.py"), str(tmp_path), str(r), "2"],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
@@ -57,15 +52,24 @@ def test_a_slow_publication_outlasts_the_collective_timeout(tmp_path):
     assert [rank.returncode for rank in ranks] == [0, 0] and "checkpoints ok" in said[0], "\n".join(said)[-4000:]
 
 
-def test_the_checkpoint_timeout_comes_from_its_variable(monkeypatch):
+def test_the_checkpoint_timeout_is_its_option_else_its_variable(monkeypatch):
+    """--checkpoint-timeout, else $XTRAIN_CKPT_TIMEOUT (its documented default), else 4 h; the manager itself reads
+    no environment."""
+    def timeout(**section) -> float:
+        return CheckpointSection(**section).build(Path("run"), ParallelDims()).timeout.total_seconds()
+
     monkeypatch.delenv(CKPT_TIMEOUT_ENV, raising=False)
-    assert checkpoint_timeout().total_seconds() == 4 * 3600
+    assert timeout() == DEFAULT_CKPT_TIMEOUT_S == 4 * 3600
     monkeypatch.setenv(CKPT_TIMEOUT_ENV, "90.5")
-    assert checkpoint_timeout().total_seconds() == 90.5
+    assert timeout() == 90.5 and timeout(checkpoint_timeout=30) == 30
+    assert CheckpointManager("run", ParallelDims()).timeout.total_seconds() == DEFAULT_CKPT_TIMEOUT_S
     for bad in ("0", "-3", "soon", "inf"):
         monkeypatch.setenv(CKPT_TIMEOUT_ENV, bad)
-        with pytest.raises(XprepError, match=f"{CKPT_TIMEOUT_ENV}='{bad}': must be a number of seconds > 0"):
-            CheckpointManager("run", ParallelDims())
+        with pytest.raises(XprepError, match=rf"\${CKPT_TIMEOUT_ENV}='{bad}': must be a number of seconds > 0"):
+            CheckpointSection()
+    monkeypatch.delenv(CKPT_TIMEOUT_ENV)
+    with pytest.raises(XprepError, match="--checkpoint-timeout -1: must be a number of seconds > 0"):
+        CheckpointSection(checkpoint_timeout=-1)
 
 
 # ------------------------------------------------------------------------------------------ (b) retiring

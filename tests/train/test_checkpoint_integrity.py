@@ -22,7 +22,8 @@ import pytest
 import torch
 from xprep.prep.errors import XprepError
 from xprep.train import checkpoint
-from xprep.train.checkpoint import FILES, LATEST, TRAINER_JSON, CheckpointManager, damage
+from xprep.train.checkpoint import CheckpointManager
+from xprep.train.ckpt_files import FILES, LATEST, TRAINER_JSON, damage
 from xprep.train.dist import ParallelDims
 from xprep.train.hf_weights import checkpoint_path
 

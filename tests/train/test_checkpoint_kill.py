@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from xprep.train.checkpoint import CheckpointManager, damage
+from xprep.train.checkpoint import CheckpointManager
+from xprep.train.ckpt_files import damage
 from xprep.train.dist import ParallelDims
 
 PACK = "pack-key"

@@ -28,7 +28,8 @@ from xprep.train.config import ModelSection, OptimizerSection
 from xprep.train.data import PackedDataset
 from xprep.train.dist import ParallelDims, materialize
 from xprep.train.hf import HFCausalLM
-from xprep.train.hf_weights import _chat_template, hf_config_dict, name_map, param_shapes, read_hf_weights
+from xprep.train.hf_tokenizer import _chat_template
+from xprep.train.hf_weights import hf_config_dict, name_map, param_shapes, read_hf_weights
 from xprep.train.model import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,5 @@
-"""Data parallel under torchrun (gloo, 2 processes): same gradient and same run as one process."""
+"""Data parallel under torchrun (gloo, 2 processes): same gradient and same run as one process; how long the
+ranks' collectives wait for a peer (``--dist-timeout``, ``--checkpoint-timeout``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from _train_fault_worker import SAY_TIMEOUTS_ENV
 from trainkit import category_pack, grads, make_trainer, max_rel_diff
+from xprep.prep.errors import XprepError
+from xprep.train.config import TrainConfig
+from xprep.train.dist import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 XTRAIN = Path(sys.executable).with_name("xtrain")
+FAULT_WORKER = ROOT / "tests" / "_train_fault_worker.py"  # `xtrain run` with the test hook the environment names
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -52,3 +59,37 @@ def test_run_on_two_ranks_matches_one_process(tmp_path):
         for k, v in ra["category_loss"].items():
             assert abs(v - rb["category_loss"][k]) <= 1e-6 * v
     assert (tmp_path / "two" / "checkpoints" / "step-4" / "trainer.json").is_file()
+
+
+def test_the_timeouts_reach_every_rank_s_process_groups(tmp_path):
+    """`--dist-timeout` is the default group's (training's collectives), `--checkpoint-timeout` the checkpoints'
+    group's, on each rank the launcher starts (the options travel in the resolved config, not the environment)."""
+    packed = category_pack(tmp_path)
+    proc = subprocess.run([sys.executable, str(FAULT_WORKER), "run", str(packed), "--steps", "1", "--nproc-per-node",
+                           "2", "--dist-timeout", "123", "--checkpoint-timeout", "4567", "--output",
+                           str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", SAY_TIMEOUTS_ENV: "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = sorted(line for line in proc.stdout.splitlines() if " timeouts: " in line)
+    assert [line.split(" timeouts: ")[0] for line in said] == ["rank 0", "rank 1"], proc.stdout
+    for line in said:
+        default, *others = line.split(" timeouts: ")[1].split()
+        assert default == "123" and "4567" in others, line
+
+
+def test_the_dist_timeout_defaults_to_its_variable(monkeypatch):
+    def timeout(**flags) -> float:
+        return TrainConfig.from_dict({"packed": "p", **flags}).parallel.collective_timeout().total_seconds()
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert TrainConfig.from_dict({"packed": "p"}).parallel.dist_timeout is None
+    assert timeout() == DEFAULT_TIMEOUT_S == 600
+    monkeypatch.setenv(TIMEOUT_ENV, "90.5")
+    assert timeout() == 90.5 and timeout(dist_timeout=30) == 30
+    for bad in ("0", "-3", "soon", "inf"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(XprepError, match=rf"\${TIMEOUT_ENV}='{bad}': must be a number of seconds > 0"):
+            TrainConfig.from_dict({"packed": "p"})
+    monkeypatch.delenv(TIMEOUT_ENV)
+    with pytest.raises(XprepError, match="--dist-timeout 0: must be a number of seconds > 0"):
+        TrainConfig.from_dict({"packed": "p", "dist_timeout": 0})

@@ -31,7 +31,8 @@ from xprep.cli import xprep, xtrain
 from xprep.prep.errors import XprepError
 from xprep.prep.pack.cache import PackConfig, pack
 from xprep.prep.pack.entry import MANIFEST, open_packed
-from xprep.train.checkpoint import TRAINER_JSON, CheckpointManager
+from xprep.train.checkpoint import CheckpointManager
+from xprep.train.ckpt_files import TRAINER_JSON
 from xprep.train.config import (
     DataSection,
     EvalSection,

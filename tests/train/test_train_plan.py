@@ -13,7 +13,8 @@ from trainkit import make_dataset, random_docs
 from xprep.cli import xtrain
 from xprep.prep.errors import XprepError
 from xprep.prep.pack.cache import PackConfig, pack
-from xprep.train.checkpoint import LATEST, CheckpointManager
+from xprep.train.checkpoint import CheckpointManager
+from xprep.train.ckpt_files import LATEST
 from xprep.train.config import FLAT_KEYS, TrainConfig, flatten, read_config_file, resolve_config
 from xprep.train.data import IGNORE, PackedDataset
 from xprep.train.dist import ParallelDims

@@ -26,7 +26,7 @@ from test_train_run import FAULTY, metrics, user_error, xtrain_proc
 from trainkit import category_pack, make_dataset, random_docs
 from xprep.cli import xtrain
 from xprep.prep.pack.cache import PackConfig, pack
-from xprep.train.checkpoint import damage
+from xprep.train.ckpt_files import damage
 from xprep.train.config import resolve_config
 from xprep.train.evaluate import validation_entry
 

@@ -14,7 +14,7 @@ from test_train_run import metrics, user_error
 from trainkit import category_pack
 from xprep import cli
 from xprep.cli import xprep, xtrain
-from xprep.train.checkpoint import FILES, TRAINER_DIGEST
+from xprep.train.ckpt_files import FILES, TRAINER_DIGEST
 
 
 @pytest.fixture(scope="module")
