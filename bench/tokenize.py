@@ -264,7 +264,7 @@ def chat_breakdown(corpus: Path, limit: int, tokenizer: Path = QWEN3) -> dict:
     (``XPREP_CHAT_RENDER=records``) and the general Jinja path."""
     from xprep.prep.chat.templates import RENDER_ENV, resolve_template
     from xprep.prep.formats import CHAT
-    from xprep.prep.sources.discover import LINES, RawBatch
+    from xprep.prep.sources import LINES, RawBatch
     from xprep.prep.tokenize.processor import Options, Processor
     from xprep.prep.tokenizer.encoder import choose_backend, load_tokenizer_info
 

@@ -18,7 +18,7 @@ from conftest import META_TEMPLATES, SHARED, requires_shared_data
 from test_chat_columns import CHATML, HOSTILE, _assert_same, _batches, _chitchat, _processor
 from xprep.prep.chat.templates import BUILTIN_TEMPLATES, RENDER_ENV, TemplateSpec
 from xprep.prep.formats import AUTO
-from xprep.prep.sources.discover import LINES, RawBatch
+from xprep.prep.sources import LINES, RawBatch
 from xprep.prep.tokenize.processor import Options, Processor
 from xprep.prep.tokenizer.encoder import (
     NEWLINE_SAFE_PATTERNS,

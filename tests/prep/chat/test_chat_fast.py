@@ -19,7 +19,7 @@ from xprep.prep.chat import fast as chat_fast
 from xprep.prep.chat import templates
 from xprep.prep.chat.templates import RENDER_ENV, ChatTemplate, TemplateError, TemplateSpec
 from xprep.prep.formats import CHAT
-from xprep.prep.sources.discover import LINES, RawBatch
+from xprep.prep.sources import LINES, RawBatch
 from xprep.prep.tokenize.processor import Options, Processor
 from xprep.prep.tokenizer.encoder import choose_backend, load_tokenizer_info
 

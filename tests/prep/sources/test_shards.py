@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from xprep.prep.errors import XprepError
-from xprep.prep.sources.discover import RawBatch, plan_shard, read_batches, resolve_inputs
+from xprep.prep.sources import RawBatch, plan_shard, read_batches, resolve_inputs
 from xprep.prep.sources.shards import parse_size, plan_shards
 
 

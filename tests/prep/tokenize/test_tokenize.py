@@ -27,6 +27,7 @@ from prepkit import (
     chat_records,
     dir_bytes,
     is_valid,
+    read_small_batches,
     schema,
     text_records,
     tokenize,
@@ -36,7 +37,6 @@ from prepkit import (
 from xprep.prep.chat.templates import BUILTIN_TEMPLATES, ChatTemplate, TemplateSpec, render_watchdog_running
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
-from xprep.prep.sources import discover as sources
 from xprep.prep.tokenize import processor as tk
 from xprep.prep.tokenizer import encoder
 from xprep.prep.tokenizer.encoder import add_around
@@ -264,7 +264,7 @@ def test_one_changed_byte_in_a_real_corpus_changes_the_fingerprint(tmp_path):
 
 def test_workers_give_byte_identical_datasets_with_small_batches(tmp_path, tiny_tokenizer, monkeypatch):
     """Many small batches through 2 worker processes: order and bytes as with one worker."""
-    monkeypatch.setattr(sources, "BATCH_RECORDS", 8)
+    read_small_batches(monkeypatch, 8)
     recs = []
     for i, (t, c) in enumerate(zip(text_records(60), chat_records(60), strict=True)):
         recs += [{**t, "category": f"t{i % 3}"}, c if i % 4 else {**c, "category": "dialog"}]
