@@ -20,14 +20,8 @@ from xprep.prep.chat.templates import BUILTIN_TEMPLATES, RENDER_ENV, TemplateSpe
 from xprep.prep.formats import AUTO
 from xprep.prep.sources import LINES, RawBatch
 from xprep.prep.tokenize.processor import Options, Processor
-from xprep.prep.tokenizer.encoder import (
-    NEWLINE_SAFE_PATTERNS,
-    Cuts,
-    Encoder,
-    _prove_cuts,
-    choose_backend,
-    load_tokenizer_info,
-)
+from xprep.prep.tokenizer import Encoder, choose_backend, load_tokenizer_info
+from xprep.prep.tokenizer.cuts import NEWLINE_SAFE_PATTERNS, Cuts, _prove_cuts
 
 QWEN3 = SHARED / "tokenizers/qwen3"
 LLAMA3_PATTERN = next(p for p in NEWLINE_SAFE_PATTERNS if r"\p{N}{1,3}" in p)
