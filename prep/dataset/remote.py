@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from xprep.prep.dataset.token_dataset import stream_mismatch
+from xprep.prep.dataset.manifest import stream_mismatch
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST
 from xprep.prep.fs import filesystem
