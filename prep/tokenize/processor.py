@@ -103,6 +103,7 @@ class TokenizeConfig:
     ray: str | None = None  # --ray: "auto" or HOST:PORT of a Ray cluster to run the shards on (tokenize/ray/cluster.py)
     shard_size: int = 256 * 10**6  # --shard-size: bytes of input per Ray task
     max_retries: int = 3  # --max-retries: of a Ray task lost with its worker or node
+    cache_dir: str | None = None  # --cache-dir: converted tokenizers and tokenizer facts (None: prep.fs.cache_root's)
 
     def __post_init__(self) -> None:
         if self.format not in RECORD_FORMATS:
@@ -956,7 +957,7 @@ def prepare(config: TokenizeConfig) -> Job:
     """Resolve inputs, tokenizer, template and options: everything but the records."""
     listings: list[Listing] = []
     sources = resolve_inputs(config.inputs, listings)
-    info = load_tokenizer_info(config.tokenizer, config.eod_token, config.bos_token)
+    info = load_tokenizer_info(config.tokenizer, config.eod_token, config.bos_token, config.cache_dir)
     dtype = _dtype(config.dtype, info.vocab_size)
     plan = plan_shard(sources, config.num_shards, config.shard_index)
     # Content never depends on sniffing records (shards of one run must agree): the EOD follows the chat
