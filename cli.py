@@ -140,10 +140,14 @@ def _terminated(signum, frame):
               help="With --ray: input bytes per task (JSON Lines files are cut at lines, Parquet at row groups).")
 @click.option("--max-retries", type=int, default=3, show_default=True,
               help="With --ray: times a task lost with its worker or node is run again.")
+@click.option("--cache-dir", default=None, metavar="DIR",
+              help="Where tokenizers converted from GPT-2, SentencePiece or tiktoken files and facts about "
+                   "tokenizers are kept, to be reused [default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
 @_user_errors
 def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on, category,
              category_field, append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit,
-             eod_token, bos_token, role_map, allow_empty, progress_every, ray_address, shard_size, max_retries):
+             eod_token, bos_token, role_map, allow_empty, progress_every, ray_address, shard_size, max_retries,
+             cache_dir):
     """Tokenize INPUT files/dirs/globs (local, or fsspec URLs such as s3://bucket/data/*.jsonl.zst) into a
     Megatron-compatible token dataset (-o may be a URL too)."""
     from xprep.prep.sources import parse_size  # deferred: as below
@@ -158,7 +162,7 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
         append_eod=append_eod, workers=workers, backend=backend, dtype=dtype, num_shards=num_shards,
         shard_index=shard_index, on_error=on_error, limit=limit, eod_token=eod_token, bos_token=bos_token,
         role_map=role_map, allow_empty=allow_empty, progress_every=progress_every,
-        ray=ray_address, shard_size=parse_size(shard_size), max_retries=max_retries,
+        ray=ray_address, shard_size=parse_size(shard_size), max_retries=max_retries, cache_dir=cache_dir,
     )
     run_tokenize(config)
 
@@ -222,7 +226,7 @@ def merge(datasets, output):
                    "same side however the data is re-packed; the validation part is its own entry.")
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="Where datasets given as URLs (s3://…) are copied before packing, by fingerprint "
-                   "[default: $XPREP_CACHE or ~/.cache/xprep].")
+                   "[default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
 @_user_errors
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
          dp_micro_batches, shuffle, seed, force, allow_empty, mix, total_tokens, epochs, split, cache_dir):

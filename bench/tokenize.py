@@ -206,7 +206,7 @@ def mistral_tokenizer(work: Path) -> Path:
 def llama31_tokenizer(work: Path) -> Path:
     """A directory with a Llama 3 shaped tokenizer.json (Qwen3's vocabulary, Llama 3's split pattern and markers)
     and Meta's Llama 3.1 template in its tokenizer_config.json: no Llama tokenizer is in the shared material."""
-    from xprep.prep.tokenizer.encoder import NEWLINE_SAFE_PATTERNS  # deferred, as chat_breakdown's imports of prep
+    from xprep.prep.tokenizer.cuts import NEWLINE_SAFE_PATTERNS  # deferred, as chat_breakdown's imports of prep
 
     spec = json.loads((QWEN3 / "tokenizer.json").read_text())
     spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = next(
@@ -264,9 +264,9 @@ def chat_breakdown(corpus: Path, limit: int, tokenizer: Path = QWEN3) -> dict:
     (``XPREP_CHAT_RENDER=records``) and the general Jinja path."""
     from xprep.prep.chat.templates import RENDER_ENV, resolve_template
     from xprep.prep.formats import CHAT
-    from xprep.prep.sources.discover import LINES, RawBatch
+    from xprep.prep.sources import LINES, RawBatch
     from xprep.prep.tokenize.processor import Options, Processor
-    from xprep.prep.tokenizer.encoder import choose_backend, load_tokenizer_info
+    from xprep.prep.tokenizer import choose_backend, load_tokenizer_info
 
     info = load_tokenizer_info(str(tokenizer))
     spec = resolve_template("auto", info.chat_template, info.bos_token, info.eos_token)

@@ -4,14 +4,22 @@ environment (AWS_* variables and profiles for s3fs, application-default credenti
 
 Inputs are streamed: ``open_binary`` returns a seekable file that fetches ranges as they are read. Datasets at URLs
 (upload, sync into a local cache) are ``prep/dataset/remote.py``'s.
+
+Where xprep keeps what it derives once and reuses (``cache_root``): converted tokenizers and facts about tokenizers
+(prep/tokenizer/), and local copies of datasets at URLs (prep/dataset/remote.py, under ``datasets/``). One setting:
+``--cache-dir`` on the commands that use it, else ``$XPREP_CACHE_DIR``, else ``$XDG_CACHE_HOME/xprep``, else
+``~/.cache/xprep``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+from pathlib import Path
 
 from xprep.prep.errors import XprepError
+
+CACHE_ENV = "XPREP_CACHE_DIR"  # the cache directory when no --cache-dir is given
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -76,3 +84,20 @@ def mtime_ns(info: dict) -> int:
 def exists(url: str) -> bool:
     fs, inner = filesystem(url)
     return fs.exists(inner)
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None, fallback_env: str | None = None) -> Path:
+    """The cache directory: ``cache_dir`` (``--cache-dir``), else ``$XPREP_CACHE_DIR``, else ``$fallback_env`` (an
+    older variable a caller still honours), else ``$XDG_CACHE_HOME/xprep``, else ``~/.cache/xprep``.
+
+    Resolved where it is used (a worker or another node resolves its own default); an explicit ``cache_dir`` is
+    absolute after ``absolute_cache_dir``."""
+    for value in (cache_dir, os.environ.get(CACHE_ENV), os.environ.get(fallback_env) if fallback_env else None):
+        if value:
+            return Path(os.path.expanduser(value))
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xprep"
+
+
+def absolute_cache_dir(cache_dir: str | os.PathLike | None) -> str | None:
+    """``--cache-dir`` as an absolute path (workers may run elsewhere), or None for the default (``cache_root``)."""
+    return str(Path(os.path.expanduser(cache_dir)).absolute()) if cache_dir else None

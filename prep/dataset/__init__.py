@@ -6,17 +6,12 @@ import each other directly.
 """
 
 from xprep.prep.dataset.indexed import bin_path, idx_path
-from xprep.prep.dataset.merge import append_dataset, merge_datasets
-from xprep.prep.dataset.remote import check_output_url, sync_dataset, synced_from, upload_dataset
-from xprep.prep.dataset.token_dataset import (
+from xprep.prep.dataset.manifest import (
     CONVERSATION_COUNTS,
     KEPT_TOKENIZER,
     MAX_CATEGORY,
     CategoryTable,
-    DatasetWriter,
-    TokenDataset,
     canonical_json,
-    check_token_ids,
     conversation_counts,
     count,
     dataset_tokenizer,
@@ -24,6 +19,9 @@ from xprep.prep.dataset.token_dataset import (
     token_dtype,
     verify_streams,
 )
+from xprep.prep.dataset.merge import append_dataset, merge_datasets
+from xprep.prep.dataset.remote import check_output_url, sync_dataset, synced_from, upload_dataset
+from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset, check_token_ids
 
 __all__ = [
     "CONVERSATION_COUNTS", "CategoryTable", "DatasetWriter", "KEPT_TOKENIZER", "MAX_CATEGORY", "TokenDataset",

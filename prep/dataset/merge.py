@@ -12,13 +12,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from xprep.prep.dataset.token_dataset import (
-    CategoryTable,
-    DatasetWriter,
-    TokenDataset,
-    conversation_counts,
-    dataset_tokenizer,
-)
+from xprep.prep.dataset.manifest import CategoryTable, conversation_counts, dataset_tokenizer
+from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import REJECTS, TOKENS_STREAM
 from xprep.prep.io import check_output_dir

@@ -3,7 +3,8 @@
 - a dataset is written to a URL from a finished local directory (``upload_dataset``), its files first and
   the completion marker ``COMPLETE`` last, so a reader that finds the marker finds the whole dataset;
 - ``sync_dataset`` brings a dataset at a URL into a local cache directory keyed by its fingerprint (files
-  checked against the manifest's sizes), for commands that memory-map it.
+  checked against the manifest's sizes), for commands that memory-map it: ``datasets/`` of the cache directory
+  (``prep.fs.cache_root``: ``--cache-dir``, else ``$XPREP_CACHE_DIR``, ...).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from xprep.prep.dataset.token_dataset import stream_mismatch
+from xprep.prep.dataset.manifest import stream_mismatch
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST
-from xprep.prep.fs import filesystem
+from xprep.prep.fs import cache_root, filesystem
 
 COMPLETE = "COMPLETE"  # written last into a dataset at a URL: its content is the manifest's fingerprint
-DEFAULT_CACHE = "~/.cache/xprep"
+# What named the sync cache before $XPREP_CACHE_DIR named every cache: still read, after it, so that a machine set up
+# with it keeps finding its copies
+OLD_SYNC_CACHE_ENV = "XPREP_CACHE"
 
 
 def check_output_url(url: str, option: str = "-o") -> None:
@@ -69,14 +72,15 @@ def read_complete_manifest(url: str) -> dict:
 
 
 def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
-    """A local copy of the dataset at ``url`` under ``cache_dir``/datasets/FINGERPRINT/NAME, made once and reused.
+    """A local copy of the dataset at ``url`` under CACHE/datasets/FINGERPRINT/NAME, made once and reused: CACHE is
+    ``cache_dir`` (``--cache-dir``), else ``$XPREP_CACHE_DIR``, else ``$XPREP_CACHE``, else ``~/.cache/xprep``.
 
     Files are downloaded into a temporary sibling and renamed into place, so a copy that exists is whole.
     """
     manifest = read_complete_manifest(url)
     # DIR/datasets/FINGERPRINT/NAME: one copy per content; the URL's last part stays the dataset's name (blends
     # name their sources by it)
-    root = Path(os.path.expanduser(cache_dir or os.environ.get("XPREP_CACHE", DEFAULT_CACHE))) / "datasets"
+    root = cache_root(cache_dir, fallback_env=OLD_SYNC_CACHE_ENV) / "datasets"
     root = root / manifest["fingerprint"]
     target = root / (url.rstrip("/").rsplit("/", 1)[-1] or "dataset")
     if (target / MANIFEST).is_file():

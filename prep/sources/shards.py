@@ -3,10 +3,10 @@
 A shard is a contiguous run of the single-run read order (so merging the shards' datasets in
 shard order reproduces the single run byte for byte):
 
-- an uncompressed JSON Lines file larger than ``shard_size`` is cut into equal byte ranges; a line
-  belongs to the range holding its first byte (the same rule as ``--num-shards``), and each range
-  numbers its lines from 1 (the merge shifts rejects by the lines of the ranges before it);
-- a Parquet file larger than ``shard_size`` is cut into runs of whole row groups;
+- a file larger than ``shard_size`` is cut as its reader says (``Reader.pieces``): an uncompressed JSON Lines
+  file into equal byte ranges, a line belonging to the range holding its first byte (the same rule as
+  ``--num-shards``), each range numbering its lines from 1 (the merge shifts rejects by the lines of the ranges
+  before it); a Parquet file into runs of whole row groups;
 - every other file is read whole, and consecutive small files share a shard up to ``shard_size``.
 
 The key of a shard covers what its bytes depend on: the input pieces (path, size, mtime, range)
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from xprep.prep.errors import XprepError
-from xprep.prep.sources.discover import Assignment, SourceFile, parquet_row_groups
+from xprep.prep.sources.readers import Assignment, SourceFile
 
 KEY_VERSION = 1
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -83,9 +83,9 @@ def plan_shards(sources: list[SourceFile], shard_size: int) -> list[Shard]:
         group, group_bytes = [], 0
 
     for i, src in enumerate(sources):
-        if src.size > shard_size and (src.splittable or src.kind == "parquet"):
+        cut = src.reader.pieces(i, src, shard_size) if src.size > shard_size else None
+        if cut is not None:
             flush()
-            cut = _byte_ranges(i, src, shard_size) if src.splittable else _row_group_runs(i, src, shard_size)
             shards.extend([piece] for piece in cut)
             continue
         group.append(Assignment(i, 0, src.size))
@@ -94,25 +94,3 @@ def plan_shards(sources: list[SourceFile], shard_size: int) -> list[Shard]:
             flush()
     flush()
     return [Shard(k, tuple(pieces)) for k, pieces in enumerate(shards)]
-
-
-def _byte_ranges(i: int, src: SourceFile, shard_size: int) -> list[Assignment]:
-    """Equal byte ranges of a JSON Lines file, each at most ``shard_size`` long, numbered from line 1."""
-    n = -(-src.size // shard_size)
-    bounds = [src.size * k // n for k in range(n + 1)]
-    return [Assignment(i, a, b, first_line=1 if a else None) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
-def _row_group_runs(i: int, src: SourceFile, shard_size: int) -> list[Assignment]:
-    """Runs of whole row groups of about ``shard_size`` bytes (uncompressed sizes, scaled to the file's)."""
-    groups = parquet_row_groups(src.path)
-    total = sum(b for _, b in groups) or 1
-    scale = src.size / total  # footer sizes are uncompressed; cut by the share of the file each group is
-    pieces, first, row, acc, first_row = [], 0, 1, 0.0, 1
-    for g, (rows, size) in enumerate(groups):
-        acc += size * scale
-        row += rows
-        if acc >= shard_size or g == len(groups) - 1:
-            pieces.append(Assignment(i, 0, src.size, row_groups=(first, g + 1), first_line=first_row))
-            first, first_row, acc = g + 1, row, 0.0
-    return pieces or [Assignment(i, 0, src.size)]

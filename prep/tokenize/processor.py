@@ -103,6 +103,7 @@ class TokenizeConfig:
     ray: str | None = None  # --ray: "auto" or HOST:PORT of a Ray cluster to run the shards on (tokenize/ray/cluster.py)
     shard_size: int = 256 * 10**6  # --shard-size: bytes of input per Ray task
     max_retries: int = 3  # --max-retries: of a Ray task lost with its worker or node
+    cache_dir: str | None = None  # --cache-dir: converted tokenizers and tokenizer facts (None: prep.fs.cache_root's)
 
     def __post_init__(self) -> None:
         if self.format not in RECORD_FORMATS:
@@ -240,20 +241,20 @@ class Processor:
     def __call__(self, batch: RawBatch) -> Encoded:
         docs: list[tuple[str, object, str | int | None]] = []  # (kind, payload, category)
         rejects = []
-        chat = batch.kind == LINES and batch.items and chat_columns.chat_field(batch.items[0]) is not None
+        chat = batch.holds == LINES and batch.items and chat_columns.chat_field(batch.items[0]) is not None
         rendered = self.columns.render(batch.items) if chat and self.columns is not None else None
         parse = self._parse if rendered is None else self._rendered_parser(rendered)
         # the conversations' shape: those rendered column-wise counted so, the others by _parse, one by one
         self._shape = rendered.shape.copy() if rendered is not None else np.zeros(chat_columns.SHAPE_COUNTS, np.int64)
         for item, line in zip(batch.items, batch.lines, strict=True):
             try:
-                docs.append(parse(item, batch.kind))
+                docs.append(parse(item, batch.holds))
             except (BadRecord, TemplateError) as e:
                 rejects.append(Rejected(line, e.kind, str(e), _snippet(item), fatal=not isinstance(e, Unusable)))
         out = self._encode(batch.source, docs, rendered)
         out.tokens = out.tokens.astype(self._token_dtype, copy=False)
         out.rejects = rejects
-        out.bytes_in = sum(len(i) for i in batch.items) if batch.kind != ROWS else 0
+        out.bytes_in = sum(len(i) for i in batch.items) if batch.holds != ROWS else 0
         out.conversations = self._shape
         return out
 
@@ -956,7 +957,7 @@ def prepare(config: TokenizeConfig) -> Job:
     """Resolve inputs, tokenizer, template and options: everything but the records."""
     listings: list[Listing] = []
     sources = resolve_inputs(config.inputs, listings)
-    info = load_tokenizer_info(config.tokenizer, config.eod_token, config.bos_token)
+    info = load_tokenizer_info(config.tokenizer, config.eod_token, config.bos_token, config.cache_dir)
     dtype = _dtype(config.dtype, info.vocab_size)
     plan = plan_shard(sources, config.num_shards, config.shard_index)
     # Content never depends on sniffing records (shards of one run must agree): the EOD follows the chat
@@ -1095,7 +1096,7 @@ def _starts_with_chat(sources, plan) -> bool:
         batch = next(iter(read_batches(sources, plan, 1)), None)
         if batch is None or isinstance(batch, Unreadable) or not batch.items:
             return False
-        record = batch.items[0] if batch.kind == ROWS else json.loads(batch.items[0])
+        record = batch.items[0] if batch.holds == ROWS else json.loads(batch.items[0])
     except (ValueError, XprepError, OSError):
         return False
     return isinstance(record, dict) and (record.get("messages") is not None or record.get("conversations") is not None)

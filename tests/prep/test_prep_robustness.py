@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT
 from prepkit import chat_records, one_line_error, read_jsonl, text_records, tokenize, write_jsonl, xprep_invoke
-from xprep.prep.dataset import token_dataset as D
 from xprep.prep.dataset.indexed import HEADER
 from xprep.prep.dataset.merge import merge_datasets
 from xprep.prep.dataset.token_dataset import CategoryTable, TokenDataset
@@ -194,9 +193,8 @@ def test_merge_refuses_missing_repeated_or_shuffled_shards(tmp_path, tiny_tokeni
     merge_datasets(shards, str(tmp_path / "m"))
 
 
-def test_categories_beyond_the_uint16_range_are_refused(monkeypatch):
-    monkeypatch.setattr(D, "MAX_CATEGORY", 3)
-    table = CategoryTable()
+def test_categories_beyond_the_uint16_range_are_refused():
+    table = CategoryTable(max_id=3)
     assert [table.id_of(n) for n in "abc"] == [1, 2, 3]
     with pytest.raises(XprepError, match="coarser"):
         table.id_of("d")

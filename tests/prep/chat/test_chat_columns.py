@@ -20,9 +20,9 @@ from xprep.prep.chat import templates
 from xprep.prep.chat.templates import RENDER_ENV, ChatTemplate, TemplateSpec, parse_role_map
 from xprep.prep.dataset.token_dataset import CONVERSATION_COUNTS
 from xprep.prep.formats import AUTO, CHAT
-from xprep.prep.sources.discover import LINES, RawBatch
+from xprep.prep.sources import LINES, RawBatch
 from xprep.prep.tokenize.processor import Options, Processor
-from xprep.prep.tokenizer.encoder import choose_backend, load_tokenizer_info
+from xprep.prep.tokenizer import choose_backend, load_tokenizer_info
 
 QWEN3 = SHARED / "tokenizers/qwen3"
 CHATML = TemplateSpec("chatml", templates.BUILTIN_TEMPLATES["chatml"], "", "<|im_end|>")

@@ -18,16 +18,10 @@ from conftest import META_TEMPLATES, SHARED, requires_shared_data
 from test_chat_columns import CHATML, HOSTILE, _assert_same, _batches, _chitchat, _processor
 from xprep.prep.chat.templates import BUILTIN_TEMPLATES, RENDER_ENV, TemplateSpec
 from xprep.prep.formats import AUTO
-from xprep.prep.sources.discover import LINES, RawBatch
+from xprep.prep.sources import LINES, RawBatch
 from xprep.prep.tokenize.processor import Options, Processor
-from xprep.prep.tokenizer.encoder import (
-    NEWLINE_SAFE_PATTERNS,
-    Cuts,
-    Encoder,
-    _prove_cuts,
-    choose_backend,
-    load_tokenizer_info,
-)
+from xprep.prep.tokenizer import Encoder, choose_backend, load_tokenizer_info
+from xprep.prep.tokenizer.cuts import NEWLINE_SAFE_PATTERNS, Cuts, _prove_cuts
 
 QWEN3 = SHARED / "tokenizers/qwen3"
 LLAMA3_PATTERN = next(p for p in NEWLINE_SAFE_PATTERNS if r"\p{N}{1,3}" in p)

@@ -19,9 +19,9 @@ from xprep.prep.chat import fast as chat_fast
 from xprep.prep.chat import templates
 from xprep.prep.chat.templates import RENDER_ENV, ChatTemplate, TemplateError, TemplateSpec
 from xprep.prep.formats import CHAT
-from xprep.prep.sources.discover import LINES, RawBatch
+from xprep.prep.sources import LINES, RawBatch
 from xprep.prep.tokenize.processor import Options, Processor
-from xprep.prep.tokenizer.encoder import choose_backend, load_tokenizer_info
+from xprep.prep.tokenizer import choose_backend, load_tokenizer_info
 
 THINK = "<think>\nI should answer.\n</think>\n\n"
 EDGE_CASES: list[dict] = [
@@ -205,7 +205,7 @@ def test_a_pre_token_split_by_a_span_needs_no_hf_tokenizer(tokenizer_dir, monkey
         return original(self, text, *args)
 
     monkeypatch.setattr(Processor, "_mask_from_offsets", spy)
-    monkeypatch.setattr(encoder_module, "_load_hf", lambda path: pytest.fail("HF tokenizers was loaded"))
+    monkeypatch.setattr(encoder_module, "load_hf", lambda path: pytest.fail("HF tokenizers was loaded"))
     from_bytes = processor(batch)
     monkeypatch.undo()
     assert split, "no conversation split a pre-token"
@@ -397,7 +397,7 @@ def test_a_sentencepiece_tokenizer_masks_chat_without_hf(monkeypatch):
     for p in processors:
         assert p.encoder._offsets_are_bytes() and not p.encoder.cuts.after_newline
     with monkeypatch.context() as m:
-        m.setattr(encoder_module, "_load_hf", lambda path: pytest.fail("HF tokenizers was loaded"))
+        m.setattr(encoder_module, "load_hf", lambda path: pytest.fail("HF tokenizers was loaded"))
         outputs = [p(batch) for p in processors]
     reference = Processor(info, backend, spec, options)
     reference.encoder._bytes_verdict = False  # HF's offsets

@@ -1,5 +1,5 @@
-"""prep/dataset/token_dataset.py: aligned streams, lazy and widened streams, counts, atomic publish, consistency
-checks."""
+"""prep/dataset/token_dataset.py and manifest.py: aligned streams, lazy and widened streams, counts, atomic publish,
+consistency checks."""
 
 from __future__ import annotations
 
@@ -12,14 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from xprep.prep.dataset.indexed import write_index
-from xprep.prep.dataset.token_dataset import (
-    CategoryTable,
-    DatasetWriter,
-    TokenDataset,
-    canonical_json,
-    fingerprint,
-    token_dtype,
-)
+from xprep.prep.dataset.manifest import CategoryTable, canonical_json, fingerprint, token_dtype
+from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset
 from xprep.prep.errors import XprepError
 
 BASE = {"tokenizer": {"path": "t", "sha256": "0" * 64, "vocab_size": 1000, "eod_id": 1, "pad_id": None},
@@ -252,8 +246,6 @@ def test_write_behind_syncs_while_writing_and_changes_no_byte(tmp_path, monkeypa
     """A durable writer hands what it appended to the disk in a thread every WRITE_BEHIND_ITEMS tokens (so the fsync
     at the end has little left): through streams created late and the category stream widened to uint16 midway,
     the dataset is byte for byte the one written without it."""
-    from xprep.prep.dataset import token_dataset as dataset
-
     rng = np.random.default_rng(0)
     batches = []
     for k in range(12):
@@ -265,14 +257,13 @@ def test_write_behind_syncs_while_writing_and_changes_no_byte(tmp_path, monkeypa
 
     def write(out, durable):
         table = CategoryTable()
-        with DatasetWriter(out, 1000, durable=durable) as w:
+        with DatasetWriter(out, 1000, durable=durable, write_behind_items=100) as w:
             for tokens, lengths, mask, cats in batches:
                 w.append(tokens, lengths, mask, cats)
             return w.finish(BASE, table)
 
     synced = []
     real = os.fdatasync
-    monkeypatch.setattr(dataset, "WRITE_BEHIND_ITEMS", 100)
     monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd) or real(fd))
     with_it = write(tmp_path / "a", durable=True)
     assert len(synced) >= 3  # syncs ran, on more than one stream

@@ -9,11 +9,19 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import SHARED, requires_shared_data
-from prepkit import assert_same_files, chat_records, read_jsonl, text_records, tokenize, validate, write_jsonl
+from prepkit import (
+    assert_same_files,
+    chat_records,
+    read_jsonl,
+    read_small_batches,
+    text_records,
+    tokenize,
+    validate,
+    write_jsonl,
+)
 from xprep import cli
 from xprep.prep.dataset.merge import merge_datasets
 from xprep.prep.dataset.token_dataset import TokenDataset
-from xprep.prep.sources import discover as sources
 
 
 def invoke(*args):
@@ -53,7 +61,7 @@ def shard_and_merge(inputs, tmp_path, tokenizer, num_shards, **options):
 
 @pytest.mark.parametrize("num_shards", [2, 3, 5])
 def test_shards_then_merge_equal_a_single_run(tmp_path, tiny_tokenizer, monkeypatch, num_shards):
-    monkeypatch.setattr(sources, "BATCH_RECORDS", 16)
+    read_small_batches(monkeypatch, 16)
     inputs = mixed_inputs(tmp_path / "in")
     single = tokenize(inputs, tmp_path / "single", tiny_tokenizer, on_error="skip")
     assert single["rejects"]["count"] > 0 and "category_ids" in single["streams"]

@@ -1,4 +1,4 @@
-"""prep/sources/discover.py: finding inputs, reading every format in order, and byte-range sharding."""
+"""prep/sources/discover.py and readers/: finding inputs, reading every format in order, and byte-range sharding."""
 
 from __future__ import annotations
 
@@ -11,19 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prepkit import write_jsonl
 from xprep.prep.errors import XprepError
-from xprep.prep.sources import discover as S
-from xprep.prep.sources.discover import Unreadable, plan_shard, read_batches, resolve_inputs
+from xprep.prep.sources import LINES, ReadSizes, Unreadable, plan_shard, read_batches, resolve_inputs
 
 
-def records_of(srcs, num_shards=1, shard_index=0, limit=None):
+def records_of(srcs, num_shards=1, shard_index=0, limit=None, sizes=ReadSizes()):
     """(source index, line, item) of everything read, as JSON-decoded records where possible."""
     out = []
-    for b in read_batches(srcs, plan_shard(srcs, num_shards, shard_index), limit):
+    for b in read_batches(srcs, plan_shard(srcs, num_shards, shard_index), limit, sizes=sizes):
         if isinstance(b, Unreadable):
             out.append(("error", b.source, b.line, b.reason))
             continue
         for item, line in zip(b.items, b.lines, strict=True):
-            value = json.loads(item) if b.kind == "lines" else item
+            value = json.loads(item) if b.holds == LINES else item
             out.append((b.source, line, value))
     return out
 
@@ -77,19 +76,18 @@ def test_jsonl_lines_keep_their_numbers_and_skip_blank_lines(tmp_path):
     assert got == [(0, 1, {"text": "one"}), (0, 4, {"text": "two"}), (0, 5, {"text": "three"})]
 
 
-def test_batches_split_by_record_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "BATCH_RECORDS", 7)
+def test_batches_split_by_record_count(tmp_path):
     p = write_jsonl(tmp_path / "a.jsonl", [{"i": i} for i in range(20)])
-    sizes = [len(b.items) for b in read_batches(resolve_inputs([str(p)]), plan_shard(resolve_inputs([str(p)]), 1, 0))]
+    srcs = resolve_inputs([str(p)])
+    sizes = [len(b.items) for b in read_batches(srcs, plan_shard(srcs, 1, 0), sizes=ReadSizes(batch_records=7))]
     assert sizes == [7, 7, 6]
 
 
-def test_small_chunks_do_not_change_lines(tmp_path, monkeypatch):
+def test_small_chunks_do_not_change_lines(tmp_path):
     recs = [{"text": "x" * (i * 7 % 50), "i": i} for i in range(60)]
     p = write_jsonl(tmp_path / "a.jsonl", recs)
     want = records_of(resolve_inputs([str(p)]))
-    monkeypatch.setattr(S, "CHUNK", 5)
-    assert records_of(resolve_inputs([str(p)])) == want
+    assert records_of(resolve_inputs([str(p)]), sizes=ReadSizes(chunk=5)) == want
     assert [r[2] for r in want] == recs
 
 
@@ -186,13 +184,8 @@ def test_shards_partition_the_records_in_order(tmp_path_factory, sizes, kinds, n
             (d / f"{f}.jsonl").write_bytes(raw)
     srcs = resolve_inputs([str(d)])
     single = records_of(srcs)
-    chunk = S.CHUNK
-    try:
-        S.CHUNK = 7  # many partial reads while seeking to a shard's first line
-        sharded = [r for i in range(num_shards) for r in records_of(srcs, num_shards, i)]
-    finally:
-        S.CHUNK = chunk
-    assert sharded == single
+    tiny = ReadSizes(chunk=7)  # many partial reads while seeking to a shard's first line
+    assert [r for i in range(num_shards) for r in records_of(srcs, num_shards, i, sizes=tiny)] == single
 
 
 def test_shard_plan_is_contiguous_byte_ranges(tmp_path):
@@ -223,18 +216,18 @@ def test_source_description(tmp_path):
 
 
 @pytest.mark.parametrize("compress", [False, True])
-def test_a_json_array_file_streams_the_same_records_as_json_lines(tmp_path, monkeypatch, compress):
+def test_a_json_array_file_streams_the_same_records_as_json_lines(tmp_path, compress):
     """A .json holding one top-level array is read element by element (tiny chunks force elements
     to straddle chunk boundaries, multi-byte characters included) and never split across shards."""
-    monkeypatch.setattr(S, "CHUNK", 37)
+    tiny = ReadSizes(chunk=37)
     recs = [{"text": f"élément {i} " * (i % 5 + 1), "n": [i, {"k": "]"}]} for i in range(200)]
     text = json.dumps(recs, indent=1, ensure_ascii=False).encode()
     path = tmp_path / ("a.json.gz" if compress else "a.json")
     path.write_bytes(gzip.compress(text) if compress else text)
     srcs = resolve_inputs([str(path)])
     assert srcs[0].kind == "array" and not srcs[0].splittable
-    assert [item for _, _, item in records_of(srcs)] == recs
-    shards = [records_of(srcs, 3, i) for i in range(3)]
+    assert [item for _, _, item in records_of(srcs, sizes=tiny)] == recs
+    shards = [records_of(srcs, 3, i, sizes=tiny) for i in range(3)]
     assert sorted(len(s) for s in shards) == [0, 0, 200]
 
 

@@ -27,6 +27,7 @@ from prepkit import (
     chat_records,
     dir_bytes,
     is_valid,
+    read_small_batches,
     schema,
     text_records,
     tokenize,
@@ -36,9 +37,8 @@ from prepkit import (
 from xprep.prep.chat.templates import BUILTIN_TEMPLATES, ChatTemplate, TemplateSpec, render_watchdog_running
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
-from xprep.prep.sources import discover as sources
 from xprep.prep.tokenize import processor as tk
-from xprep.prep.tokenizer import encoder
+from xprep.prep.tokenizer import encoder, load_tokenizer_info
 from xprep.prep.tokenizer.encoder import add_around
 
 QWEN3_EOD = 151645  # <|im_end|>, Qwen3's eos_token (Megatron's choice too)
@@ -264,7 +264,7 @@ def test_one_changed_byte_in_a_real_corpus_changes_the_fingerprint(tmp_path):
 
 def test_workers_give_byte_identical_datasets_with_small_batches(tmp_path, tiny_tokenizer, monkeypatch):
     """Many small batches through 2 worker processes: order and bytes as with one worker."""
-    monkeypatch.setattr(sources, "BATCH_RECORDS", 8)
+    read_small_batches(monkeypatch, 8)
     recs = []
     for i, (t, c) in enumerate(zip(text_records(60), chat_records(60), strict=True)):
         recs += [{**t, "category": f"t{i % 3}"}, c if i % 4 else {**c, "category": "dialog"}]
@@ -622,7 +622,7 @@ def test_a_corrupt_tokenizer_cache_entry_is_said_then_rewritten(tmp_path, tiny_t
     """A damaged memo of tokenizer facts or of the self-check verdict is reported (one stderr line naming it),
     never used, and replaced by a good one; the verdict's key carries its version."""
     monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "cache"))
-    info = encoder.load_tokenizer_info(str(tiny_tokenizer))
+    info = load_tokenizer_info(str(tiny_tokenizer))
     backend = encoder.choose_backend(info, "auto")
     entries = sorted((tmp_path / "cache").glob("*.json"))
     assert [p.name.split("-")[0] for p in entries] == ["selfcheck", "tokenizer"]
@@ -631,21 +631,20 @@ def test_a_corrupt_tokenizer_cache_entry_is_said_then_rewritten(tmp_path, tiny_t
     for entry in entries:
         good = json.loads(entry.read_text())
         entry.write_text(damage)
-        assert encoder.load_tokenizer_info(str(tiny_tokenizer)) == info
+        assert load_tokenizer_info(str(tiny_tokenizer)) == info
         assert encoder.choose_backend(info, "auto") == backend
         err = capsys.readouterr().err
         assert err.count("unusable cache entry") == 1 and str(entry) in err, err
         assert json.loads(entry.read_text()) == good
-    encoder.load_tokenizer_info(str(tiny_tokenizer))
+    load_tokenizer_info(str(tiny_tokenizer))
     assert "cache" not in capsys.readouterr().err
 
 
 def test_an_unwritable_tokenizer_cache_just_recomputes(tmp_path, tiny_tokenizer, monkeypatch, capsys):
     (tmp_path / "afile").write_text("")
     monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "afile" / "cache"))
-    monkeypatch.setattr(encoder, "_UNWRITABLE", set())
-    first = encoder.load_tokenizer_info(str(tiny_tokenizer))
-    assert encoder.load_tokenizer_info(str(tiny_tokenizer)) == first
+    first = load_tokenizer_info(str(tiny_tokenizer))
+    assert load_tokenizer_info(str(tiny_tokenizer)) == first
     err = capsys.readouterr().err
     assert err.count("cannot write the cache") == 1 and "XPREP_CACHE_DIR" in err, err
 

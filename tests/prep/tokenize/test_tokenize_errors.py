@@ -194,18 +194,18 @@ def test_unreadable_file_permission(tmp_path, tiny_tokenizer):
 
 def test_permission_denied_while_reading(tmp_path, tiny_tokenizer, monkeypatch):
     """EACCES on open, simulated so that it also holds when the suite runs as root."""
-    from xprep.prep.sources import discover as sources
+    from xprep.prep.sources.readers import jsonl
 
     secret = write_jsonl(tmp_path / "secret.jsonl", text_records(2))
     good = write_jsonl(tmp_path / "good.jsonl", text_records(2))
-    real_open = sources._open_lines
+    real_open = jsonl.open_stream
 
     def deny(src):
         if src.path == str(secret):
             raise PermissionError(13, "Permission denied", src.path)
         return real_open(src)
 
-    monkeypatch.setattr(sources, "_open_lines", deny)
+    monkeypatch.setattr(jsonl, "open_stream", deny)
     code, _, err, escaped = invoke("tokenize", secret, good, "-o", tmp_path / "o", "--tokenizer", tiny_tokenizer)
     assert escaped is None and code == 2, err
     assert err.startswith(f"error: {secret}: unreadable file: [Errno 13] Permission denied"), err

@@ -514,7 +514,8 @@ def test_a_directory_input_says_what_it_read_and_skipped(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.rst").write_text("x\n")
     code, err = _run("tokenize", tmp_path / "docs", "-o", tmp_path / "none", "--tokenizer", SHARED / "tokenizers/qwen3")
-    assert code == 2 and "holds no .jsonl/.json/.parquet/.arrow/.txt file (it holds 1 file (1 .rst))" in err, err
+    assert code == 2 and ("holds no .jsonl/.json/.ndjson(.gz/.zst), .txt, .parquet or .arrow file (it holds 1 file "
+                          "(1 .rst))") in err, err
 
 
 @requires_shared_data

