@@ -86,13 +86,13 @@ def exists(url: str) -> bool:
     return fs.exists(inner)
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None, fallback_env: str | None = None) -> Path:
-    """The cache directory: ``cache_dir`` (``--cache-dir``), else ``$XPREP_CACHE_DIR``, else ``$fallback_env`` (an
-    older variable a caller still honours), else ``$XDG_CACHE_HOME/xprep``, else ``~/.cache/xprep``.
+def cache_root(cache_dir: str | os.PathLike | None = None, fallback: str | None = None) -> Path:
+    """The cache directory: ``cache_dir`` (``--cache-dir``), else ``$XPREP_CACHE_DIR``, else ``fallback`` (the value
+    of an older variable a caller still honours), else ``$XDG_CACHE_HOME/xprep``, else ``~/.cache/xprep``.
 
     Resolved where it is used (a worker or another node resolves its own default); an explicit ``cache_dir`` is
     absolute after ``absolute_cache_dir``."""
-    for value in (cache_dir, os.environ.get(CACHE_ENV), os.environ.get(fallback_env) if fallback_env else None):
+    for value in (cache_dir, os.environ.get(CACHE_ENV), fallback):
         if value:
             return Path(os.path.expanduser(value))
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xprep"

@@ -34,6 +34,7 @@ ENV_DOC = "docs/environment.md"
 # Every environment variable (or prefix*) the product reads, and the page that documents it.
 DOCUMENTED_ENV = {
     "XPREP_CACHE_DIR": ENV_DOC,
+    "XPREP_CACHE": ENV_DOC,  # the dataset-copy cache's older name, read after XPREP_CACHE_DIR
     "XDG_CACHE_HOME": ENV_DOC,
     "RAY_ADDRESS": ENV_DOC,
     **{prefix: ENV_DOC for prefix in ("AWS_*", "FSSPEC_*", "GOOGLE_*", "GCS_*", "AZURE_*")},  # to Ray's tasks
@@ -60,7 +61,6 @@ DOCUMENTED_ENV = {
 BEING_REMOVED_ENV = {
     "XPREP_CHAT_RENDER",  # prep/chat/templates.py, prep/tokenize/processor.py: the Jinja path forced
     "XPREP_WORKER_START",  # prep/tokenize/processor.py: spawned workers
-    "XPREP_CACHE",  # prep/dataset/remote.py: the default of --cache-dir
 }
 
 

@@ -80,7 +80,7 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
     manifest = read_complete_manifest(url)
     # DIR/datasets/FINGERPRINT/NAME: one copy per content; the URL's last part stays the dataset's name (blends
     # name their sources by it)
-    root = cache_root(cache_dir, fallback_env=OLD_SYNC_CACHE_ENV) / "datasets"
+    root = cache_root(cache_dir, fallback=os.environ.get(OLD_SYNC_CACHE_ENV)) / "datasets"
     root = root / manifest["fingerprint"]
     target = root / (url.rstrip("/").rsplit("/", 1)[-1] or "dataset")
     if (target / MANIFEST).is_file():
