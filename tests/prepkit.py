@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from trainkit import random_docs
 from xprep.prep.dataset.token_dataset import CategoryTable, DatasetWriter
-from xprep.prep.tokenize.processor import TokenizeConfig
+from xprep.prep.tokenize import TokenizeConfig
 from xprep.prep.tokenize.run import run_tokenize
 
 

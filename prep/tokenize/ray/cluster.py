@@ -38,8 +38,11 @@ from xprep.prep.errors import XprepError
 from xprep.prep.fs import is_url
 from xprep.prep.progress import Progress
 from xprep.prep.sources import Shard, plan_shard, plan_shards
-from xprep.prep.tokenize.processor import BadInput, Job, Pipeline, TokenizeConfig, check_not_empty, write_all
+from xprep.prep.tokenize.config import TokenizeConfig
+from xprep.prep.tokenize.job import Job
+from xprep.prep.tokenize.pool import Pipeline
 from xprep.prep.tokenize.ray.staging import ShardDone, ShardOutcome, Staging
+from xprep.prep.tokenize.write import BadInput, check_not_empty, write_all
 
 
 def tokenize_shard(config: TokenizeConfig, job: Job, shard: Shard, key: str, root: str, cwd: str,

@@ -379,7 +379,7 @@ def test_megatron_opens_every_stream(chitchat, tmp_path, tiny_tokenizer):
 
 @requires_shared_data
 @pytest.mark.parametrize("template", ["auto", "chatml"])
-def test_the_shape_of_the_conversations_is_counted_the_same_by_every_path(template, tmp_path, monkeypatch):
+def test_the_shape_of_the_conversations_is_counted_the_same_by_every_path(template, tmp_path):
     """Issue 29: chitchat conversations reshaped as raw dumps come (assistant first, a trailing user turn, empty
     and blank answers, some without any) are counted into the manifest, the same whichever path renders them
     (column-wise, per record, Jinja; one worker or two), with the same bytes."""
@@ -388,14 +388,10 @@ def test_the_shape_of_the_conversations_is_counted_the_same_by_every_path(templa
     want = conversation_counts(records)
     assert min(want.values()) > 10 and want["count"] < len(records)  # every case occurs, and some are rejected
     qwen = SHARED / "tokenizers/qwen3"
-    runs = {"columns": ({}, 1), "records": ({"XPREP_CHAT_RENDER": "records"}, 1),
-            "jinja": ({"XPREP_CHAT_RENDER": "jinja"}, 1), "two workers": ({}, 2)}
-    for name, (env, workers) in runs.items():
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        m = tokenize(src, tmp_path / name, qwen, chat_template=template, on_error="skip", workers=workers)
-        for key in env:
-            monkeypatch.delenv(key)
+    runs = {"columns": ("auto", 1), "records": ("records", 1), "jinja": ("jinja", 1), "two workers": ("auto", 2)}
+    for name, (render, workers) in runs.items():
+        m = tokenize(src, tmp_path / name, qwen, chat_template=template, on_error="skip", workers=workers,
+                     chat_render=render)
         assert m["counts"]["conversations"] == want, name
         validate(m, "dataset")
         assert_same_files(tmp_path / name, tmp_path / "columns")
