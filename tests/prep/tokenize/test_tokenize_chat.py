@@ -22,7 +22,10 @@ from prepkit import (
     validate,
     write_jsonl,
 )
+from xprep.prep.chat import CHAT_RENDERS
 from xprep.prep.dataset.token_dataset import TokenDataset
+from xprep.prep.errors import XprepError
+from xprep.prep.tokenize import TokenizeConfig
 
 N_CHITCHAT = 400
 THINK = "<think>\n\n</think>\n\n"
@@ -350,6 +353,28 @@ def test_mixed_text_and_chat_masks(tmp_path, tiny_tokenizer):
     chat_mask = ds.document(1)["loss_mask"]
     assert 0 < chat_mask.sum() < len(chat_mask)
     assert np.array_equal(np.unique(chat_mask), [0, 1])
+
+
+def test_chat_render_changes_no_byte_and_no_fingerprint(tmp_path, tiny_tokenizer, run_cli):
+    """``--chat-render`` picks the renderer, never the output: column-wise, record by record or Jinja, the same
+    dataset (manifest and fingerprint included) on chat and text records, in process and through the CLI; a value
+    it does not know is the one-line error."""
+    records = [*chat_records(24), *text_records(3), {"messages": [{"role": "user", "content": "no answer"}]}]
+    src = write_jsonl(tmp_path / "mixed.jsonl", records)
+    fingerprints = set()
+    for render in CHAT_RENDERS:
+        fingerprints.add(tokenize(src, tmp_path / render, tiny_tokenizer, chat_render=render)["fingerprint"])
+        assert_same_files(tmp_path / "auto", tmp_path / render)
+    assert len(fingerprints) == 1
+    code, _, err = run_cli("tokenize", src, "-o", tmp_path / "cli", "--tokenizer", tiny_tokenizer, "--chat-render",
+                           "jinja")
+    assert code == 0 and "chat template: Jinja (--chat-render jinja)" in err, err
+    assert_same_files(tmp_path / "auto", tmp_path / "cli")
+    with pytest.raises(XprepError, match="--chat-render fast: expected one of auto, records, jinja"):
+        TokenizeConfig(inputs=[str(src)], output=str(tmp_path / "x"), tokenizer=str(tiny_tokenizer), chat_render="fast")
+    with pytest.raises(XprepError, match="--worker-start forkserver: expected one of fork, spawn"):
+        TokenizeConfig(inputs=[str(src)], output=str(tmp_path / "x"), tokenizer=str(tiny_tokenizer),
+                       worker_start="forkserver")
 
 
 def test_megatron_opens_every_stream(chitchat, tmp_path, tiny_tokenizer):
