@@ -80,6 +80,20 @@ def _terminated(signum, frame):
 
 
 # --------------------------------------------------------------------------------------- tokenize
+class _ChatTemplateOption(click.Option):
+    """``--chat-template``, whose help names the built-in templates of the chat registry, read when it is shown."""
+
+    @property
+    def help(self) -> str:
+        from xprep.prep.chat import BUILTIN_TEMPLATES  # deferred: the registry loads numpy, for --help only
+
+        return f"auto (the tokenizer's own Jinja template), {', '.join(BUILTIN_TEMPLATES)}, or a Jinja file."
+
+    @help.setter
+    def help(self, _value) -> None:  # (click.Option sets it: the text above is the one)
+        pass
+
+
 @xprep.command()
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, help="Output dataset directory (must not exist or be empty).")
@@ -91,8 +105,7 @@ def _terminated(signum, frame):
 @click.option("--format", "fmt", type=click.Choice(RECORD_FORMATS), default="auto",
               show_default=True, help="Record kind; auto decides per record.")
 @click.option("--text-field", default="text", show_default=True, help="Field holding plain text.")
-@click.option("--chat-template", default="auto", show_default=True,
-              help="auto (the tokenizer's own Jinja template), chatml, llama3, or a Jinja file.")
+@click.option("--chat-template", cls=_ChatTemplateOption, default="auto", show_default=True)
 @click.option("--train-on", type=click.Choice(["assistant", "all"]), default="assistant", show_default=True,
               help="Which chat tokens are training targets.")
 @click.option("--category", default=None, help="Category name for every record of this invocation.")
@@ -143,11 +156,19 @@ def _terminated(signum, frame):
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="Where tokenizers converted from GPT-2, SentencePiece or tiktoken files and facts about "
                    "tokenizers are kept, to be reused [default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
+@click.option("--chat-render", type=click.Choice(["auto", "records", "jinja"]), default="auto", show_default=True,
+              help="Which chat renderer runs; the dataset is the same, byte for byte: auto = the fastest that passed "
+                   "its check against the template's Jinja (column-wise for whole batches, else record by record); "
+                   "records = record by record (a known template's renderer, else Jinja); jinja = the template's "
+                   "own Jinja for every conversation (slow: to rule the others out when comparing).")
+@click.option("--worker-start", type=click.Choice(["fork", "spawn"]), default="fork", show_default=True,
+              help="How worker processes start: fork = from this process once it loaded the tokenizer, where that "
+                   "is safe (Linux, no other thread), else spawn; spawn = each starts fresh (slower to start).")
 @_user_errors
 def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on, category,
              category_field, append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit,
              eod_token, bos_token, role_map, allow_empty, progress_every, ray_address, shard_size, max_retries,
-             cache_dir):
+             cache_dir, chat_render, worker_start):
     """Tokenize INPUT files/dirs/globs (local, or fsspec URLs such as s3://bucket/data/*.jsonl.zst) into a
     Megatron-compatible token dataset (-o may be a URL too)."""
     from xprep.prep.sources import parse_size  # deferred: as below
@@ -163,6 +184,7 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
         shard_index=shard_index, on_error=on_error, limit=limit, eod_token=eod_token, bos_token=bos_token,
         role_map=role_map, allow_empty=allow_empty, progress_every=progress_every,
         ray=ray_address, shard_size=parse_size(shard_size), max_retries=max_retries, cache_dir=cache_dir,
+        chat_render=chat_render, worker_start=worker_start,
     )
     run_tokenize(config)
 

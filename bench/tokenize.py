@@ -13,7 +13,7 @@ corpus of real text (../shared/data corpora, repeated to the target size), Qwen3
 Also: chat throughput (Qwen3 template over chitchat repeated to 50 MB, whole process, auto workers)
 against, in the same run: ``xprep tokenize`` as it was when issue 15 was filed (commit ``BEFORE_ISSUE_15``
 of this repository, unpacked from git and run as it is, its output checked byte-identical: the issue's
-"today's conversations/s"); the general Jinja path of this checkout (``XPREP_CHAT_RENDER=jinja``: what
+"today's conversations/s"); the general Jinja path of this checkout (``--chat-render jinja``: what
 the fast path must equal, with everything else of today: batched encoding, forked workers); and a
 transformers ``apply_chat_template(tokenize=True)`` loop on a subsample. Also the share of the remaining
 per-conversation time spent rendering, and peak RSS at two corpus sizes (streaming ⇒ flat) for text and chat.
@@ -171,7 +171,6 @@ def xprep_tokenize(corpus: Path, out: Path, *extra: str, cache: Path | None = No
 # main when issue 15 was filed: the parent of its first commit (7b4b6bb, the fast renderers); its chat path renders
 # twice a conversation in jinja2's sandbox and encodes conversation by conversation
 BEFORE_ISSUE_15 = "c1b76ef"
-RENDER = "XPREP_CHAT_RENDER"  # xprep.prep.chat.templates.RENDER_ENV (prep is imported only where a function needs it)
 
 
 def checkout(work: Path, rev: str) -> Path | None:
@@ -261,11 +260,12 @@ def chat_breakdown(corpus: Path, limit: int, tokenizer: Path = QWEN3) -> dict:
     """Per-conversation time of one worker (parse, render, encode, mask) on the first ``limit`` records, in the
     calling process (run it in a worker process: see chat_bench), and the share of it spent rendering (with
     spans; column-wise, parsing too): for the fast path (column-wise), the same per record
-    (``XPREP_CHAT_RENDER=records``) and the general Jinja path."""
-    from xprep.prep.chat.templates import RENDER_ENV, resolve_template
+    (``--chat-render records``) and the general Jinja path."""
+    from xprep.prep.chat.templates import resolve_template
     from xprep.prep.formats import CHAT
     from xprep.prep.sources import LINES, RawBatch
-    from xprep.prep.tokenize.processor import Options, Processor
+    from xprep.prep.tokenize.config import Options
+    from xprep.prep.tokenize.encode import Processor
     from xprep.prep.tokenizer import choose_backend, load_tokenizer_info
 
     info = load_tokenizer_info(str(tokenizer))
@@ -278,8 +278,7 @@ def chat_breakdown(corpus: Path, limit: int, tokenizer: Path = QWEN3) -> dict:
                for i in range(0, len(lines), 1024)]
     out = {}
     for path in ("auto", "records", "jinja"):
-        os.environ[RENDER_ENV] = path
-        processor = Processor(info, backend, spec, options)
+        processor = Processor(info, backend, spec, options, path)
         processor(batches[0])  # warm: imports, first encoder call
         render_s = [0.0]
 
@@ -300,7 +299,6 @@ def chat_breakdown(corpus: Path, limit: int, tokenizer: Path = QWEN3) -> dict:
         how = "column-wise" if processor.columns is not None else "per record"
         out[path] = {"conversations": n, "render_s": render_s[0], "total_s": time.perf_counter() - t0,
                      "path": f"{processor.template.path}, {how}"}
-    os.environ.pop(RENDER_ENV)
     return out
 
 
@@ -314,12 +312,12 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3",
            "mistral": lambda: mistral_tokenizer(work)}[template]()
     before, baseline = checkout(work, BEFORE_ISSUE_15), f"xprep at {BEFORE_ISSUE_15}"
     missing = "no git history here"
-    commands = {"fast path": ("chat", ROOT, None), "general Jinja path": ("chat-jinja", ROOT, {RENDER: "jinja"})}
+    commands = {"fast path": ("chat", ROOT, ()), "general Jinja path": ("chat-jinja", ROOT, ("--chat-render", "jinja"))}
     if before is not None:
-        commands[baseline] = ("chat-before", before, None)
-    for name, (out, root, env) in list(commands.items()):  # once untimed: tokenizer facts cached, as on a second run
+        commands[baseline] = ("chat-before", before, ())
+    for name, (out, root, extra) in list(commands.items()):  # once untimed: tokenizer facts cached, as on a second run
         try:
-            xprep_tokenize(chat, work / out, "--on-error", "skip", tokenizer=tok, root=root, env=env)
+            xprep_tokenize(chat, work / out, "--on-error", "skip", *extra, tokenizer=tok, root=root)
         except SystemExit as failed:
             if root == ROOT:
                 raise
@@ -331,9 +329,8 @@ def chat_bench(work: Path, chat_mb: float, quick: bool, template: str = "qwen3",
             missing = "it could not run here (above)"
     runs: dict[str, list[Timed]] = {name: [] for name in commands}
     for _ in range(repeat):
-        for name, (out, root, env) in commands.items():
-            runs[name].append(xprep_tokenize(chat, work / out, "--on-error", "skip", tokenizer=tok, root=root,
-                                             env=env))
+        for name, (out, root, extra) in commands.items():
+            runs[name].append(xprep_tokenize(chat, work / out, "--on-error", "skip", *extra, tokenizer=tok, root=root))
     best = {name: min(times, key=lambda t: t.seconds) for name, times in runs.items()}
     n_conv = json.loads((work / "chat" / "manifest.json").read_text())["counts"]["documents"]
 

@@ -8,7 +8,7 @@ from a thread.
 
 ``PR_SET_PDEATHSIG`` fires when the *thread* that created the child exits, not the process: it is asked for only
 where the workers were started from the main thread (``from_main_thread``), whose end is the process's. The
-tokenize pool starts every worker from the thread that submits its first tasks (``prep.tokenize.processor._start_pool``:
+tokenize pool starts every worker from the thread that submits its first tasks (``prep.tokenize.pool._start_pool``:
 a fork pool launches all of them at its first task, a spawn pool one per task until all are up).
 """
 

@@ -37,9 +37,37 @@ TINY_CHAT_TEMPLATE = (
 )
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Meta's Llama 3.1 and 3.2 Instruct chat templates, byte for byte as their tokenizer_config.json holds them (the
-# sha256 of each is xprep.prep.chat.fast.LLAMA31_SHA256 / LLAMA32_SHA256): what the fast path must agree with
+# sha256 of each is one the registry's llama3.1 entry recognises): what the fast path must agree with
 META_TEMPLATES = {name: (REPO_ROOT / "tests" / "templates" / f"{name}-instruct.jinja").read_text(encoding="utf-8")
                   for name in ("llama-3.1", "llama-3.2")}
+
+
+def held_template_sources() -> list[str]:
+    """The texts of templates the registry recognises by sha256 only (their authors' texts, which xprep does not
+    ship) that the tests hold: every tests/templates/*.jinja and, with the shared data, Qwen3's own."""
+    texts = [p.read_text(encoding="utf-8") for p in sorted((REPO_ROOT / "tests" / "templates").glob("*.jinja"))]
+    qwen3 = SHARED / "tokenizers" / "qwen3" / "tokenizer_config.json"
+    if qwen3.is_file():
+        texts.append(json.loads(qwen3.read_text(encoding="utf-8"))["chat_template"])
+    return texts
+
+
+def known_templates(every_source: bool = False) -> dict:
+    """The tests' table of templates, read from the chat registry: a TemplateSpec per registered template, by its
+    name, of its first source the tests hold (``every_source``: one per source, the second and later named
+    NAME#2, ...), with the entry's own BOS and EOS tokens. A template whose only sources are held in the shared
+    data is left out without it."""
+    from xprep.prep.chat import TEMPLATES, TemplateSpec  # (on use: conftest loads for every test, chat or not)
+    from xprep.prep.chat.registry import sha256
+
+    held = {sha256(text): text for text in held_template_sources()}
+    table = {}
+    for entry in TEMPLATES:
+        texts = [*entry.sources, *(held[sha] for sha in entry.sha256s if sha in held)]
+        for k, text in enumerate(texts if every_source else texts[:1]):
+            table[entry.name if k == 0 else f"{entry.name}#{k + 1}"] = TemplateSpec(entry.name, text, entry.bos,
+                                                                                   entry.eos)
+    return table
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,7 @@ import numpy as np
 from trainkit import random_docs
 from xprep.prep.dataset.token_dataset import CategoryTable, DatasetWriter
 from xprep.prep.sources import ReadSizes, read_batches
-from xprep.prep.tokenize import processor
-from xprep.prep.tokenize.processor import TokenizeConfig
+from xprep.prep.tokenize import TokenizeConfig, write
 from xprep.prep.tokenize.run import run_tokenize
 
 
@@ -28,7 +27,7 @@ def read_small_batches(monkeypatch, records: int) -> None:
     """Make the tokenize runs of this process read batches of ``records`` records (no option of the command sets
     the batch size: it is ``read_batches``' ``sizes``)."""
     small = functools.partial(read_batches, sizes=ReadSizes(batch_records=records))
-    monkeypatch.setattr(processor, "read_batches", small)
+    monkeypatch.setattr(write, "read_batches", small)
 
 
 def dir_bytes(path: Path) -> dict[str, bytes]:

@@ -56,12 +56,6 @@ DOCUMENTED_ENV = {
     "XTRAIN_LAUNCHER_PID": ENV_DOC,
     "XTRAIN_STOP_FILE": ENV_DOC,
 }
-# Being removed by other engineers in parallel (issue 32): may still be read until then. Delete each line at the
-# merge that removes its read.
-BEING_REMOVED_ENV = {
-    "XPREP_CHAT_RENDER",  # prep/chat/templates.py, prep/tokenize/processor.py: the Jinja path forced
-    "XPREP_WORKER_START",  # prep/tokenize/processor.py: spawned workers
-}
 
 
 # ------------------------------------------------------------------------------------------ the modules
@@ -415,7 +409,7 @@ def test_no_environment_variable_is_read_but_the_documented_ones():
     assert not unreadable, f"environment reads this test cannot read (name the variable plainly): {unreadable}"
     read = {var: sorted(name for name, (found, _) in reads.items() if var in found)
             for var in set().union(*(found for found, _ in reads.values()))}
-    undocumented = {var: where for var, where in read.items() if var not in set(DOCUMENTED_ENV) | BEING_REMOVED_ENV}
+    undocumented = {var: where for var, where in read.items() if var not in DOCUMENTED_ENV}
     assert not undocumented, f"environment variables read but not documented (add them to {ENV_DOC}): {undocumented}"
     assert not set(DOCUMENTED_ENV) - set(read), f"documented but no longer read: {set(DOCUMENTED_ENV) - set(read)}"
     for var, page in DOCUMENTED_ENV.items():

@@ -1,5 +1,6 @@
 """Chat batches parsed and rendered column-wise, for templates that lay out each message as a head, its content
-and a tail (``SHAPES``: ChatML, Qwen3, Llama 3, Llama 3.1, Gemma, Mistral).
+and a tail (a ``Shape``, which the template's entry in ``prep/chat/registry.py`` gives: ChatML, Qwen3, Llama 3,
+Llama 3.1, Gemma, Mistral).
 
 Per record, the fast renderers of ``xprep.prep.chat.fast`` still run a few microseconds of CPython per message:
 ``json.loads``, ``normalize_messages``, the renderer, the span search. A batch's conversations are ``messages``
@@ -12,7 +13,7 @@ whitespace at both ends; the BOS token before the first head; Llama 3.1: its dat
 head; Mistral: a tail of its own after an answer; Qwen3: a run of tool turns as one user turn of
 ``<tool_response>`` blocks), and each assistant span is arithmetic on the message offsets. The text and spans
 equal what ``ChatTemplate.render_with_spans`` gives for the same record, character for character
-(tests/test_chat_columns.py compares them on every conversation of the shared chat data and on hostile lines).
+(tests/prep/chat/test_chat_columns.py compares them on every conversation of the shared chat data and on hostile lines).
 
 Categories are read as columns too: the record's (``category``, or the ``--category-field``) and each
 message's ``category``; a span takes its message's, the rest of the conversation the record's (or the
@@ -42,6 +43,10 @@ where pyarrow might not read it as Python's ``json`` does, or might not survive 
 
 The parser's behaviour on these is checked at start (``agrees_with``), with the rendering, since it may
 change from one pyarrow version to the next.
+
+One module over 500 lines on purpose: the parser's guards, the column-wise rendering and the probes that check
+them against the per-record path are one contract, changed together (the rendered batch the encoder reads is
+``rendered.py``).
 """
 
 from __future__ import annotations
@@ -49,19 +54,21 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from xprep.prep.chat import fast as chat_fast
-from xprep.prep.chat.templates import MESSAGE_EXTRAS, ROLES, ChatTemplate, TemplateError, normalize_messages
+from xprep.prep.chat.messages import MESSAGE_EXTRAS, ROLES, TemplateError, normalize_messages
+from xprep.prep.chat.rendered import ASCII_SPACE, WIDE_LEAD, Rendered
 from xprep.prep.tokenizer import csr_offsets
+
+if TYPE_CHECKING:  # (a type only: templates reads the registry, which reads the shapes here)
+    from xprep.prep.chat.templates import ChatTemplate
 
 SYSTEM, USER, ASSISTANT, TOOL, THINKING = 0, 1, 2, 3, 4  # head codes; THINKING: Qwen3's answer after the last query
 TOOL_OPEN, TOOL_MID, TOOL_CLOSE = 5, 6, 7  # Qwen3's tool turns in a run of several (TOOL: a run of one)
 CODES = 8  # a code plus CODES: the same head after the BOS token (a conversation's first message, where it has one)
 OTHER, KEPT, NO_ANSWER = 0, 1, 2  # what became of each record of a batch
-SHAPE_COUNTS = 5  # xprep.prep.dataset.token_dataset.CONVERSATION_COUNTS (conversation_shape counts them per record)
-HEADER = "<|im_start|>assistant\n"  # ChatML's generation prompt: an assistant span begins after it
-END = "<|im_end|>"
 
 
 @dataclass(frozen=True)
@@ -84,50 +91,12 @@ class Shape:
     first: dict[int, str] | None = None
     tails: dict[int, str] | None = None  # a role's own tail, where it is not ``tail`` (Mistral's answers)
     alternate: bool = False  # user first, then assistant, and so on: the template raises otherwise (per record)
+    # Qwen3's turns: a run of tool turns is one user turn (heads TOOL_OPEN/MID/CLOSE), and the last answer, when it
+    # comes after the last query, opens with an empty <think> block (head THINKING)
+    thinking: bool = False
 
 
-_CHATML_HEADS = {SYSTEM: "<|im_start|>system\n", USER: "<|im_start|>user\n", ASSISTANT: HEADER,
-                 TOOL: "<|im_start|>tool\n"}
-_LLAMA3_HEADER = chat_fast.LLAMA3_PROMPT
-_LLAMA3_HEADS = {SYSTEM: "<|start_header_id|>system<|end_header_id|>\n\n",
-                 USER: "<|start_header_id|>user<|end_header_id|>\n\n", ASSISTANT: _LLAMA3_HEADER}
-_DATED = chat_fast.LLAMA31_SYSTEM  # Llama 3.1's system turn, which a first system message's content completes
-_MISTRAL_HEADS = {USER: "[INST] ", ASSISTANT: ""}
-_QWEN3_TOOL = "<|im_start|>user\n<tool_response>\n"
-SHAPES = {
-    # (a run of tool turns is one user turn, each response wrapped in <tool_response>)
-    "qwen3": Shape({**_CHATML_HEADS, THINKING: HEADER + "<think>\n\n</think>\n\n",
-                    TOOL: _QWEN3_TOOL, TOOL_OPEN: _QWEN3_TOOL, TOOL_MID: "\n<tool_response>\n",
-                    TOOL_CLOSE: "\n<tool_response>\n"}, END + "\n", HEADER, END,
-                   (b"</think>", b"<tool_response>", "\ue000".encode()),
-                   tails={TOOL: "\n</tool_response>" + END + "\n", TOOL_OPEN: "\n</tool_response>",
-                          TOOL_MID: "\n</tool_response>", TOOL_CLOSE: "\n</tool_response>" + END + "\n"}),
-    "chatml": Shape(_CHATML_HEADS, END + "\n", HEADER, END),
-    "llama3": Shape({**_LLAMA3_HEADS, TOOL: "<|start_header_id|>tool<|end_header_id|>\n\n"},
-                    "<|eot_id|>", _LLAMA3_HEADER, "<|eot_id|>", strip=True, bos=True),
-    # (no tool head: its turns hold their content as JSON, the per-record way)
-    "llama3.1": Shape(_LLAMA3_HEADS, "<|eot_id|>", _LLAMA3_HEADER, "<|eot_id|>", strip=True, bos=True,
-                      first={SYSTEM: _DATED, USER: _DATED + "<|eot_id|>" + _LLAMA3_HEADS[USER],
-                             ASSISTANT: _DATED + "<|eot_id|>" + _LLAMA3_HEADER}),
-    # Mistral/Mixtral-Instruct (chat_fast's three variants): "[INST] q [/INST]", then the answer and the EOS token
-    "mistral": Shape(_MISTRAL_HEADS, " [/INST]", "", "</s>", bos=True, alternate=True, tails={ASSISTANT: "</s>"}),
-    "mistral-v0.1": Shape(_MISTRAL_HEADS, " [/INST]", "", "</s>", bos=True, alternate=True,
-                          tails={ASSISTANT: "</s> "}),
-    "mistral-spaced": Shape({USER: " [INST] ", ASSISTANT: " "}, " [/INST]", "", "</s>", bos=True, alternate=True,
-                            tails={ASSISTANT: "</s>"}),  # (its span takes the space before the answer)
-    "gemma": Shape({USER: "<start_of_turn>user\n", ASSISTANT: "<start_of_turn>model\n"}, "<end_of_turn>\n",
-                   "<start_of_turn>model\n", "<end_of_turn>", strip=True, bos=True, alternate=True),
-}
-NAMES = tuple(SHAPES)
 _CANONICAL = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
-# what ``str.strip()`` strips: ASCII bytes, and (as UTF-8) the other characters ``str.isspace`` calls space, which
-# send a content that begins or ends with one the per-record way
-_ASCII_SPACE = np.zeros(256, bool)
-_ASCII_SPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True
-WIDE_SPACES = ("\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
-               "\u2028\u2029\u202f\u205f\u3000")
-_WIDE_LEAD = np.zeros(256, bool)
-_WIDE_LEAD[[c.encode()[0] for c in WIDE_SPACES]] = True  # 0xC2, 0xE1, 0xE2, 0xE3
 MAX_STRIP = 64  # whitespace bytes stripped from a content's end, at most: more, and it goes the per-record way
 # pyarrow's JSON parser recurses per nesting level: 20,000 levels overflow an 8 MB thread stack, ~2,000 a 1 MB
 # one (a segfault, not an error). A line's nesting depth is at most its count of "[" and "{": lines with more
@@ -144,136 +113,44 @@ def chat_field(line: bytes) -> str | None:
     return next((key for key in FIELDS if f'"{key}"'.encode() in line), None)
 
 
-class Rendered:
-    """One batch, column-wise: ``status[j]`` of record j; for the KEPT ones, in order, their texts as UTF-8 (``data``,
-    conversation k at ``bounds[k]:bounds[k + 1]``) and assistant spans (``starts``/``ends`` in ``data``), as many
-    per conversation as ``answers`` says. Offsets are in bytes: the encoder reads the segments' bytes where they lie
-    (``segments``), and a conversation's text is decoded only where it is needed (``text_of``, ``spans``)."""
+@dataclass
+class _Columns:
+    """One batch's conversations as columns: the pyarrow arrays (``messages``, its ``structs`` and their fields) and
+    numpy views of their buffers. Per record, its first message (``starts``: CSR offsets over the messages) and how
+    many it has; per message, its record (``row``), index in its conversation (``position``), head code (-1: none
+    for this path), content bytes (``data[c_off[i]:c_off[i + 1]]``; ``c_lo``/``c_hi``: as the template strips them,
+    where it does, and whether ASCII work alone ``stripped`` it)."""
 
-    def __init__(self, status: np.ndarray, data: np.ndarray | None = None, bounds: np.ndarray | None = None,
-                 starts: np.ndarray | None = None, ends: np.ndarray | None = None, answers: np.ndarray | None = None,
-                 categories: list | None = None, span_categories: list | None = None, end: str = END,
-                 shape: np.ndarray | None = None):
-        self.status, self.end = status, end  # end: the marker that ends each span
-        # the kept conversations' shape: xprep.prep.dataset.token_dataset.CONVERSATION_COUNTS, summed over them
-        self.shape = shape if shape is not None else np.zeros(SHAPE_COUNTS, np.int64)
-        none = np.zeros(0, np.int64)
-        self.data = data if data is not None else np.zeros(0, np.uint8)
-        self.bounds = bounds if bounds is not None else np.zeros(1, np.int64)
-        self.starts, self.ends = (starts, ends) if starts is not None else (none, none)
-        self.answers = answers if answers is not None else none
-        # the record's category of each kept conversation (None: the command's), each span's own (None: none)
-        self.categories = categories if categories is not None else [None] * self.kept
-        self.has_span_categories = span_categories is not None
-        self.span_categories = span_categories if span_categories is not None else [None] * len(self.starts)
-        self._first = csr_offsets(self.answers)  # each conversation's first span
-
-    @property
-    def kept(self) -> int:
-        """How many conversations it holds: the batch's kept ones."""
-        return len(self.bounds) - 1
-
-    def text_of(self, k: int) -> str:
-        """Conversation k's text, as ``render_with_spans`` gives it."""
-        return self.data[self.bounds[k] : self.bounds[k + 1]].tobytes().decode("utf-8")
-
-    @property
-    def texts(self) -> list[str]:
-        return [self.text_of(k) for k in range(self.kept)]
-
-    def span_categories_of(self, k: int) -> list:
-        """Conversation k's spans' own categories (None: none)."""
-        return self.span_categories[self._first[k] : self._first[k + 1]]
-
-    def spans(self, k: int) -> list[tuple[int, int]]:
-        """Conversation k's spans, as ``render_with_spans`` gives them (characters, in its text)."""
-        a, b, at = self._first[k], self._first[k + 1], self.bounds[k]
-        chars = _chars_before(self.data[at : self.bounds[k + 1]])
-        return list(zip(chars[self.starts[a:b] - at].tolist(), chars[self.ends[a:b] - at].tolist(), strict=True))
-
-    def spans_with_categories(self, k: int) -> list[tuple[int, int, str | None]]:
-        """Conversation k's spans with each one's own category, as the per-record way gives them."""
-        return [(a, b, c) for (a, b), c in zip(self.spans(k), self.span_categories_of(k), strict=True)]
-
-    def clean(self, cuts) -> np.ndarray:
-        """Per conversation, whether every cut of its segments is clean under ``cuts`` (an ``encoder.Cuts``).
-
-        A span starts after a head that ends with "\n" and ends with ``end`` (both checked here for the whole
-        batch at once, so an ``end_len`` other than ``len(end)`` is checked cut by cut): with both rules proven
-        for the tokenizer, the cuts to check are the starts, and a start is clean unless the answer begins with
-        whitespace (``str.isspace``: an ASCII byte, or one of ``WIDE_SPACES`` after its lead byte).
-        """
-        data, starts, ends, n = self.data, self.starts, self.ends, self.kept
-        row = np.repeat(np.arange(n), self.answers)
-        # (an answer Llama 3's template strips never begins with whitespace here: a wide space at its start sends
-        # its record the per-record way, see _strip)
-        if not cuts.after_newline and not cuts.after_tokens:  # no clean cut (a Metaspace tokenizer): but at the ends
-            bad = (starts > self.bounds[:-1][row]) | (ends < self.bounds[1:][row])
-        elif cuts.after_newline and self.end in cuts.after_tokens and self._built():
-            first = data[starts]  # (a span is never empty: it ends with the end marker)
-            bad = _ASCII_SPACE[first]
-            for i in np.flatnonzero(_WIDE_LEAD[first]).tolist():
-                bad[i] = data[starts[i] : starts[i] + 3].tobytes().decode("utf-8", "replace")[:1].isspace()
-        else:  # not what this module renders, or a tokenizer without both rules: every cut, one by one, in characters
-            text, chars = data.tobytes().decode("utf-8"), _chars_before(data)
-            last = chars[self.bounds[1:][row]].tolist()
-            bad = np.array([not (cuts.clean(text, a) and (b == z or cuts.clean(text, b)))
-                            for a, b, z in zip(chars[starts].tolist(), chars[ends].tolist(), last, strict=True)], bool)
-        return np.bincount(row, weights=bad, minlength=n) == 0
-
-    def _built(self) -> bool:
-        """Whether every span starts after a "\n" and ends with ``end``, as this module renders them."""
-        end = np.frombuffer(self.end.encode(), np.uint8)
-        return bool(np.all(self.data[self.starts - 1] == ord("\n"))) and all(
-            np.all(self.data[self.ends - len(end) + i] == byte) for i, byte in enumerate(end.tolist()))
-
-    def segments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """What ``Processor._encode_chats`` cuts each conversation into, for all of them at once: where the texts
-        between and of the spans (a gap only where not empty) lie in ``data`` (CSR offsets: they follow each other),
-        whether each is a span, how many each conversation has, and of each segment which span it is (-1 for a
-        gap)."""
-        n = self.kept
-        per_row = 2 * self.answers + 2  # the conversation's start, each span's start and end, its end
-        first = csr_offsets(per_row)
-        points = np.empty(int(first[-1]), np.int64)
-        points[first[:-1]] = self.bounds[:-1]
-        points[first[1:] - 1] = self.bounds[1:]
-        inner = np.ones(len(points), bool)
-        inner[first[:-1]] = inner[first[1:] - 1] = False
-        points[inner] = np.stack([self.starts, self.ends], 1).ravel()
-        lo, hi = points[:-1], points[1:]
-        row = np.repeat(np.arange(n), per_row)[:-1]  # each pair's conversation: that of its first point
-        within = np.ones(len(lo), bool)
-        within[first[1:-1] - 1] = False  # the pair from one conversation's end to the next one's start
-        target = np.arange(len(lo)) % 2 == 1  # a block starts at an even index: its odd pairs are the spans
-        keep = within & (target | (hi > lo))
-        lo, hi, target = lo[keep], hi[keep], target[keep]
-        counts = np.bincount(row[keep], minlength=n)
-        span = np.full(len(target), -1, np.int64)
-        span[target] = np.arange(int(target.sum()))  # spans come in order, one per odd pair
-        return np.append(lo, hi[-1:]) if len(lo) else np.zeros(1, np.int64), target, counts, span
-
-
-def _chars_before(data: np.ndarray) -> np.ndarray:
-    """For each byte offset into UTF-8 ``data`` (its length included), how many characters come before it."""
-    out = np.zeros(len(data) + 1, np.int64)
-    np.cumsum((data & 0xC0) != 0x80, out=out[1:])
-    return out
+    messages: object
+    structs: object
+    role: object
+    content: object
+    category: object | None  # the messages' own categories, where some message has the field
+    starts: np.ndarray
+    counts: np.ndarray
+    row: np.ndarray
+    position: np.ndarray
+    code: np.ndarray
+    data: np.ndarray
+    c_off: np.ndarray
+    c_lo: np.ndarray
+    c_hi: np.ndarray
+    stripped: np.ndarray
 
 
 class ColumnarChat:
-    """Column-wise parsing and rendering of a batch of JSON lines for one template shape (``name`` in NAMES);
+    """Column-wise parsing and rendering of a batch of JSON lines for one template ``shape``;
     ``keep_unanswered``: a conversation without an assistant turn is a document (``--train-on all``) rather than
     a reject; ``bos``: the template's BOS token (for a shape that puts it first)."""
 
-    def __init__(self, name: str, keep_unanswered: bool, end_len: int | None = None, category_field: str | None = None,
-                 role_map: dict[str, str] | None = None, bos: str = ""):
+    def __init__(self, shape: Shape, keep_unanswered: bool, end_len: int | None = None,
+                 category_field: str | None = None, role_map: dict[str, str] | None = None, bos: str = ""):
         import pyarrow as pa  # deferred with the module itself: only chat batches need it
 
-        self.name, self.keep_unanswered = name, keep_unanswered
+        self.keep_unanswered = keep_unanswered
         self.role_map = role_map  # --role-map: looked up before ROLES, as normalize_messages does
         self.role_names = {**ROLES, **role_map} if role_map else ROLES
-        self.shape = shape = SHAPES[name]
+        self.shape = shape
         # what the span search takes after an answer's content (the end marker, as a rule)
         self.end_len = len(shape.end) if end_len is None else end_len
         self.category_field = category_field or "category"  # the record's category (--category-field)
@@ -302,66 +179,74 @@ class ColumnarChat:
 
     def render(self, items: list[bytes]) -> Rendered | None:
         """The batch rendered, or None where it must go the per-record way whole (see the module's docstring)."""
-        import pyarrow as pa  # deferred with the module itself (imported already by __init__)
-
         read = self._read(items)
         if read is None:
             return None
         table, key = read
-        messages = table.column(key).combine_chunks()
-        n = len(items)
-        starts = _offsets(messages)
-        counts = np.diff(starts)
-        structs = messages.values
-        role, content = (structs.field(name) for name in FIELDS[key])
-        msg_cat = structs.field("category") if structs.type.get_field_index("category") >= 0 else None
-        m = len(structs)
-        row_of_msg = np.repeat(np.arange(n), counts)
-        position = np.arange(m) - starts[row_of_msg]  # each message's index in its conversation
-        msg_ok = _valid(structs) & _valid(role) & _valid(content)
-        code = self._roles(role, m)
-        msg_ok &= (code >= 0) & self._has_head[np.maximum(code, 0)]
-        if self.shape.alternate:  # the template's own check (an error, per record) where roles do not alternate
-            msg_ok &= code == np.where(position % 2 == 0, USER, ASSISTANT)
-        c_off, data = _offsets(content), _data(content)
-        msg_ok &= ~self._has_markup(data, c_off)
-        c_lo, c_hi = c_off[:-1], c_off[1:]
-        if self.shape.strip:
-            c_lo, c_hi, stripped = _strip(data, c_lo, c_hi)
-            msg_ok &= stripped
-        if msg_cat is not None and msg_cat.type == pa.string():  # an empty category: rejected per record
-            msg_ok &= ~_empty(msg_cat)
-        # per record: every message fine, at least one message, and (below) the template's own conditions
-        ok = ~_any(~msg_ok, row_of_msg, n) & (counts > 0) & _valid(messages)
+        cols = self._columns(table.column(key).combine_chunks(), key)
         record_cat = table.column(self.category_field).combine_chunks()
-        ok &= ~_empty(record_cat)
-        answered = _any(code == ASSISTANT, row_of_msg, n)
-        if self.name == "qwen3":
-            code, ok = self._qwen3_heads(code, ok, starts, counts, row_of_msg, position, data, c_off)
-        status = np.where(ok, np.where(answered | self.keep_unanswered, KEPT, NO_ANSWER), OTHER).astype(np.int8)
+        status, code = self._status(cols, record_cat)
         kept = status == KEPT
-        gathered = self._gather(kept, starts, counts, code, data, c_lo, c_hi)
+        gathered = self._gather(kept, cols.starts, cols.counts, code, cols.data, cols.c_lo, cols.c_hi)
         if gathered is None:
             return Rendered(status, end=self.shape.end)
-        shape = _shape(kept, starts, counts, code, row_of_msg, data, c_off)
         *rendered, answer_msgs = gathered
-        categories = record_cat.to_pylist() if record_cat.null_count < n else None
-        span_categories = None
-        if msg_cat is not None and msg_cat.null_count < m:  # strings only where some message has a category
-            cat_of = msg_cat.to_pylist()
-            span_categories = [cat_of[i] for i in answer_msgs.tolist()]
-            if all(c is None for c in span_categories):
-                span_categories = None  # categories on other messages only: nothing to a span
-        if categories is not None:
-            categories = [categories[r] for r in np.flatnonzero(kept).tolist()]
+        categories, span_categories = _categories(record_cat, cols.category, kept, answer_msgs)
+        shape = _shape(kept, cols.starts, cols.counts, code, cols.row, cols.data, cols.c_off)
         return Rendered(status, *rendered, categories, span_categories, self.shape.end, shape)
 
-    def agrees_with(self, template: ChatTemplate) -> bool:
-        """Whether every probe this path renders comes out as ``template.render_with_spans`` renders it, every one
-        it rejects for want of an answer has none (each probe a batch of its own), JSON escapes decode as
-        Python's ``json`` decodes them, and every line pyarrow's reader could take otherwise sends its batch
-        the per-record way (``REFUSED``)."""
-        lines = [json.dumps({"messages": probe}, ensure_ascii=False).encode() for probe in PROBES + chat_fast.PROBES]
+    def _columns(self, messages, key: str) -> _Columns:
+        """A batch's conversations (the pyarrow list array of field ``key``) as ``_Columns``."""
+        structs = messages.values
+        role, content = (structs.field(name) for name in FIELDS[key])
+        category = structs.field("category") if structs.type.get_field_index("category") >= 0 else None
+        starts = _offsets(messages)
+        counts = np.diff(starts)
+        row = np.repeat(np.arange(len(counts)), counts)
+        data, c_off = _data(content), _offsets(content)
+        c_lo, c_hi, stripped = _strip(data, c_off[:-1], c_off[1:]) if self.shape.strip else (
+            c_off[:-1], c_off[1:], np.ones(len(structs), bool))
+        return _Columns(messages, structs, role, content, category, starts, counts, row,
+                        position=np.arange(len(structs)) - starts[row], code=self._roles(role, len(structs)),
+                        data=data, c_off=c_off, c_lo=c_lo, c_hi=c_hi, stripped=stripped)
+
+    def _message_ok(self, cols: _Columns) -> np.ndarray:
+        """Per message: whether this path renders it (none null, a role with a head, alternating where the template
+        requires it, no markup, a content stripped by ASCII work alone where stripped, no empty category)."""
+        import pyarrow as pa  # deferred with the module itself (imported already by __init__)
+
+        ok = _valid(cols.structs) & _valid(cols.role) & _valid(cols.content) & cols.stripped
+        ok &= (cols.code >= 0) & self._has_head[np.maximum(cols.code, 0)]
+        if self.shape.alternate:  # the template's own check (an error, per record) where roles do not alternate
+            ok &= cols.code == np.where(cols.position % 2 == 0, USER, ASSISTANT)
+        ok &= ~self._has_markup(cols.data, cols.c_off)
+        if cols.category is not None and cols.category.type == pa.string():  # an empty category: rejected per record
+            ok &= ~_empty(cols.category)
+        return ok
+
+    def _status(self, cols: _Columns, record_cat) -> tuple[np.ndarray, np.ndarray]:
+        """Per record, KEPT, NO_ANSWER or OTHER: every message fine, at least one message, no empty record category,
+        and the template's own conditions; and each message's head code (Qwen3's tool runs and thinking set)."""
+        n = len(cols.counts)
+        ok = ~_any(~self._message_ok(cols), cols.row, n) & (cols.counts > 0) & _valid(cols.messages)
+        ok &= ~_empty(record_cat)
+        answered = _any(cols.code == ASSISTANT, cols.row, n)
+        code = cols.code
+        if self.shape.thinking:
+            code, ok = self._qwen3_heads(code, ok, cols.starts, cols.counts, cols.row, cols.position, cols.data,
+                                         cols.c_off)
+        status = np.where(ok, np.where(answered | self.keep_unanswered, KEPT, NO_ANSWER), OTHER).astype(np.int8)
+        return status, code
+
+    def agrees_with(self, template: ChatTemplate, probes: tuple[list[dict], ...] = (),
+                    refused: list[bytes] | None = None) -> bool:
+        """Whether every probe this path renders (``PROBES``, ``chat_fast.PROBES`` and the template's own
+        ``probes``) comes out as ``template.render_with_spans`` renders it, every one it rejects for want of an
+        answer has none (each probe a batch of its own), JSON escapes decode as Python's ``json`` decodes them, and
+        every line pyarrow's reader could take otherwise (``refused``, else ``REFUSED``) sends its batch the
+        per-record way."""
+        lines = [json.dumps({"messages": probe}, ensure_ascii=False).encode()
+                 for probe in [*PROBES, *chat_fast.PROBES, *probes]]
         lines.append(json.dumps({"messages": ESCAPES}, ensure_ascii=True).encode())  # emoji as surrogate pairs
         lines += [json.dumps({"conversations": [{"from": m["role"], "value": m["content"]} for m in probe]},
                              ensure_ascii=False).encode() for probe in PROBES]
@@ -379,7 +264,7 @@ class ColumnarChat:
                     return False
             elif rendered.texts[0] != text or rendered.spans(0) != [(a, b) for a, b, _ in spans]:
                 return False
-        return all(self.render([lines[0], line]) is None for line in REFUSED)
+        return all(self.render([lines[0], line]) is None for line in (REFUSED if refused is None else refused))
 
     def _read(self, items: list[bytes]):
         """(the batch as a table, the field of its conversations), or None (see the module's docstring)."""
@@ -512,6 +397,22 @@ class ColumnarChat:
         answers = np.bincount(np.repeat(np.arange(len(rows)), k_counts)[answer], minlength=len(rows))
         return out, row_at, span_start, span_end, answers, msgs[answer]
 
+
+def _categories(record_cat, msg_cat, kept: np.ndarray, answer_msgs: np.ndarray) -> tuple[list | None, list | None]:
+    """The kept conversations' record categories and each span's own category (its message's), or None for either
+    where there is none at all (a message category on other messages than answers gives none to a span)."""
+    categories = record_cat.to_pylist() if record_cat.null_count < len(record_cat) else None
+    if categories is not None:
+        categories = [categories[r] for r in np.flatnonzero(kept).tolist()]
+    span_categories = None
+    if msg_cat is not None and msg_cat.null_count < len(msg_cat):  # strings only where some message has a category
+        cat_of = msg_cat.to_pylist()
+        span_categories = [cat_of[i] for i in answer_msgs.tolist()]
+        if all(c is None for c in span_categories):
+            span_categories = None
+    return categories, span_categories
+
+
 def _shape(kept, starts, counts, code, row_of_msg, data, c_off) -> np.ndarray:
     """``conversation_shape`` summed over the kept records, column-wise: (conversations, assistant turns, those that
     begin with the assistant after any system turn, assistant turns of blank content, those that end with another
@@ -569,7 +470,7 @@ def _strip(data: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray
     for bounds, step in ((lo, 1), (hi, -1)):
         for _ in range(MAX_STRIP + 1):
             at = bounds if step == 1 else bounds - 1
-            space = (lo < hi) & _ASCII_SPACE[data[np.clip(at, 0, last)]]
+            space = (lo < hi) & ASCII_SPACE[data[np.clip(at, 0, last)]]
             if not space.any():
                 break
             bounds += step * space
@@ -580,8 +481,8 @@ def _strip(data: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray
     size = hi - lo
     first = data[np.clip(lo, 0, last)]
     two, three = data[np.clip(hi - 2, 0, last)], data[np.clip(hi - 3, 0, last)]
-    maybe = (size > 0) & _WIDE_LEAD[first]
-    maybe |= ((size >= 2) & (two == 0xC2)) | ((size >= 3) & _WIDE_LEAD[three] & (three != 0xC2))
+    maybe = (size > 0) & WIDE_LEAD[first]
+    maybe |= ((size >= 2) & (two == 0xC2)) | ((size >= 3) & WIDE_LEAD[three] & (three != 0xC2))
     for i in np.flatnonzero(maybe & ok).tolist():
         text = data[lo[i] : hi[i]].tobytes().decode("utf-8", "replace")
         if text[:1].isspace() or text[-1:].isspace():
@@ -668,20 +569,19 @@ REFUSED: list[bytes] = [
 
 def for_template(template: ChatTemplate | None, keep_unanswered: bool, category_field: str | None = None,
                  role_map: dict[str, str] | None = None) -> ColumnarChat | None:
-    """The column-wise rendering for ``template``, where it has a fast renderer of one of ``SHAPES`` and renders
-    every probe as ``render_with_spans`` does; else None (the per-record path)."""
-    if template is None or not template.has_fast_path or category_field in ("messages", "conversations"):
+    """The column-wise rendering for ``template``, where its fast renderer runs (``template.known``: its registry
+    entry), the entry has a shape and that renders every probe as ``render_with_spans`` does; else None (the
+    per-record path)."""
+    known = template.known if template is not None else None
+    if known is None or known.shape is None or category_field in ("messages", "conversations"):
         return None
-    known = chat_fast.recognise(template.spec.source)
-    if known is None or known[0] not in NAMES:
-        return None
-    shape = SHAPES[known[0]]
+    shape = known.shape
     if template.generation_prompt != shape.header:
         return None
     answer_tail = (shape.tails or {}).get(ASSISTANT, shape.tail)
     ends = {template.span_end(answer_tail + after, 0) for after in ("", shape.heads[USER])}
     if len(ends) != 1:
         return None
-    columns = ColumnarChat(known[0], keep_unanswered, ends.pop(), category_field, role_map, template.spec.bos_token)
-    return columns if columns.agrees_with(template) else None
+    columns = ColumnarChat(shape, keep_unanswered, ends.pop(), category_field, role_map, template.spec.bos_token)
+    return columns if columns.agrees_with(template, known.probes) else None
 

@@ -1,14 +1,14 @@
-"""Chat templates rendered without Jinja: plain-Python renderers for known template sources.
+"""Chat templates rendered without Jinja: plain-Python renderers for the templates of the registry.
 
 Rendering a long conversation in jinja2's sandbox costs milliseconds (every attribute access goes
 through the sandbox); the common templates are a few string concatenations. A template is *recognised*
-only by its exact source text (its sha256 is a key of ``KNOWN``): no template code is ever executed
-here, so the fast path cannot do anything the template could not, and every other template —
-a variant that differs by one character included — goes through the sandboxed Jinja path.
+only by its exact source text (its sha256, in ``prep/chat/registry.py``, which pairs it with its renderer here):
+no template code is ever executed here, so the fast path cannot do anything the template could not, and every
+other template — a variant that differs by one character included — goes through the sandboxed Jinja path.
 
 A renderer is a translation of one template, to be used only after it agreed with the template's
 own Jinja rendering on ``PROBES`` (``prep/chat/templates.py`` checks that when it builds a ChatTemplate).
-It takes the normalized messages (``xprep.prep.chat.templates.normalize_messages``) and returns the rendered
+It takes the normalized messages (``xprep.prep.chat.messages.normalize_messages``) and returns the rendered
 text as a list of parts, or None for what it does not cover — an empty conversation, tool calls, a
 non-string ``reasoning_content`` — which the caller then renders with Jinja. ``raise_exception`` in a
 template is ``RaisedByTemplate`` here, with the same message.
@@ -22,7 +22,6 @@ content into a ``<think>`` block) the part index is -1 and the caller renders th
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 
@@ -37,7 +36,7 @@ class RaisedByTemplate(Exception):
 ALTERNATE = "Conversation roles must alternate user/assistant/user/assistant/..."
 
 
-def _chatml(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
+def chatml(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
     parts = []
     for i, m in enumerate(messages):
         parts += ("<|im_start|>", m["role"], "\n", m["content"], "<|im_end|>\n")
@@ -58,25 +57,26 @@ def _llama3_turn(parts: list, i: int, m: dict, slots: list | None) -> None:
         slots.append((i, len(parts) - 2))
 
 
-def _llama3(bos_always: bool) -> Renderer:
-    """xprep's built-in ``llama3`` (``bos_always``) and Meta-Llama-3-Instruct's (BOS with the first message)."""
-    def render(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
-        parts = [bos] if bos_always or messages else []
-        for i, m in enumerate(messages):
-            _llama3_turn(parts, i, m, slots)
-        if gen:
-            parts.append(LLAMA3_PROMPT)
-        return parts
-    return render
+def llama3(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
+    """xprep's built-in ``llama3`` and Meta-Llama-3-Instruct's, which differ only without messages (the BOS token
+    or nothing): such a conversation is Jinja's."""
+    if not messages:
+        return None
+    parts = [bos]
+    for i, m in enumerate(messages):
+        _llama3_turn(parts, i, m, slots)
+    if gen:
+        parts.append(LLAMA3_PROMPT)
+    return parts
 
 
 # Llama 3.1 and 3.2 Instruct open every conversation with a system turn dated as their templates date it when no
-# ``date_string`` is passed (3.2 asks ``strftime_now``, frozen to the same day: xprep.prep.chat.templates.TEMPLATE_DATE)
+# ``date_string`` is passed (3.2 asks ``strftime_now``, frozen to the same day: xprep.prep.chat.sandbox.TEMPLATE_DATE)
 LLAMA31_SYSTEM = ("<|start_header_id|>system<|end_header_id|>\n\n"
                   "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n")
 
 
-def _llama31(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
+def llama31(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
     """Meta's Llama 3.1 / 3.2 Instruct templates without tools (xprep passes none): the first message, when a
     system one, goes into the dated system turn; a tool turn is an ``ipython`` one holding its content as JSON
     (a string is iterable to Jinja); an answer with ``tool_calls`` is left to Jinja."""
@@ -98,7 +98,7 @@ def _llama31(messages: list, gen: bool, bos: str, eos: str, slots: list | None) 
     return parts
 
 
-def _mistral(inst: str, answer_prefix: str, answer_suffix: str) -> Renderer:
+def mistral(inst: str, answer_prefix: str, answer_suffix: str) -> Renderer:
     """Mistral/Mixtral-Instruct: ``[INST] q [/INST]a</s>``, strictly alternating user/assistant, no system role."""
     def render(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
         parts = [bos]
@@ -118,7 +118,7 @@ def _mistral(inst: str, answer_prefix: str, answer_suffix: str) -> Renderer:
     return render
 
 
-def _gemma(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
+def gemma(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
     if not messages:
         return None  # the template indexes messages[0]: Jinja's own error
     if messages[0]["role"] == "system":
@@ -143,7 +143,7 @@ def _is_query(m: dict) -> bool:
     return m["role"] == "user" and not (c.startswith("<tool_response>") and c.endswith("</tool_response>"))
 
 
-def _qwen3(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
+def qwen3(messages: list, gen: bool, bos: str, eos: str, slots: list | None) -> list[str] | None:
     """Qwen3's template without ``tools`` (xprep never passes them): reasoning kept after the last user query only."""
     if not messages:
         return None
@@ -187,82 +187,6 @@ def _qwen3(messages: list, gen: bool, bos: str, eos: str, slots: list | None) ->
     if gen:
         parts.append("<|im_start|>assistant\n")
     return parts
-
-
-# -- the known template sources ---------------------------------------------------------------------
-CHATML_XPREP = (  # --chat-template chatml (xprep.prep.chat.templates.BUILTIN_TEMPLATES)
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-CHATML_HF = (  # the ChatML template of transformers' documentation and many fine-tunes
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
-    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-LLAMA3_XPREP = (  # --chat-template llama3 (xprep.prep.chat.templates.BUILTIN_TEMPLATES)
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
-    " + '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-LLAMA3_META = (  # meta-llama/Meta-Llama-3-8B-Instruct (and 70B) tokenizer_config.json
-    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
-    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-_MISTRAL = (
-    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if message['role'] == 'user' %}{{ 'INST' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ ANSWER}}{% else %}"
-    "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
-)
-MISTRAL = (  # mistralai/Mistral-7B-Instruct-v0.2, Mixtral-8x7B-Instruct-v0.1
-    _MISTRAL.replace("INST", "[INST] ", 1).replace("ANSWER", "message['content'] + eos_token"))
-MISTRAL_V01 = (  # mistralai/Mistral-7B-Instruct-v0.1
-    _MISTRAL.replace("INST", "[INST] ", 1).replace("ANSWER}", "message['content'] + eos_token + ' ' }"))
-MISTRAL_SPACED = (  # the Mixtral variant with a space before [INST] and before each answer
-    _MISTRAL.replace("INST", " [INST] ", 1).replace("ANSWER", "' ' + message['content'] + eos_token"))
-GEMMA = (  # google/gemma-7b-it, gemma-2b-it
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
-    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
-)
-# Meta's own (their text is Meta's; tests/templates holds copies to test against), by the sha256 of their source
-LLAMA31_SHA256 = "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65"  # Llama-3.1-8B/70B-Instruct
-LLAMA32_SHA256 = "5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4"  # Llama-3.2-1B/3B-Instruct
-QWEN3_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"  # Qwen/Qwen3-* (hybrid thinking)
-
-
-def _sha(source: str) -> str:
-    return hashlib.sha256(source.encode()).hexdigest()
-
-
-KNOWN: dict[str, tuple[str, Renderer]] = {  # sha256 of the template source → (name, renderer)
-    _sha(CHATML_XPREP): ("chatml", _chatml),
-    _sha(CHATML_HF): ("chatml", _chatml),
-    _sha(LLAMA3_XPREP): ("llama3", _llama3(bos_always=True)),
-    _sha(LLAMA3_META): ("llama3", _llama3(bos_always=False)),
-    LLAMA31_SHA256: ("llama3.1", _llama31),
-    LLAMA32_SHA256: ("llama3.1", _llama31),
-    _sha(MISTRAL): ("mistral", _mistral("[INST] ", "", "")),
-    _sha(MISTRAL_V01): ("mistral-v0.1", _mistral("[INST] ", "", " ")),
-    _sha(MISTRAL_SPACED): ("mistral-spaced", _mistral(" [INST] ", " ", "")),
-    _sha(GEMMA): ("gemma", _gemma),
-    QWEN3_SHA256: ("qwen3", _qwen3),
-}
-
-
-def recognise(source: str) -> tuple[str, Renderer] | None:
-    """(name, renderer) of a known template source, else None."""
-    return KNOWN.get(_sha(source))
 
 
 def _conv(*turns: tuple[str, str], **extra) -> list[dict]:

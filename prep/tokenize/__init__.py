@@ -5,7 +5,7 @@ What other stages (and train/, cli.py) may import is what this file exports; ins
 import each other directly.
 """
 
-from xprep.prep.tokenize.processor import TokenizeConfig
+from xprep.prep.tokenize.config import TokenizeConfig
 from xprep.prep.tokenize.run import run_tokenize
 
 __all__ = [

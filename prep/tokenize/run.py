@@ -19,18 +19,12 @@ from xprep.prep.dataset import DatasetWriter, check_output_url, count, upload_da
 from xprep.prep.fs import is_url
 from xprep.prep.io import check_output_dir
 from xprep.prep.sources import plan_shard
-from xprep.prep.tokenize.processor import (
-    Job,
-    Pipeline,
-    TokenizeConfig,
-    auto_workers,
-    check_not_empty,
-    planned_bytes,
-    prepare,
-    write_all,
-)
+from xprep.prep.tokenize.config import TokenizeConfig
+from xprep.prep.tokenize.job import Job, planned_bytes, prepare
+from xprep.prep.tokenize.pool import Pipeline, auto_workers
 from xprep.prep.tokenize.ray.cluster import join_cluster, tokenize_on_ray
 from xprep.prep.tokenize.ray.staging import Staging
+from xprep.prep.tokenize.write import check_not_empty, write_all
 
 
 def run_tokenize(config: TokenizeConfig) -> dict:
@@ -106,8 +100,8 @@ def _tokenize_here(config: TokenizeConfig, job: Job, out: str) -> tuple[dict, st
     workers = config.workers or auto_workers(job.chat, planned_bytes(sources, plan))
     manifest = dict(job.head)
     with DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer) as writer:
-        categories = write_all(config, sources, plan, writer, Pipeline(job.processor_args, workers,
-                                                                       scratch=writer.scratch()))
+        pipeline = Pipeline(job.processor_args, workers, scratch=writer.scratch(), worker_start=config.worker_start)
+        categories = write_all(config, sources, plan, writer, pipeline)
         manifest["sources"] = [sources[p.source].describe() for p in plan]
         if config.num_shards > 1:
             manifest["shard"] = {"index": config.shard_index, "count": config.num_shards}

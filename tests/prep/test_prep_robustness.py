@@ -68,7 +68,7 @@ def test_an_index_whose_pointers_disagree_with_its_lengths_does_not_open(tmp_pat
 
 
 def test_templates_that_print_the_date_give_the_same_dataset_every_day(tmp_path, tiny_tokenizer, monkeypatch):
-    import xprep.prep.chat.templates as T
+    import xprep.prep.chat.sandbox as T
 
     template = tmp_path / "dated.jinja"
     template.write_text(

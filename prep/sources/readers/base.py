@@ -108,7 +108,7 @@ class Unreadable:
     ``line`` is 0: the error belongs to the file, not to one record. The records read before it
     came in earlier batches: ``records`` of them, the last at line (or row) ``last_line``. ``cut_short``: a
     compressed file that ended early (truncated) or broke after records came out of it, so that records were
-    lost beyond the point read: an error of the input under any ``--on-error`` (``prep.tokenize.processor.CutShort``),
+    lost beyond the point read: an error of the input under any ``--on-error`` (``prep.tokenize.write.CutShort``),
     where a file unreadable from its start is one bad input that ``skip`` sets aside whole.
     """
 

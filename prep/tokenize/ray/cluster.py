@@ -38,8 +38,11 @@ from xprep.prep.errors import XprepError
 from xprep.prep.fs import is_url
 from xprep.prep.progress import Progress
 from xprep.prep.sources import Shard, plan_shard, plan_shards
-from xprep.prep.tokenize.processor import BadInput, Job, Pipeline, TokenizeConfig, check_not_empty, write_all
+from xprep.prep.tokenize.config import TokenizeConfig
+from xprep.prep.tokenize.job import Job
+from xprep.prep.tokenize.pool import Pipeline
 from xprep.prep.tokenize.ray.staging import ShardDone, ShardOutcome, Staging
+from xprep.prep.tokenize.write import BadInput, check_not_empty, write_all
 
 
 def tokenize_shard(config: TokenizeConfig, job: Job, shard: Shard, key: str, root: str, cwd: str,
@@ -150,70 +153,100 @@ def _bin_bytes(out: str, manifest: dict) -> int:
 
 def _run_shards(ray, config, job, shards, keys, staging, results, on_result) -> int:
     """Run every shard not in ``results`` and add it there (then call ``on_result``); returns how many tasks
-    were run again.
-
-    A task lost with its worker or node (killed, out of memory, node gone) is submitted again, up to
-    --max-retries times, by this loop rather than by Ray, so every retry is counted; an error of the
-    task's own (a bug, a missing file) is reported with the shard and the worker's message.
-    """
-    lost = (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
-            ray.exceptions.OutOfMemoryError, ray.exceptions.LocalRayletDiedError)
-    # one CPU per task: the encoder's own thread pool is held to it (it would take every core of the node); it is
-    # sized when the worker first encodes, after the task has set this
-    env = {"RAYON_NUM_THREADS": "1", **_store_environment(job, config)}
-    task = ray.remote(tokenize_shard).options(num_cpus=1, max_retries=0)
-    job_ref = ray.put(job)
+    were run again (``_Tasks``). Under ``--on-error fail`` the first bad record in input order ends the run."""
+    tasks = _Tasks(ray, config, job, shards, keys, staging)
     progress = Progress("tokenize", total_bytes=sum(s.size for s in job.sources), interval=config.progress_every,
                         total_parts=len(shards), part_name="shards")
     for done in results.values():
         progress.update(done.documents, done.tokens, done.bytes, parts=1)
     on_result()
-    pending: dict = {}
-
-    def submit(k: int) -> None:
-        pending[task.remote(config, job_ref, shards[k], keys[k], staging.root, os.getcwd(), env)] = k
-
-    for k in range(len(shards)):
-        if k not in results:
-            submit(k)
-    runs = dict.fromkeys(range(len(shards)), 0)
-    first_bad: tuple[int, tuple[str, int, str]] | None = None
     try:
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-            for ref in ready:
-                k = pending.pop(ref)
-                try:
-                    outcome = ray.get(ref)
-                except ray.exceptions.TaskCancelledError:
-                    continue
-                except lost as e:
-                    if runs[k] < config.max_retries:
-                        runs[k] += 1
-                        submit(k)
-                        continue
-                    raise XprepError(f"shard {k + 1} of {len(shards)} ({shards[k].describe(job.sources)}) lost its "
-                                     f"worker {runs[k] + 1} times (--max-retries {config.max_retries}): "
-                                     f"{_task_message(e)}") from None
-                except ray.exceptions.RayError as e:
-                    raise XprepError(f"shard {k + 1} of {len(shards)} ({shards[k].describe(job.sources)}) failed: "
-                                     f"{_task_message(e)}") from None
+        for k in range(len(shards)):
+            if k not in results:
+                tasks.submit(k)
+        while tasks.pending:
+            for k, outcome in tasks.finished():
                 if outcome.bad is not None:
-                    if first_bad is None or k < first_bad[0]:
-                        first_bad = (k, outcome.bad)
-                    _cancel(ray, [r for r, j in pending.items() if j > k])
+                    tasks.met_bad(k, outcome.bad)
                     continue
                 results[k] = outcome.done
                 progress.update(outcome.done.documents, outcome.done.tokens, outcome.done.bytes, parts=1)
-                if first_bad is None:
+                if tasks.first_bad is None:
                     on_result()
     finally:
-        _cancel(ray, list(pending))
+        tasks.cancel_all()
         progress.close()
-    if first_bad is not None:
-        k, (path, line, reason) = first_bad
+    if tasks.first_bad is not None:
+        k, (path, line, reason) = tasks.first_bad
         raise BadInput(path, line + _line_shift(job, shards, results, k).get(path, 0) if line else 0, reason)
-    return sum(runs.values())
+    return sum(tasks.runs.values())
+
+
+class _Tasks:
+    """The shards' tasks on the cluster: submitted, waited for, and run again where their worker was lost.
+
+    A task lost with its worker or node (killed, out of memory, node gone) is submitted again, up to
+    --max-retries times, by this driver rather than by Ray, so every retry is counted (``runs``); an error of the
+    task's own (a bug, a missing file) is reported with the shard and the worker's message.
+    """
+
+    def __init__(self, ray, config: TokenizeConfig, job: Job, shards: list[Shard], keys: list[str],
+                 staging: Staging):
+        self.ray, self.config, self.job, self.shards, self.keys = ray, config, job, shards, keys
+        self.root = staging.root
+        self._lost = (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
+                      ray.exceptions.OutOfMemoryError, ray.exceptions.LocalRayletDiedError)
+        # one CPU per task: the encoder's own thread pool is held to it (it would take every core of the node); it
+        # is sized when the worker first encodes, after the task has set this
+        self._env = {"RAYON_NUM_THREADS": "1", **_store_environment(job, config)}
+        self._task = ray.remote(tokenize_shard).options(num_cpus=1, max_retries=0)
+        self._job_ref = ray.put(job)
+        self.pending: dict = {}  # task ref → shard
+        self.runs = dict.fromkeys(range(len(shards)), 0)  # times each shard was run again
+        self.first_bad: tuple[int, tuple[str, int, str]] | None = None  # (shard, its bad record) first in order
+
+    def submit(self, k: int) -> None:
+        ref = self._task.remote(self.config, self._job_ref, self.shards[k], self.keys[k], self.root, os.getcwd(),
+                                self._env)
+        self.pending[ref] = k
+
+    def finished(self):
+        """(shard, outcome) of each task that ended within a second; a cancelled one is left out, a lost one run
+        again."""
+        ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=1.0)
+        for ref in ready:
+            k = self.pending.pop(ref)
+            outcome = self._outcome(ref, k)
+            if outcome is not None:
+                yield k, outcome
+
+    def _outcome(self, ref, k: int) -> ShardOutcome | None:
+        try:
+            return self.ray.get(ref)
+        except self.ray.exceptions.TaskCancelledError:
+            return None
+        except self._lost as e:
+            if self.runs[k] < self.config.max_retries:
+                self.runs[k] += 1
+                self.submit(k)
+                return None
+            raise XprepError(f"{self._shard(k)} lost its worker {self.runs[k] + 1} times (--max-retries "
+                             f"{self.config.max_retries}): {_task_message(e)}") from None
+        except self.ray.exceptions.RayError as e:
+            raise XprepError(f"{self._shard(k)} failed: {_task_message(e)}") from None
+
+    def _shard(self, k: int) -> str:
+        return f"shard {k + 1} of {len(self.shards)} ({self.shards[k].describe(self.job.sources)})"
+
+    def met_bad(self, k: int, bad: tuple[str, int, str]) -> None:
+        """Shard k stopped at a bad record: the first in input order is kept, the shards after k cancelled (those
+        before it still run: one of them may hold an earlier one)."""
+        if self.first_bad is None or k < self.first_bad[0]:
+            self.first_bad = (k, bad)
+        _cancel(self.ray, [r for r, j in self.pending.items() if j > k])
+
+    def cancel_all(self) -> None:
+        _cancel(self.ray, list(self.pending))
 
 
 class Merge:

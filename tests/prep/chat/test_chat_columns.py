@@ -1,9 +1,9 @@
 """prep/chat/columns.py: a chat batch rendered column-wise gives exactly what the per-record path gives.
 
 The per-record path (the fast renderers, itself proven equal to Jinja in test_chat_fast.py) is forced with
-``XPREP_CHAT_RENDER=records``. Both run the same Processor on every conversation of ../shared/data/chat and
-on hostile lines, for the Qwen3, ChatML, Llama 3 and Llama 3.1 templates, and must agree array for array,
-reject for reject.
+``chat_render="records"`` (``--chat-render records``). Both run the same Processor on every conversation of
+../shared/data/chat and on hostile lines, for every template of the registry with a column-wise shape, and must
+agree array for array, reject for reject.
 """
 
 from __future__ import annotations
@@ -12,47 +12,42 @@ import json
 
 import numpy as np
 import pytest
-from conftest import META_TEMPLATES, SHARED, requires_shared_data
+from conftest import SHARED, known_templates, requires_shared_data
 from prepkit import assert_same_files, conversation_counts, shaped_conversations, tokenize
+from xprep.prep.chat import TEMPLATES
 from xprep.prep.chat import columns as chat_columns
-from xprep.prep.chat import fast as chat_fast
-from xprep.prep.chat import templates
-from xprep.prep.chat.templates import RENDER_ENV, ChatTemplate, TemplateSpec, parse_role_map
+from xprep.prep.chat.messages import parse_role_map
+from xprep.prep.chat.templates import ChatTemplate, TemplateSpec
 from xprep.prep.dataset.token_dataset import CONVERSATION_COUNTS
 from xprep.prep.formats import AUTO, CHAT
 from xprep.prep.sources import LINES, RawBatch
-from xprep.prep.tokenize.processor import Options, Processor
+from xprep.prep.tokenize.config import Options
+from xprep.prep.tokenize.encode import Processor
 from xprep.prep.tokenizer import choose_backend, load_tokenizer_info
 
 QWEN3 = SHARED / "tokenizers/qwen3"
-CHATML = TemplateSpec("chatml", templates.BUILTIN_TEMPLATES["chatml"], "", "<|im_end|>")
-LLAMA3 = TemplateSpec("llama3", templates.BUILTIN_TEMPLATES["llama3"], "<|begin_of_text|>", "<|eot_id|>")
-LLAMA3_META = TemplateSpec("tokenizer", chat_fast.LLAMA3_META, "<|begin_of_text|>", "<|eot_id|>")
-LLAMA31 = TemplateSpec("tokenizer", META_TEMPLATES["llama-3.1"], "<|begin_of_text|>", "<|eot_id|>")
-SPECS = {"qwen3": None, "chatml": CHATML, "llama3": LLAMA3, "llama3-meta": LLAMA3_META,  # None: the tokenizer's
-         "llama3.1": LLAMA31, "gemma": TemplateSpec("tokenizer", chat_fast.GEMMA, "<bos>", "<eos>"),
-         "mistral": TemplateSpec("tokenizer", chat_fast.MISTRAL, "<s>", "</s>")}
-VARIANTS = {"mistral-v0.1": TemplateSpec("tokenizer", chat_fast.MISTRAL_V01, "<s>", "</s>"),
-            "mistral-spaced": TemplateSpec("tokenizer", chat_fast.MISTRAL_SPACED, "<s>", "</s>")}
+# every template of the registry that has a column-wise shape, by name (its first source)
+SPECS = {name: spec for name, spec in known_templates().items() if TEMPLATES[name].shape is not None}
+CHATML = SPECS["chatml"]
 BATCH = chat_columns.OTHER - 1  # the whole batch went the per-record way
 
 
 def _processor(spec: TemplateSpec | None, train_on: str = "assistant", category: str | None = None,
-               fmt: str = CHAT, category_field: str | None = None, role_map: dict | None = None) -> Processor:
+               fmt: str = CHAT, category_field: str | None = None, role_map: dict | None = None,
+               chat_render: str = "auto") -> Processor:
     info = load_tokenizer_info(str(QWEN3))
     if spec is None:
         spec = TemplateSpec("tokenizer", info.chat_template, info.bos_token or "", info.eos_token)
     backend, _ = choose_backend(info, "auto")
     return Processor(info, backend, spec, Options(fmt, "text", train_on, category, category_field, None, info.eod_id,
-                                                  info.vocab_size, role_map or {}))
+                                                  info.vocab_size, role_map or {}), chat_render)
 
 
-def _pair(monkeypatch, spec, **kw) -> tuple[Processor, Processor]:
+def _pair(spec, **kw) -> tuple[Processor, Processor]:
+    """The column-wise path's Processor and the per-record one's (``--chat-render records``)."""
     columns = _processor(spec, **kw)
     assert columns.columns is not None
-    monkeypatch.setenv(RENDER_ENV, "records")
-    records = _processor(spec, **kw)
-    monkeypatch.delenv(RENDER_ENV)
+    records = _processor(spec, chat_render="records", **kw)
     assert records.columns is None and records.template.has_fast_path
     return columns, records
 
@@ -93,10 +88,10 @@ def _rendered_run(columns: Processor, batch: RawBatch):
 
 
 @requires_shared_data
-@pytest.mark.parametrize("template", [*SPECS, *VARIANTS])
+@pytest.mark.parametrize("template", list(SPECS))
 @pytest.mark.parametrize("train_on,category", [("assistant", None), ("all", "chat")])
 def test_every_conversation_column_wise_equals_per_record(template, train_on, category, monkeypatch):
-    columns, records = _pair(monkeypatch, {**SPECS, **VARIANTS}[template], train_on=train_on, category=category)
+    columns, records = _pair(SPECS[template], train_on=train_on, category=category)
     kept = 0
     for batch in _batches(_chitchat()):
         rendered, out = _rendered_run(columns, batch)
@@ -261,9 +256,12 @@ LLAMA3_OTHER = {"no-break space first", "ideographic space last", "line separato
                 "escaped unicode"}  # the last: HOSTILE's answer "\\u2028\\u00a0"
 LLAMA31_OTHER = {"tool turn"}  # Llama 3.1's tool turns hold their content as JSON: per record
 ALTERNATING_OTHER = {"tool turn", "system later, answer first", "no user"}  # Gemma and Mistral raise on these
-# what goes the per-record way with a template but for ChatML's column of the tables
-OTHERS = {"llama3": LLAMA3_OTHER, "llama3-meta": LLAMA3_OTHER, "llama3.1": LLAMA3_OTHER | LLAMA31_OTHER,
-          "gemma": LLAMA3_OTHER | ALTERNATING_OTHER, "mistral": ALTERNATING_OTHER}
+
+
+def _others(shape: chat_columns.Shape) -> set[str]:
+    """What goes the per-record way with a template of this shape but for ChatML's column of the tables."""
+    return ((LLAMA3_OTHER if shape.strip else set()) | (ALTERNATING_OTHER if shape.alternate else set())
+            | (LLAMA31_OTHER if chat_columns.TOOL not in shape.heads else set()))
 
 
 @requires_shared_data
@@ -273,16 +271,17 @@ def test_hostile_lines_among_real_ones(template, train_on, monkeypatch):
     """Each line in a batch of real conversations: the batch or the line goes the per-record way exactly where
     the table says (for Llama 3, ChatML's column but where its content is stripped), and the output is the
     per-record path's either way (rejects included)."""
-    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on, fmt=AUTO)
+    columns, records = _pair(SPECS[template], train_on=train_on, fmt=AUTO)
     good = _chitchat(40)
+    shape = TEMPLATES[template].shape
     for name, line, qwen3, chatml in [*HOSTILE, *STRIPPED]:
-        want = qwen3 if template == "qwen3" else chatml
+        want = qwen3 if shape.thinking else chatml
         if want == chat_columns.NO_ANSWER and train_on == "all":
             want = chat_columns.KEPT
         batch = RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES)
         rendered, out = _rendered_run(columns, batch)
         got = BATCH if rendered is None else int(rendered.status[20])
-        if name in OTHERS.get(template, ()):
+        if name in _others(shape):
             want = chat_columns.OTHER
         assert got == want, name
         _assert_same(out, records(batch), name)
@@ -296,7 +295,7 @@ def test_hostile_lines_among_real_ones(template, train_on, monkeypatch):
     [b'{"text": "plain text, no chat"}', json.dumps({"messages": QA}).encode()],  # not chat: not parsed twice
 ], ids=["null first", "rows and lines out of step", "text first"])
 def test_batches_whose_rows_might_not_be_their_lines(lines, monkeypatch):
-    columns, records = _pair(monkeypatch, None, fmt=AUTO)
+    columns, records = _pair(None, fmt=AUTO)
     batch = RawBatch(0, lines + _chitchat(5), list(range(1, len(lines) + 6)), LINES)
     assert columns.columns.render(batch.items) is None
     _assert_same(columns(batch), records(batch), "out of step")
@@ -325,7 +324,7 @@ def _with_categories(lines: list[bytes]) -> list[bytes]:
 def test_categories_column_wise_equal_per_record(template, train_on, category, field, monkeypatch):
     """Record categories (``category``, or chitchat's own ``topic`` through --category-field) and message ones:
     column-wise as per record, and column-wise it goes."""
-    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on, category=category, category_field=field)
+    columns, records = _pair(SPECS[template], train_on=train_on, category=category, category_field=field)
     for batch in _batches(_with_categories(_chitchat(3000))):
         rendered, out = _rendered_run(columns, batch)
         assert rendered is not None and (rendered.status == chat_columns.KEPT).sum() > 300
@@ -353,7 +352,7 @@ def test_role_map_column_wise_equals_per_record(template, monkeypatch):
         if i % 13 == 0:
             record["messages"].append({"role": "robot", "content": "unknown: rejected"})
         lines.append(json.dumps(record).encode())
-    columns, records = _pair(monkeypatch, SPECS[template], role_map=role_map)
+    columns, records = _pair(SPECS[template], role_map=role_map)
     _assert_batches_same(columns, records, lines, template)
 
 
@@ -376,7 +375,7 @@ def _line(record: dict) -> bytes:
 ], ids=["unanswered, two categories", "unanswered, a category and --category", "answer categories only",
         "answer categories, a row per record"])
 def test_small_batches_with_categories(lines, train_on, category, monkeypatch):
-    columns, records = _pair(monkeypatch, None, train_on=train_on, category=category)
+    columns, records = _pair(None, train_on=train_on, category=category)
     batch = RawBatch(0, lines, list(range(1, len(lines) + 1)), LINES)
     assert columns.columns.render(batch.items) is not None
     got = columns(batch)
@@ -392,27 +391,30 @@ def test_a_category_field_that_names_the_messages_goes_per_record():
 def test_probes_are_checked_before_use():
     info_template = ChatTemplate(CHATML)
     assert chat_columns.for_template(info_template, False) is not None
-    wrong_end = chat_columns.ColumnarChat("chatml", False, len(chat_columns.END) + 1)
+    shape = TEMPLATES["chatml"].shape
+    wrong_end = chat_columns.ColumnarChat(shape, False, len(shape.end) + 1)
     assert not wrong_end.agrees_with(info_template)
 
 
-def test_a_parser_that_takes_a_line_json_refuses_is_not_used(monkeypatch):
+def test_a_parser_that_takes_a_line_json_refuses_is_not_used():
     """Were pyarrow to read a duplicate key as Python does not (a later version, say), the path is not used."""
-    monkeypatch.setattr(chat_columns, "REFUSED", [*chat_columns.REFUSED, json.dumps({"messages": QA}).encode()])
-    assert chat_columns.for_template(ChatTemplate(CHATML), False) is None
+    template = ChatTemplate(CHATML)
+    columns = chat_columns.for_template(template, False)
+    assert columns is not None and columns.agrees_with(template)
+    assert not columns.agrees_with(template, refused=[*chat_columns.REFUSED, json.dumps({"messages": QA}).encode()])
 
 
-def test_other_templates_and_options_go_the_per_record_way(monkeypatch):
-    for source, eos in ((chat_fast.MISTRAL, "</s>"), (chat_fast.GEMMA, "<eos>")):
+def test_other_templates_and_options_go_the_per_record_way():
+    mistral = TEMPLATES["mistral"].sources[0]
+    for source, eos in ((mistral, "</s>"), (TEMPLATES["gemma"].sources[0], "<eos>")):
         assert chat_columns.for_template(ChatTemplate(TemplateSpec("tokenizer", source, "<s>", eos)), False)
     # a Mistral template whose EOS is another token than the shape's: its probes differ, per record
-    other_eos = ChatTemplate(TemplateSpec("tokenizer", chat_fast.MISTRAL, "<s>", "<|im_end|>"))
+    other_eos = ChatTemplate(TemplateSpec("tokenizer", mistral, "<s>", "<|im_end|>"))
     assert other_eos.has_fast_path and chat_columns.for_template(other_eos, False) is None
     variant = ChatTemplate(TemplateSpec("mine", CHATML.source.replace("{% endfor %}", "{%  endfor %}"), "",
                                         "<|im_end|>"))
     assert chat_columns.for_template(variant, False) is None  # Jinja's: no fast renderer
-    monkeypatch.setenv(RENDER_ENV, "jinja")
-    assert chat_columns.for_template(ChatTemplate(CHATML), False) is None
+    assert chat_columns.for_template(ChatTemplate(CHATML, fast=False), False) is None  # --chat-render jinja
 
 
 @requires_shared_data
@@ -428,8 +430,7 @@ def test_tokenize_chat_is_byte_identical_column_wise_and_per_record(categories, 
     if template != "auto":
         options["chat_template"] = template
     for mode in ("auto", "records"):
-        monkeypatch.setenv(RENDER_ENV, mode)
-        tokenize(corpus, tmp_path / mode, QWEN3, on_error="skip", workers=2, **options)
+        tokenize(corpus, tmp_path / mode, QWEN3, on_error="skip", workers=2, chat_render=mode, **options)
     assert_same_files(tmp_path / "auto", tmp_path / "records")
     if categories:
         assert (tmp_path / "auto" / "category_ids.bin").stat().st_size > 0
@@ -441,7 +442,7 @@ def test_segments_read_as_bytes_equal_segments_decoded(train_on, monkeypatch):
     """The column-wise segments go to gigatoken as the bytes they are in the rendered batch; an encoder whose bytes
     would not encode as their text gets them decoded: the same arrays, on every chitchat conversation and the
     hostile lines among real ones."""
-    columns, _ = _pair(monkeypatch, None, train_on=train_on, fmt=AUTO)
+    columns, _ = _pair(None, train_on=train_on, fmt=AUTO)
     decoded = _processor(None, train_on=train_on, fmt=AUTO)
     assert columns.encoder._bytes_as_text  # gigatoken encodes Qwen3's bytes as their text
     decoded.encoder.__dict__["_bytes_as_text"] = False
@@ -473,7 +474,7 @@ def test_tool_turns_column_wise_equal_per_record(template, train_on, monkeypatch
         if i % 5 == 0:
             record["messages"].append({"role": "assistant", "content": "after the tools"})
         lines.append(json.dumps(record).encode())
-    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on)
+    columns, records = _pair(SPECS[template], train_on=train_on)
     _assert_batches_same(columns, records, lines, template)
 
 
@@ -496,7 +497,7 @@ def test_sharegpt_conversations_column_wise_equal_per_record(template, train_on,
     """ShareGPT's ``conversations`` are read column-wise as ``messages`` are: every chitchat conversation so
     written, and lines that must go the per-record way among them (a batch with both fields goes whole)."""
     lines = [_sharegpt(line, i) for i, line in enumerate(_chitchat())]
-    columns, records = _pair(monkeypatch, SPECS[template], train_on=train_on)
+    columns, records = _pair(SPECS[template], train_on=train_on)
     _assert_batches_same(columns, records, lines, template)
     good = lines[:40]
     odd = [("role and content keys", b'{"conversations": [{"role": "user", "content": "q"}, '
@@ -534,7 +535,7 @@ def test_a_warmed_processor_leaves_a_forked_worker_nothing_to_build_and_returns_
 
 
 @requires_shared_data
-@pytest.mark.parametrize("template,train_on", [*((t, "assistant") for t in [*SPECS, *VARIANTS]),
+@pytest.mark.parametrize("template,train_on", [*((t, "assistant") for t in SPECS),
                                                ("qwen3", "all"), ("mistral", "all")])
 def test_the_conversations_shape_column_wise_equals_per_record(template, train_on, monkeypatch):
     """Issue 29: the shape of the conversations (assistant first, blank answers, a trailing turn) is counted
@@ -542,7 +543,7 @@ def test_the_conversations_shape_column_wise_equals_per_record(template, train_o
     the obvious ones (``conversation_counts``) where no record is rejected for its template's sake."""
     records = shaped_conversations([json.loads(line) for line in _chitchat(1024)])
     lines = [json.dumps(r, ensure_ascii=False).encode() for r in records]
-    columns, records_way = _pair(monkeypatch, {**SPECS, **VARIANTS}[template], train_on=train_on)
+    columns, records_way = _pair(SPECS[template], train_on=train_on)
     total = np.zeros(len(CONVERSATION_COUNTS), np.int64)
     for batch in _batches(lines, 512):
         rendered, out = _rendered_run(columns, batch)

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from conftest import META_TEMPLATES, SHARED, requires_shared_data
 from test_chat_columns import CHATML, HOSTILE, _assert_same, _batches, _chitchat, _processor
-from xprep.prep.chat.templates import BUILTIN_TEMPLATES, RENDER_ENV, TemplateSpec
+from xprep.prep.chat.templates import BUILTIN_TEMPLATES, TemplateSpec
 from xprep.prep.formats import AUTO
 from xprep.prep.sources import LINES, RawBatch
-from xprep.prep.tokenize.processor import Options, Processor
+from xprep.prep.tokenize.chats import ChatEncoder
+from xprep.prep.tokenize.config import Options
+from xprep.prep.tokenize.encode import Processor
 from xprep.prep.tokenizer import Encoder, choose_backend, load_tokenizer_info
 from xprep.prep.tokenizer.cuts import NEWLINE_SAFE_PATTERNS, Cuts, _prove_cuts
 
@@ -153,16 +155,15 @@ def _count_encoded(once: Processor, twice: Processor) -> dict[str, int]:
 @pytest.mark.parametrize("template", ["qwen3", "chatml"])
 @pytest.mark.parametrize("render", ["auto", "records"])
 @pytest.mark.parametrize("train_on", ["assistant", "all"])
-def test_encoding_once_equals_encoding_whole_and_segments(template, render, train_on, monkeypatch):
+def test_encoding_once_equals_encoding_whole_and_segments(template, render, train_on):
     """With the proven cuts and without any (every conversation encoded whole too and compared): equal, array
     for array, on every chitchat conversation and each hostile line among real ones. (Jinja's rendering hands the
     encoder the texts and spans the per-record fast renderers do, proven so in test_chat_fast.py, whose Processors
     run with these cuts: "records" covers what it would.)"""
-    monkeypatch.setenv(RENDER_ENV, render)
     spec = None if template == "qwen3" else CHATML
-    once = _processor(spec, train_on=train_on, fmt=AUTO)
+    once = _processor(spec, train_on=train_on, fmt=AUTO, chat_render=render)
     assert once.encoder.cuts.after_newline
-    twice = _processor(spec, train_on=train_on, fmt=AUTO)
+    twice = _processor(spec, train_on=train_on, fmt=AUTO, chat_render=render)
     twice.encoder.cuts = Cuts()
     encoded = _count_encoded(once, twice)
     good = _chitchat(40)
@@ -176,7 +177,7 @@ def test_encoding_once_equals_encoding_whole_and_segments(template, render, trai
 
 @requires_shared_data
 @pytest.mark.parametrize("name", ["llama3", "llama3.1"])
-def test_a_llama3_shaped_tokenizer_encodes_once_as_twice(name, tmp_path, monkeypatch):
+def test_a_llama3_shaped_tokenizer_encodes_once_as_twice(name, tmp_path):
     """The Llama 3 and Meta's Llama 3.1 templates over a tokenizer with Llama 3's split pattern and its markers as
     added tokens (Qwen3's vocabulary beneath): answers are stripped, so every cut is clean; once equals twice,
     encoding about half, column-wise and per record. (Jinja's rendering gives the encoder what the per-record fast
@@ -198,8 +199,7 @@ def test_a_llama3_shaped_tokenizer_encodes_once_as_twice(name, tmp_path, monkeyp
     good = _chitchat(40)
     batches = _batches(_chitchat(2048))
     batches += [RawBatch(0, good[:20] + [line] + good[20:], list(range(1, 42)), LINES) for _, line, *_ in HOSTILE]
-    monkeypatch.setenv(RENDER_ENV, "records")  # and the per-record path, where the auto one went column-wise
-    records = Processor(info, backend, template, options)
+    records = Processor(info, backend, template, options, "records")  # where the auto one went column-wise
     for batch in batches:
         got = once(batch)
         _assert_same(got, twice(batch), f"{name} line {batch.lines[0]}")
@@ -215,10 +215,10 @@ def test_train_on_all_encodes_whole_texts_as_the_segments_give_them(template, mo
     spec = None if template == "qwen3" else CHATML
     whole = _processor(spec, train_on="all", category="chat")
     calls = []
-    encode_whole = Processor._encode_whole
-    monkeypatch.setattr(Processor, "_encode_whole", lambda self, *a: calls.append(1) or encode_whole(self, *a))
+    encode_whole = ChatEncoder._encode_whole
+    monkeypatch.setattr(ChatEncoder, "_encode_whole", lambda self, *a: calls.append(1) or encode_whole(self, *a))
     segments = _processor(spec, train_on="all", category="chat")
-    segments._needs_segments = lambda *a: True
+    segments.chats._needs_segments = lambda *a: True
     for batch in _batches(_chitchat()):
         _assert_same(whole(batch), segments(batch), f"{template} line {batch.lines[0]}")
     assert len(calls) == len(_batches(_chitchat()))

@@ -1,8 +1,8 @@
 """prep/chat/fast.py: the fast chat path gives exactly the general (Jinja) path's tokens, targets and categories.
 
-The general path is forced with ``XPREP_CHAT_RENDER=jinja``; both run the same Processor on every
-conversation of ../shared/data/chat plus hand-made edge cases, for the Qwen3, ChatML, Llama 3, Llama 3.1 / 3.2
-and Mistral templates, and must agree array for array, reject for reject.
+The general path is forced with ``chat_render="jinja"`` (``--chat-render jinja``); both run the same Processor on
+every conversation of ../shared/data/chat plus hand-made edge cases, for every template of the registry
+(``known_templates``), and must agree array for array, reject for reject.
 """
 
 from __future__ import annotations
@@ -12,15 +12,19 @@ import random
 
 import numpy as np
 import pytest
-from conftest import META_TEMPLATES, SHARED, requires_shared_data
+from conftest import META_TEMPLATES, SHARED, known_templates, requires_shared_data
 from prepkit import write_jsonl
+from xprep.prep.chat import TEMPLATES, templates
 from xprep.prep.chat import columns as chat_columns
 from xprep.prep.chat import fast as chat_fast
-from xprep.prep.chat import templates
-from xprep.prep.chat.templates import RENDER_ENV, ChatTemplate, TemplateError, TemplateSpec
+from xprep.prep.chat.messages import TemplateError, normalize_messages
+from xprep.prep.chat.registry import KnownTemplate, sha256
+from xprep.prep.chat.templates import ChatTemplate, TemplateSpec
 from xprep.prep.formats import CHAT
 from xprep.prep.sources import LINES, RawBatch
-from xprep.prep.tokenize.processor import Options, Processor
+from xprep.prep.tokenize.chats import ChatEncoder
+from xprep.prep.tokenize.config import Options
+from xprep.prep.tokenize.encode import Processor
 from xprep.prep.tokenizer import choose_backend, load_tokenizer_info
 
 THINK = "<think>\nI should answer.\n</think>\n\n"
@@ -70,21 +74,13 @@ def _llama3_spec(source: str) -> TemplateSpec:
     return TemplateSpec("llama3", source, "<|begin_of_text|>", "<|eot_id|>")
 
 
-# name → the TemplateSpec to use (None: the Qwen3 tokenizer's own template)
-CASES = {
-    "qwen3": None,
-    "chatml": TemplateSpec("chatml", templates.BUILTIN_TEMPLATES["chatml"], "", "<|im_end|>"),
-    "llama3": _llama3_spec(templates.BUILTIN_TEMPLATES["llama3"]),
-    "llama3-meta": _llama3_spec(chat_fast.LLAMA3_META),
-    "llama3.1": _llama3_spec(META_TEMPLATES["llama-3.1"]),
-    "llama3.2": _llama3_spec(META_TEMPLATES["llama-3.2"]),
-    "mistral": TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"),
-}
-# Special tokens of the Llama-3 and Mistral templates: added to a copy of the Qwen3 tokenizer so that their
+CASES = known_templates()  # name → a TemplateSpec of every template of the registry (its first source)
+MISTRAL = TEMPLATES["mistral"].sources[0]
+# Special tokens of the Llama-3, Mistral and Gemma templates: added to a copy of the Qwen3 tokenizer so that their
 # spans start and end at special tokens as with those models' own tokenizers (otherwise every conversation
 # takes the slow HF-offsets route, on both paths alike).
 EXTRA_SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>",
-                 "[INST]", "[/INST]"]
+                 "[INST]", "[/INST]", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +98,14 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def _processor(tokenizer_dir, spec: TemplateSpec | None, train_on: str = "assistant",
-               category: str | None = None) -> Processor:
+               category: str | None = None, chat_render: str = "auto") -> Processor:
+    """A Processor of chat (``spec`` None: the tokenizer's own template); ``chat_render``: ``--chat-render``."""
     info = load_tokenizer_info(str(tokenizer_dir))
     if spec is None:
         spec = TemplateSpec("tokenizer", info.chat_template, info.bos_token or "", info.eos_token)
     backend, _ = choose_backend(info, "auto")
     options = Options(CHAT, "text", train_on, category, None, None, info.eod_id, info.vocab_size)
-    return Processor(info, backend, spec, options)
+    return Processor(info, backend, spec, options, chat_render)
 
 
 def _batch(limit: int | None = None) -> RawBatch:
@@ -122,7 +119,7 @@ def _rendered(processor: Processor, lines: list[bytes]) -> list[str]:
     texts = []
     for line in lines:
         try:
-            texts.append(processor.template.render(templates.normalize_messages(json.loads(line))))
+            texts.append(processor.template.render(normalize_messages(json.loads(line))))
         except TemplateError:
             continue
     return texts
@@ -142,25 +139,23 @@ def _assert_same(a, b, name: str) -> None:
 
 @requires_shared_data
 @pytest.mark.parametrize("name", list(CASES))
-def test_fast_path_equals_general_path_on_every_conversation(name, tokenizer_dir, monkeypatch):
+def test_fast_path_equals_general_path_on_every_conversation(name, tokenizer_dir):
     spec = CASES[name]
     batch = _batch()
     fast = _processor(tokenizer_dir, spec)
-    assert fast.template.path.startswith("fast path "), fast.template.path
-    monkeypatch.setenv(RENDER_ENV, "jinja")
-    general = _processor(tokenizer_dir, spec)
-    assert general.template.path == f"Jinja ({RENDER_ENV}=jinja)"
+    assert fast.template.path == f"fast path {name} (checked against Jinja)", fast.template.path
+    general = _processor(tokenizer_dir, spec, chat_render="jinja")
+    assert general.template.path == "Jinja (--chat-render jinja)"
     a, b = fast(batch), general(batch)
     _assert_same(a, b, name)
     assert len(a.lengths) > 100 and a.loss_mask.sum() > 0  # most conversations are documents
 
 
 @requires_shared_data
-def test_fast_path_equals_general_path_with_train_on_all_and_a_category(tokenizer_dir, monkeypatch):
+def test_fast_path_equals_general_path_with_train_on_all_and_a_category(tokenizer_dir):
     batch = _batch(limit=300)
     fast = _processor(tokenizer_dir, None, train_on="all", category="chat")
-    monkeypatch.setenv(RENDER_ENV, "jinja")
-    general = _processor(tokenizer_dir, None, train_on="all", category="chat")
+    general = _processor(tokenizer_dir, None, train_on="all", category="chat", chat_render="jinja")
     assert fast.template.has_fast_path and not general.template.has_fast_path
     _assert_same(fast(batch), general(batch), "qwen3 --train-on all")
 
@@ -198,13 +193,13 @@ def test_a_pre_token_split_by_a_span_needs_no_hf_tokenizer(tokenizer_dir, monkey
     processor = _processor(tokenizer_dir, None)
     assert processor.encoder._offsets_are_bytes()  # memoized: HF is needed once per tokenizer, not per run
     split = []
-    original = Processor._mask_from_offsets
+    original = ChatEncoder._mask_from_offsets
 
     def spy(self, text, *args):
         split.append(text)
         return original(self, text, *args)
 
-    monkeypatch.setattr(Processor, "_mask_from_offsets", spy)
+    monkeypatch.setattr(ChatEncoder, "_mask_from_offsets", spy)
     monkeypatch.setattr(encoder_module, "load_hf", lambda path: pytest.fail("HF tokenizers was loaded"))
     from_bytes = processor(batch)
     monkeypatch.undo()
@@ -220,7 +215,7 @@ def test_slot_spans_equal_placeholder_spans_on_real_conversations():
     t = ChatTemplate(TemplateSpec("tokenizer", config["chat_template"], "", config["eos_token"]))
     checked = 0
     for line in (SHARED / "chat/chitchat.jsonl").read_text(encoding="utf-8").splitlines()[:300]:
-        msgs = templates.normalize_messages(json.loads(line))
+        msgs = normalize_messages(json.loads(line))
         assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if not assistants:
             continue
@@ -234,14 +229,23 @@ def test_slot_spans_equal_placeholder_spans_on_real_conversations():
 
 
 def test_every_known_template_passes_its_self_check():
-    for source, bos, eos in ((chat_fast.CHATML_XPREP, "", "<|im_end|>"), (chat_fast.CHATML_HF, "", "<|im_end|>"),
-                             (chat_fast.LLAMA3_XPREP, "<|begin_of_text|>", "<|eot_id|>"),
-                             (chat_fast.LLAMA3_META, "<|begin_of_text|>", "<|eot_id|>"),
-                             (chat_fast.MISTRAL, "<s>", "</s>"), (chat_fast.MISTRAL_V01, "<s>", "</s>"),
-                             (chat_fast.MISTRAL_SPACED, "<s>", "</s>"), (chat_fast.GEMMA, "<bos>", "<eos>"),
-                             *((source, "<|begin_of_text|>", "<|eot_id|>") for source in META_TEMPLATES.values())):
-        t = ChatTemplate(TemplateSpec("known", source, bos, eos))
-        assert t.path == f"fast path {chat_fast.recognise(source)[0]} (checked against Jinja)"
+    """Every source of every template of the registry that the tests hold (with the shared data: all of them)."""
+    for name, spec in known_templates(every_source=True).items():
+        t = ChatTemplate(spec, verdicts={})
+        assert t.path == f"fast path {name.split('#')[0]} (checked against Jinja)", name
+        assert t.known is TEMPLATES.recognise(spec.source) and t.known.name == spec.name
+
+
+@requires_shared_data
+def test_the_tests_hold_every_source_the_registry_recognises():
+    """A template recognised by a sha256 alone has its text among the tests' (tests/templates, the shared data),
+    so that the tables above check it; and the registry's names and sources are each its own."""
+    table = known_templates(every_source=True)
+    for entry in TEMPLATES:
+        held = [spec.source for name, spec in table.items() if name.split("#")[0] == entry.name]
+        assert len(held) == len(entry.sources) + len(entry.sha256s), entry.name
+        assert set(entry.recognised) == {sha256(text) for text in held}
+    assert TEMPLATES.builtins == {"chatml": TEMPLATES["chatml"].sources[0], "llama3": TEMPLATES["llama3"].sources[0]}
 
 
 def test_unknown_template_takes_the_general_path():
@@ -253,24 +257,27 @@ def test_unknown_template_takes_the_general_path():
     assert [text[a:b] for a, b, _ in spans] == ["a<|im_end|>"]
 
 
-def test_a_renderer_that_disagrees_with_jinja_is_not_used(monkeypatch):
-    name, renderer = chat_fast.KNOWN[chat_fast._sha(chat_fast.CHATML_XPREP)]
+def test_a_renderer_that_disagrees_with_jinja_is_not_used():
+    """A registered renderer that renders one probe otherwise than the template's Jinja (here a ChatML variant, one
+    space apart, whose renderer adds a space to conversations of three messages) is never used."""
+    source = TEMPLATES["chatml"].sources[0].replace("{% endfor %}", "{%  endfor %}")
 
     def off_by_one_space(messages, gen, bos, eos, slots):
-        parts = renderer(messages, gen, bos, eos, slots)
+        parts = chat_fast.chatml(messages, gen, bos, eos, slots)
         return parts if len(messages) != 3 else [*parts, " "]
 
-    monkeypatch.setitem(chat_fast.KNOWN, chat_fast._sha(chat_fast.CHATML_XPREP), (name, off_by_one_space))
-    monkeypatch.setattr(templates, "_VERDICTS", {})
-    t = ChatTemplate(TemplateSpec("chatml", chat_fast.CHATML_XPREP, "", "<|im_end|>"))
-    assert not t.has_fast_path
-    assert t.path.startswith("Jinja (fast path chatml failed its self-check: probe ")
+    TEMPLATES.register(KnownTemplate("chatml-off", off_by_one_space, sources=(source,), eos="<|im_end|>"))
+    try:
+        t = ChatTemplate(TemplateSpec("mine", source, "", "<|im_end|>"))
+    finally:
+        TEMPLATES.unregister("chatml-off")
+    assert not t.has_fast_path and t.known is None
+    assert t.path.startswith("Jinja (fast path chatml-off failed its self-check: probe ")
 
 
-def test_template_errors_are_the_same_on_both_paths(monkeypatch):
-    fast = ChatTemplate(TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"))
-    monkeypatch.setenv(RENDER_ENV, "jinja")
-    general = ChatTemplate(TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"))
+def test_template_errors_are_the_same_on_both_paths():
+    fast = ChatTemplate(TemplateSpec("mistral", MISTRAL, "<s>", "</s>"))
+    general = ChatTemplate(TemplateSpec("mistral", MISTRAL, "<s>", "</s>"), fast=False)
     assert fast.has_fast_path and not general.has_fast_path
     for msgs, message in (([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], "must alternate"),
                           ([{"role": "user", "content": "q"}, {"role": "tool", "content": "t"}], "roles are supported"),
@@ -309,7 +316,7 @@ def test_a_worker_given_the_verdicts_neither_checks_nor_compiles_until_needed(mo
     """The main process's self-check verdicts, adopted by a worker: the fast path without a second self-check and
     without Jinja compiled, which compiles on the first conversation the fast renderer leaves to it."""
     spec = _llama3_spec(META_TEMPLATES["llama-3.1"])
-    monkeypatch.setattr(templates, "_VERDICTS", {})
+    monkeypatch.setattr(templates, "_VERDICTS", {})  # (this process's verdicts: what a worker adopts)
     checked = ChatTemplate(spec)
     assert checked.has_fast_path
     found = templates.verdicts()
@@ -323,18 +330,17 @@ def test_a_worker_given_the_verdicts_neither_checks_nor_compiles_until_needed(mo
     calls = [*plain[:1], {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",
                                                                                           "arguments": {}}}]}]
     assert worker.render(calls) == checked.render_jinja(calls) and worker._compiled is not None
-    monkeypatch.setattr(templates, "_VERDICTS", {(spec.sha256, spec.bos_token, spec.eos_token): "probe 0 differs"})
-    refused = ChatTemplate(spec)  # a verdict against the fast renderer: Jinja, compiled at once
+    # a verdict against the fast renderer: Jinja, compiled at once
+    refused = ChatTemplate(spec, verdicts={(spec.sha256, spec.bos_token, spec.eos_token): "probe 0 differs"})
     assert not refused.has_fast_path and refused._compiled is not None
 
 
 @requires_shared_data
 @pytest.mark.parametrize("render", ["auto", "jinja"])
-def test_a_lone_surrogate_outside_contents_is_a_reject(render, tokenizer_dir, monkeypatch):
+def test_a_lone_surrogate_outside_contents_is_a_reject(render, tokenizer_dir):
     """A lone surrogate (a JSON escape) in what a template renders besides the contents (reasoning, a tool call's
     name) is rejected as one in a content is, on both paths: no tokenizer can encode it."""
-    monkeypatch.setenv(RENDER_ENV, render)
-    processor = _processor(tokenizer_dir, None)
+    processor = _processor(tokenizer_dir, None, chat_render=render)
     lines = [b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", '
              b'"reasoning_content": "why \\ud800"}]}',
              b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": '
@@ -358,7 +364,7 @@ def test_character_offsets_from_a_sentencepiece_spelling_equal_hf_offsets():
     text, which the spelling cannot tell from a space, takes HF's offsets."""
     info = load_tokenizer_info(str(MISTRAL_TOKENIZER))
     backend, _ = choose_backend(info, "auto")
-    processor = Processor(info, backend, TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>"),
+    processor = Processor(info, backend, TemplateSpec("mistral", MISTRAL, "<s>", "</s>"),
                           Options(CHAT, "text", "all", None, None, None, info.eod_id, info.vocab_size))
     encoder = processor.encoder
     assert encoder._giga is not None and encoder._offsets_are_bytes()
@@ -386,13 +392,10 @@ def test_a_sentencepiece_tokenizer_masks_chat_without_hf(monkeypatch):
 
     info = load_tokenizer_info(str(MISTRAL_TOKENIZER))
     backend, _ = choose_backend(info, "auto")
-    spec = TemplateSpec("mistral", chat_fast.MISTRAL, "<s>", "</s>")
+    spec = TemplateSpec("mistral", MISTRAL, "<s>", "</s>")
     options = Options(CHAT, "text", "assistant", None, None, None, info.eod_id, info.vocab_size)
     batch = _batch(limit=1500)
-    processors = [Processor(info, backend, spec, options)]
-    monkeypatch.setenv(RENDER_ENV, "records")
-    processors.append(Processor(info, backend, spec, options))
-    monkeypatch.delenv(RENDER_ENV)
+    processors = [Processor(info, backend, spec, options), Processor(info, backend, spec, options, "records")]
     assert processors[0].columns is not None and processors[1].columns is None
     for p in processors:
         assert p.encoder._offsets_are_bytes() and not p.encoder.cuts.after_newline
@@ -420,7 +423,7 @@ def test_mask_from_offsets_marks_tokens_that_begin_inside_a_span(tiny_tokenizer,
         spans = [(int(a), int(b), rng.choice([None, "x", "y"])) for a, b in zip(cuts[::2], cuts[1::2], strict=True)]
         monkeypatch.setattr(processor.encoder, "char_starts", lambda text, ids, starts=starts: starts)
         codes: dict = {}
-        target, cats = processor._mask_from_offsets("", starts, spans, "r",
+        target, cats = processor.chats._mask_from_offsets("", starts, spans, "r",
                                                     lambda k, codes=codes: codes.setdefault(k, len(codes)))
         for t, s in enumerate(starts.tolist()):
             inside = [c for a, b, c in spans if a <= s < b]
@@ -438,15 +441,15 @@ def test_masks_from_token_starts_equal_masks_from_segments(template, train_on, c
 
     info = load_tokenizer_info(str(MISTRAL_TOKENIZER))
     backend, _ = choose_backend(info, "auto")
-    source = chat_fast.MISTRAL if template == "mistral" else templates.BUILTIN_TEMPLATES["chatml"]
+    source = TEMPLATES[template].sources[0]
     spec = TemplateSpec(template, source, "<s>", "</s>")
     options = Options(CHAT, "text", train_on, category, None, None, info.eod_id, info.vocab_size)
     by_starts, by_segments = Processor(info, backend, spec, options), Processor(info, backend, spec, options)
     assert by_starts.columns is not None and not by_starts.encoder.cuts.after_tokens
     monkeypatch.setattr(by_segments.encoder, "token_starts", lambda *a: None)
     calls = []
-    original = Processor._columns_by_starts
-    monkeypatch.setattr(Processor, "_columns_by_starts", lambda self, *a: calls.append(1) or original(self, *a))
+    original = ChatEncoder._columns_by_starts
+    monkeypatch.setattr(ChatEncoder, "_columns_by_starts", lambda self, *a: calls.append(1) or original(self, *a))
     lines = (SHARED / "chat/chitchat.jsonl").read_bytes().splitlines()
     for i in range(0, len(lines), 5):  # a category on some answers
         record = json.loads(lines[i])
@@ -530,7 +533,7 @@ def _wild(rng) -> dict:
 @requires_shared_data
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("train_on", ["assistant", "all"])
-def test_fast_path_equals_general_path_on_random_conversations(name, train_on, tokenizer_dir, monkeypatch):
+def test_fast_path_equals_general_path_on_random_conversations(name, train_on, tokenizer_dir):
     """Random conversations built from the pieces templates treat specially (``PIECES``): the column-wise path,
     the fast path per record and Jinja give the same tokens, masks, categories and rejects. One batch of records
     the column-wise path may take (it must take some), one of anything."""
@@ -542,11 +545,9 @@ def test_fast_path_equals_general_path_on_random_conversations(name, train_on, t
     columns = _processor(tokenizer_dir, CASES[name], train_on)
     assert columns.columns is not None, "the column-wise path refused this template at start"
     kept = columns.columns.render(batches[0].items).status == chat_columns.KEPT
-    assert kept.sum() > 50, "the column-wise path takes none of the plain records"
-    monkeypatch.setenv(RENDER_ENV, "records")
-    records = _processor(tokenizer_dir, CASES[name], train_on)
-    monkeypatch.setenv(RENDER_ENV, "jinja")
-    general = _processor(tokenizer_dir, CASES[name], train_on)
+    assert kept.sum() > 20, "the column-wise path takes none of the plain records"  # (Gemma's: fewest, ~50)
+    records = _processor(tokenizer_dir, CASES[name], train_on, chat_render="records")
+    general = _processor(tokenizer_dir, CASES[name], train_on, chat_render="jinja")
     assert records.columns is None and records.template.has_fast_path and not general.template.has_fast_path
     for k, batch in enumerate(batches):
         want = general(batch)

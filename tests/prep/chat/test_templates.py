@@ -1,4 +1,5 @@
-"""prep/chat/templates.py: message normalization, rendering in the sandbox, and assistant target spans."""
+"""prep/chat/messages.py, sandbox.py and templates.py: message normalization, rendering in the sandbox, and assistant
+target spans."""
 
 from __future__ import annotations
 
@@ -7,14 +8,8 @@ import json
 import pytest
 from conftest import SHARED, requires_shared_data
 from prepkit import chat_records
-from xprep.prep.chat.templates import (
-    BUILTIN_TEMPLATES,
-    ChatTemplate,
-    TemplateError,
-    TemplateSpec,
-    normalize_messages,
-    resolve_template,
-)
+from xprep.prep.chat.messages import TemplateError, normalize_messages
+from xprep.prep.chat.templates import BUILTIN_TEMPLATES, ChatTemplate, TemplateSpec, resolve_template
 from xprep.prep.errors import XprepError
 
 CONVERSATION = [
@@ -213,15 +208,13 @@ def test_values_real_templates_keep_are_untouched():
         "2 Be brief.Hi there system,user     a|7      b 1234567890123 x  |True 1700000000123")
 
 
-def test_a_render_that_runs_too_long_stops_the_run(monkeypatch):
-    """A template that loops without bound (nested ranges: 10^10 steps) is stopped after RENDER_SECONDS, as an
-    error of the template's (the command stops), not of the record; renders after it are unaffected."""
+def test_a_render_that_runs_too_long_stops_the_run():
+    """A template that loops without bound (nested ranges: 10^10 steps) is stopped after its ``render_seconds``
+    (RENDER_SECONDS, as a rule), as an error of the template's (the command stops), not of the record; renders after
+    it are unaffected."""
     import time
 
-    from xprep.prep.chat import templates
-
-    monkeypatch.setattr(templates, "RENDER_SECONDS", 0.5)
-    t = ChatTemplate(TemplateSpec("spin", NESTED_LOOPS + "{{ messages[0].content }}", "", None))
+    t = ChatTemplate(TemplateSpec("spin", NESTED_LOOPS + "{{ messages[0].content }}", "", None), render_seconds=0.5)
     started = time.monotonic()
     with pytest.raises(XprepError, match=r"chat template spin: rendering one conversation took over 0 s"):
         t.render([{"role": "user", "content": "x"}])

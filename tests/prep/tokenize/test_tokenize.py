@@ -34,10 +34,13 @@ from prepkit import (
     validate,
     write_jsonl,
 )
-from xprep.prep.chat.templates import BUILTIN_TEMPLATES, ChatTemplate, TemplateSpec, render_watchdog_running
+from xprep.prep.chat.sandbox import render_watchdog_running
+from xprep.prep.chat.templates import BUILTIN_TEMPLATES, ChatTemplate, TemplateSpec
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
-from xprep.prep.tokenize import processor as tk
+from xprep.prep.tokenize import pool
+from xprep.prep.tokenize.encode import Encoded
+from xprep.prep.tokenize.records import Rejected
 from xprep.prep.tokenizer import encoder, load_tokenizer_info
 from xprep.prep.tokenizer.encoder import add_around
 
@@ -279,15 +282,14 @@ def test_workers_give_byte_identical_datasets_with_small_batches(tmp_path, tiny_
     # workers forked from this process once it built a Processor (unless a thread the test runner left makes that
     # unsafe: test_workers_1_and_2_write_byte_identical_datasets forks from the command for sure), or spawned
     for start in ("fork", "spawn"):
-        monkeypatch.setenv(tk.WORKER_START_ENV, start)
-        tokenize(inputs, tmp_path / start, tiny_tokenizer, workers=2, on_error="skip")
+        tokenize(inputs, tmp_path / start, tiny_tokenizer, workers=2, on_error="skip", worker_start=start)
         assert_same_files(tmp_path / "w1", tmp_path / start)
     assert TokenDataset(tmp_path / "w1").manifest["rejects"]["count"] == 2
 
 
 def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_safe(monkeypatch):
     """Forked workers run the Processor this process built and warmed (none builds its own); with another Python
-    thread running, or XPREP_WORKER_START=spawn, workers are spawned instead."""
+    thread running, or ``--worker-start spawn``, workers are spawned instead."""
     if sys.platform != "linux":
         pytest.skip("workers are forked on Linux only")
 
@@ -301,16 +303,14 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
         def __call__(self, batch):
             return self.built_in, self.warmed, os.getpid(), batch, gc.get_freeze_count()
 
-    monkeypatch.setattr(tk, "Processor", Fake)
-    monkeypatch.delenv(tk.WORKER_START_ENV, raising=False)
     # (a test runner may have left a thread of its own, e.g. tqdm's monitor: the rule is checked apart below)
-    monkeypatch.setattr(tk, "_can_fork", lambda: True)
+    monkeypatch.setattr(pool, "_can_fork", lambda start: start == "fork")
     cycle = Fake()
     cycle.me, garbage = cycle, weakref.ref(cycle)
     del cycle
     gc.disable()  # (so that only the pool's own collection can free it)
     try:
-        pipeline = tk.Pipeline((), 2)
+        pipeline = pool.Pipeline((), 2, processor=Fake)
     finally:
         gc.enable()
     assert garbage() is None  # collected before the freeze, not frozen for good
@@ -322,16 +322,16 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
     assert [r[3] for r in results] == list(range(6))
     assert {r[:2] for r in results} == {(os.getpid(), True)} and os.getpid() not in {r[2] for r in results}
     assert all(r[4] > 0 for r in results)  # what they share with this process is out of their collector's sight
-    assert tk._PROCESSOR is None  # the one the workers were forked with is dropped once they are gone
+    assert pool._PROCESSOR is None  # the one the workers were forked with is dropped once they are gone
     assert not os.path.exists(pipeline.spill)  # (results come through files: Spilled)
     monkeypatch.undo()
 
-    can_fork = tk._can_fork
+    can_fork = pool._can_fork
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
     try:
-        assert not can_fork()  # a fork now could copy a lock that thread holds
+        assert not can_fork("fork")  # a fork now could copy a lock that thread holds
     finally:
         stop.set()
         other.join()
@@ -341,19 +341,18 @@ def test_workers_are_forked_with_the_processor_built_here_only_where_that_is_saf
         [{"role": "user", "content": "x"}])
     assert render_watchdog_running()
     monkeypatch.setattr(threading, "active_count", lambda: 2)  # this thread and the watchdog's
-    assert can_fork()
-    monkeypatch.setenv(tk.WORKER_START_ENV, "spawn")
-    assert not can_fork()
+    assert can_fork("fork")
+    assert not can_fork("spawn")
 
 
 def test_a_result_crosses_the_pipe_as_a_path_short_enough_to_be_written_whole(tmp_path, monkeypatch):
     """A worker killed while it wrote a result of megabytes into the pipe left concurrent.futures reading the rest
     forever (the command hung); what it sends now is a path, one write below PIPE_BUF, and the result a file."""
-    result = tk.Encoded(0, np.arange(3_000_000, dtype=np.int32), np.array([3_000_000]), None, None, [],
-                        [tk.Rejected(7, "bad", "why", "{", True)], 12)
-    monkeypatch.setattr(tk, "_PROCESSOR", lambda batch: result)
-    spilled = tk._work(None, str(tmp_path))
-    assert isinstance(spilled, tk.Spilled) and len(ForkingPickler.dumps(spilled)) < select.PIPE_BUF
+    result = Encoded(0, np.arange(3_000_000, dtype=np.int32), np.array([3_000_000]), None, None, [],
+                     [Rejected(7, "bad", "why", "{", True)], 12)
+    monkeypatch.setattr(pool, "_PROCESSOR", lambda batch: result)  # (a worker's own Processor)
+    spilled = pool._work(None, str(tmp_path))
+    assert isinstance(spilled, pool.Spilled) and len(ForkingPickler.dumps(spilled)) < select.PIPE_BUF
     loaded = spilled.load()
     assert np.array_equal(loaded.tokens, result.tokens) and loaded.rejects == result.rejects
     assert list(tmp_path.iterdir()) == []  # read once, removed
@@ -372,12 +371,11 @@ def test_a_worker_that_dies_as_it_starts_ends_the_command_in_one_line(monkeypatc
         def warm(self):
             pass
 
-    monkeypatch.setattr(tk, "Processor", Idle)
-    monkeypatch.setattr(tk, "_can_fork", lambda: True)
-    monkeypatch.setattr(tk, "_forked", lambda: os.kill(os.getpid(), signal.SIGKILL))  # in each worker, first thing
+    monkeypatch.setattr(pool, "_can_fork", lambda start: True)
+    monkeypatch.setattr(pool, "_forked", lambda lifeline: os.kill(os.getpid(), signal.SIGKILL))  # in a worker, first
     with pytest.raises(XprepError, match="a tokenize worker process died"):
-        tk.Pipeline((), 2)
-    assert tk._PROCESSOR is None and not multiprocessing.active_children()
+        pool.Pipeline((), 2, processor=Idle)
+    assert pool._PROCESSOR is None and not multiprocessing.active_children()
 
 
 @requires_shared_data
@@ -390,10 +388,9 @@ def test_workers_1_and_2_write_byte_identical_datasets(tmp_path, run_cli, monkey
     inputs = [*sotu_files(step=24), text, tmp_path / "chat.jsonl"]
     outs = []
     for workers, start in ((1, "fork"), (2, "fork"), (2, "spawn")):
-        monkeypatch.setenv(tk.WORKER_START_ENV, start)
         out = tmp_path / f"w{workers}-{start}"
         code, _, err = run_cli("tokenize", *inputs, "-o", out, "--tokenizer", SHARED / "tokenizers/qwen3",
-                               "--workers", workers, "--on-error", "skip")
+                               "--workers", workers, "--on-error", "skip", "--worker-start", start)
         assert code == 0, err
         assert f"{workers} worker" in err
         outs.append(out)
@@ -697,8 +694,7 @@ def test_one_worker_encodes_beside_the_reading_thread_in_order(monkeypatch):
                 raise XprepError("bad batch")
             return f"done {batch}"
 
-    monkeypatch.setattr(tk, "Processor", Fake)
-    pipeline = tk.Pipeline((), 1)
+    pipeline = pool.Pipeline((), 1, processor=Fake)
     gone = Unreadable(0, 0, "unreadable")
     assert list(pipeline.map([1, 2, gone, 3, 4])) == ["done 1", "done 2", gone, "done 3", "done 4"]
     assert pipeline.inline.threads and threading.current_thread().name not in pipeline.inline.threads
@@ -706,6 +702,6 @@ def test_one_worker_encodes_beside_the_reading_thread_in_order(monkeypatch):
     with pytest.raises(XprepError, match="bad batch"):
         list(pipeline.map([1, "bad", 2]))
     assert list(pipeline.map([5])) == ["done 5"]
-    own = tk.Pipeline((), 1, overlap=False)  # a Ray task: one CPU, one thread of work
+    own = pool.Pipeline((), 1, overlap=False, processor=Fake)  # a Ray task: one CPU, one thread of work
     assert list(own.map([1, gone, 2])) == ["done 1", gone, "done 2"]
     assert own.inline.threads == {threading.current_thread().name}

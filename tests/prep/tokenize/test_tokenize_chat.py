@@ -22,7 +22,10 @@ from prepkit import (
     validate,
     write_jsonl,
 )
+from xprep.prep.chat import CHAT_RENDERS
 from xprep.prep.dataset.token_dataset import TokenDataset
+from xprep.prep.errors import XprepError
+from xprep.prep.tokenize import TokenizeConfig
 
 N_CHITCHAT = 400
 THINK = "<think>\n\n</think>\n\n"
@@ -352,6 +355,28 @@ def test_mixed_text_and_chat_masks(tmp_path, tiny_tokenizer):
     assert np.array_equal(np.unique(chat_mask), [0, 1])
 
 
+def test_chat_render_changes_no_byte_and_no_fingerprint(tmp_path, tiny_tokenizer, run_cli):
+    """``--chat-render`` picks the renderer, never the output: column-wise, record by record or Jinja, the same
+    dataset (manifest and fingerprint included) on chat and text records, in process and through the CLI; a value
+    it does not know is the one-line error."""
+    records = [*chat_records(24), *text_records(3), {"messages": [{"role": "user", "content": "no answer"}]}]
+    src = write_jsonl(tmp_path / "mixed.jsonl", records)
+    fingerprints = set()
+    for render in CHAT_RENDERS:
+        fingerprints.add(tokenize(src, tmp_path / render, tiny_tokenizer, chat_render=render)["fingerprint"])
+        assert_same_files(tmp_path / "auto", tmp_path / render)
+    assert len(fingerprints) == 1
+    code, _, err = run_cli("tokenize", src, "-o", tmp_path / "cli", "--tokenizer", tiny_tokenizer, "--chat-render",
+                           "jinja")
+    assert code == 0 and "chat template: Jinja (--chat-render jinja)" in err, err
+    assert_same_files(tmp_path / "auto", tmp_path / "cli")
+    with pytest.raises(XprepError, match="--chat-render fast: expected one of auto, records, jinja"):
+        TokenizeConfig(inputs=[str(src)], output=str(tmp_path / "x"), tokenizer=str(tiny_tokenizer), chat_render="fast")
+    with pytest.raises(XprepError, match="--worker-start forkserver: expected one of fork, spawn"):
+        TokenizeConfig(inputs=[str(src)], output=str(tmp_path / "x"), tokenizer=str(tiny_tokenizer),
+                       worker_start="forkserver")
+
+
 def test_megatron_opens_every_stream(chitchat, tmp_path, tiny_tokenizer):
     """loss_mask and category_ids are MMIDIDX pairs too: megatron-core reads them, aligned with tokens."""
     import warnings
@@ -379,7 +404,7 @@ def test_megatron_opens_every_stream(chitchat, tmp_path, tiny_tokenizer):
 
 @requires_shared_data
 @pytest.mark.parametrize("template", ["auto", "chatml"])
-def test_the_shape_of_the_conversations_is_counted_the_same_by_every_path(template, tmp_path, monkeypatch):
+def test_the_shape_of_the_conversations_is_counted_the_same_by_every_path(template, tmp_path):
     """Issue 29: chitchat conversations reshaped as raw dumps come (assistant first, a trailing user turn, empty
     and blank answers, some without any) are counted into the manifest, the same whichever path renders them
     (column-wise, per record, Jinja; one worker or two), with the same bytes."""
@@ -388,14 +413,10 @@ def test_the_shape_of_the_conversations_is_counted_the_same_by_every_path(templa
     want = conversation_counts(records)
     assert min(want.values()) > 10 and want["count"] < len(records)  # every case occurs, and some are rejected
     qwen = SHARED / "tokenizers/qwen3"
-    runs = {"columns": ({}, 1), "records": ({"XPREP_CHAT_RENDER": "records"}, 1),
-            "jinja": ({"XPREP_CHAT_RENDER": "jinja"}, 1), "two workers": ({}, 2)}
-    for name, (env, workers) in runs.items():
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        m = tokenize(src, tmp_path / name, qwen, chat_template=template, on_error="skip", workers=workers)
-        for key in env:
-            monkeypatch.delenv(key)
+    runs = {"columns": ("auto", 1), "records": ("records", 1), "jinja": ("jinja", 1), "two workers": ("auto", 2)}
+    for name, (render, workers) in runs.items():
+        m = tokenize(src, tmp_path / name, qwen, chat_template=template, on_error="skip", workers=workers,
+                     chat_render=render)
         assert m["counts"]["conversations"] == want, name
         validate(m, "dataset")
         assert_same_files(tmp_path / name, tmp_path / "columns")

@@ -401,9 +401,10 @@ def test_workers_end_with_a_killed_main_process_and_spill_only_into_the_output_t
     fifo, tmpdir, out = tmp_path / "slow.txt", tmp_path / "tmpdir", tmp_path / "out"
     os.mkfifo(fifo)
     tmpdir.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmpdir), "XPREP_WORKER_START": start}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmpdir)}
     proc = subprocess.Popen([sys.executable, "-c", "from xprep import cli; cli.xprep()", "tokenize", str(fifo),
-                             "-o", str(out), "--tokenizer", str(tiny_tokenizer), "--format", "text", "--workers", "2"],
+                             "-o", str(out), "--tokenizer", str(tiny_tokenizer), "--format", "text", "--workers", "2",
+                             "--worker-start", start],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     try:
         _until(lambda: len(_children(proc.pid)) >= 2 and list(tmp_path.glob(".out.tmp-*/.scratch/results-*")),

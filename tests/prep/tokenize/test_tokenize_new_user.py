@@ -98,9 +98,9 @@ def test_a_worker_killed_mid_run_ends_the_command(start, tmp_path, tiny_tokenize
     workers were forked or spawned."""
     src = write_jsonl(tmp_path / "chat.jsonl", chat_records(12) * 4000)
     script = Path(sys.executable).with_name("xprep")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "XPREP_WORKER_START": start}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen([str(script), "tokenize", str(src), "-o", str(tmp_path / "out"), "--tokenizer",
-                             str(tiny_tokenizer), "--format", "chat", "--workers", "2"],
+                             str(tiny_tokenizer), "--format", "chat", "--workers", "2", "--worker-start", start],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 20
@@ -295,7 +295,7 @@ def test_auto_format_on_chat_uses_the_chat_worker_count(tmp_path, tiny_tokenizer
     """--format auto sizes the pool by what the first record is, as --format chat does (issue 9: it took 1)."""
     import gzip
 
-    from xprep.prep.tokenize.processor import CHAT_POOL_MIN_BYTES, auto_workers
+    from xprep.prep.tokenize.pool import CHAT_POOL_MIN_BYTES, auto_workers
 
     cores = min(os.cpu_count(), 8)
     assert auto_workers(True, CHAT_POOL_MIN_BYTES) == auto_workers(True, None) == cores
@@ -394,9 +394,9 @@ def test_sigterm_removes_the_temporary_output_and_stops_the_workers(how, start, 
     src = write_jsonl(tmp_path / "chat.jsonl", chat_records(12) * 4000)
     script = Path(sys.executable).with_name("xprep")
     proc = subprocess.Popen([str(script), "tokenize", str(src), "-o", str(tmp_path / "out"), "--tokenizer",
-                             str(tiny_tokenizer), "--format", "chat", "--workers", "2"],
+                             str(tiny_tokenizer), "--format", "chat", "--workers", "2", "--worker-start", start],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "XPREP_WORKER_START": start},
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                             # a job started without a terminal inherits SIGINT ignored: take it as a terminal's is
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

@@ -19,10 +19,9 @@ def test_tokenize_keeps_its_tokenizer_facts_in_cache_dir_workers_included(tmp_pa
     """Chat records through two spawned workers (which rebuild the encoder and prove its clean cuts themselves):
     every memo lands in --cache-dir, none in $XPREP_CACHE_DIR."""
     monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "env-cache"))
-    monkeypatch.setenv("XPREP_WORKER_START", "spawn")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_records(8) + text_records(4))
     result = xprep_invoke("tokenize", data, "-o", tmp_path / "ds", "--tokenizer", tiny_tokenizer, "--workers", 2,
-                          "--cache-dir", tmp_path / "flag-cache")
+                          "--cache-dir", tmp_path / "flag-cache", "--worker-start", "spawn")
     assert result.exit_code == 0, result.output
     assert {"tokenizer", "selfcheck", "cuts"} <= set(_names(tmp_path / "flag-cache"))
     assert not (tmp_path / "env-cache").exists()
