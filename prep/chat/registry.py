@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from xprep.prep.chat import fast
-from xprep.prep.chat.columns import (
+from xprep.prep.chat.shape import (
     ASSISTANT,
     SYSTEM,
     THINKING,
