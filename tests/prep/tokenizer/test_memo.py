@@ -38,15 +38,14 @@ def test_without_cache_dir_the_environment_names_the_cache(tmp_path, tiny_tokeni
 
 
 def test_the_cache_root_falls_back_in_order(tmp_path, monkeypatch):
-    for name in ("XPREP_CACHE_DIR", "OLD_NAME", "XDG_CACHE_HOME"):
+    for name in ("XPREP_CACHE_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_root() == tmp_path / "home" / ".cache" / "xprep"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "xprep"
-    monkeypatch.setenv("OLD_NAME", "~/old")
-    assert cache_root(fallback_env="OLD_NAME") == tmp_path / "home" / "old"
+    assert cache_root(fallback="~/old") == tmp_path / "home" / "old"  # an older variable's value, its caller's
     assert cache_root() == tmp_path / "xdg" / "xprep"
     monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "env"))
-    assert cache_root(fallback_env="OLD_NAME") == tmp_path / "env"
-    assert cache_root(os.fspath(tmp_path / "flag"), fallback_env="OLD_NAME") == tmp_path / "flag"
+    assert cache_root(fallback="~/old") == tmp_path / "env"
+    assert cache_root(os.fspath(tmp_path / "flag"), fallback="~/old") == tmp_path / "flag"
