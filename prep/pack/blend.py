@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 from numba import njit
-from xprep.prep.pack.kernels import shuffled_order
+from xprep.prep.pack.shuffle import shuffled_order
 
 MAX_SOURCES = 32_767  # sources are stored as int16, as Megatron stores its dataset index
 SPLIT_MIN_BINS = 4_000_000  # a blend of fewer bins runs in one part (see ``Ahead``)

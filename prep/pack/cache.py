@@ -52,7 +52,7 @@ from xprep.prep.io import (
 )
 from xprep.prep.pack.config import PackConfig
 from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted
-from xprep.prep.pack.kernels import Packed, Targets, held_out, item_targets, pack_lengths
+from xprep.prep.pack.kernels import Packed, Targets, item_targets, pack_lengths
 from xprep.prep.pack.mixture import (
     BlendEntry,
     blend_key,
@@ -67,6 +67,7 @@ from xprep.prep.pack.mixture import (
     shares,
     source_configs,
 )
+from xprep.prep.pack.shuffle import held_out
 
 PACK_VERSION = 2  # bump when the same options and data would pack differently (2: items with no target dropped)
 TRAIN, VALIDATION = "train", "validation"  # the parts of a --split pack

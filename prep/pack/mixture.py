@@ -53,7 +53,7 @@ from xprep.prep.io import read_json
 from xprep.prep.pack.blend import MAX_SOURCES, Blend, blend_bins, epoch_seed, relabel
 from xprep.prep.pack.config import BLENDABLE_METHODS, SOURCE_OPTIONS, PackConfig, check_source_option
 from xprep.prep.pack.entry import CHECK_BLOCK, DamagedEntry, EntryMeta, PackEntry, load_arrays, open_packed, save_array
-from xprep.prep.pack.kernels import shuffled_order
+from xprep.prep.pack.shuffle import shuffled_order
 
 BLEND_VERSION = 2  # bump when the same sources and options would blend differently (2: cut = random subset)
 BLEND_ARRAYS = ("bin_source", "bin_index")
