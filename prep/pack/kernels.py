@@ -23,16 +23,17 @@ each one has a slow, obvious reference in ``tests/prep/pack/test_packing.py``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
+from xprep.prep.errors import XprepError
 from xprep.prep.pack.balance import balance_bins
-from xprep.prep.pack.bins import UNDERFULL, bin_sums, gather_bins, grouped_ffd, next_fit, repack_underfull
+from xprep.prep.pack.bins import bin_sums, gather_bins
 from xprep.prep.pack.chunk import chunk_items, epoch_seed, samples_for, samples_for_epochs
-from xprep.prep.pack.config import OVERLONG, PackConfig
+from xprep.prep.pack.config import PackConfig
+from xprep.prep.pack.methods import BUILT_IN, OVERLONG, packing_method
 from xprep.prep.pack.shuffle import shuffled_order
 
 _POLICY_CODE = {policy: code for code, policy in enumerate(OVERLONG)}  # expand_items': 0 drop, 1 truncate, 2 split
@@ -168,7 +169,7 @@ def pack_lengths(lengths: np.ndarray, config: PackConfig, docs: np.ndarray | Non
         packed = pack_lengths(lengths[docs], config, targets=lambda d, *rest: targets(docs[d], *rest))
         packed.item_doc = docs[packed.item_doc]
         return packed
-    if config.method == "chunk":
+    if config.spec.fixed_length_samples:
         return pack_chunks(lengths, config, targets)
     order = document_order(len(lengths), config)
     arrays = expand_items(lengths, order, config.capacity, _POLICY_CODE[config.overlong])  # doc, start, len
@@ -208,7 +209,7 @@ def drop_untrained(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], learned: n
 
 
 def pack_chunks(lengths: np.ndarray, config: PackConfig, targets: Targets) -> Packed:
-    """``--method chunk`` (prep/pack/chunk.py): the non-empty documents, epoch after epoch, cut into samples.
+    """A method of ``fixed_length_samples`` (chunk.py): the non-empty documents, epoch after epoch, cut into samples.
 
     Bin k is sample k. Stats have the keys of the other methods (no document is overlong: the stream cuts
     them) plus ``samples``, ``epochs`` (begun) and ``epoch_tokens``. A sample with no target token (only
@@ -263,11 +264,39 @@ def item_costs(item_len: np.ndarray, align: int) -> np.ndarray:
 
 
 def bin_items(costs: np.ndarray, config: PackConfig) -> tuple[np.ndarray, np.ndarray | None]:
-    """CSR offsets and the item order (None when items stay in order) for the configured method."""
-    if config.method != "multipack":
-        return next_fit(costs, config.capacity), None
-    offsets, items, load = grouped_ffd(costs, config.capacity, config.group_size)
-    return repack_underfull(costs, offsets, items, load, config.capacity, math.ceil(UNDERFULL * config.capacity))
+    """CSR offsets and the item order (None when items stay in order) by the configured method's ``bins`` function.
+
+    The method is looked up in the registry here, whatever checked the config before: a name it does not hold
+    (a config edited since, a method unregistered) is an error, never another method's packing.
+    """
+    spec = packing_method(config.method)
+    if spec.bins is None:
+        raise XprepError(f"--method {config.method} cuts the document stream into samples (pack_chunks); it has no "
+                         "bins function to pack items with")
+    offsets, items = spec.bins(costs, config.capacity, spec.option_values(config))
+    if spec.name not in BUILT_IN:  # (the built-in ones are tested against slow references: tests/prep/pack)
+        check_bins(spec.name, costs, config.capacity, offsets, items)
+    return offsets, items
+
+
+def check_bins(name: str, costs: np.ndarray, capacity: int, offsets: np.ndarray, items: np.ndarray | None) -> None:
+    """Refuse what a registered method's ``bins`` returned unless it keeps the ``BinFunction`` contract: CSR offsets
+    over every item, no bin empty, the items a permutation, no bin over ``capacity``. A broken plugin is a
+    programmer's error (ValueError), caught before it publishes bins the trainer would overflow."""
+    n = len(costs)
+    offsets = np.asarray(offsets)
+    order = np.arange(n) if items is None else np.asarray(items)
+    problem = None
+    if offsets.ndim != 1 or len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != n:
+        problem = f"offsets must run from 0 to the {n:,} items"
+    elif np.any(np.diff(offsets) <= 0):
+        problem = "a bin is empty (offsets must increase)"
+    elif len(order) != n or np.any(np.bincount(order, minlength=n) != 1):
+        problem = "items must be a permutation of the items (each exactly once)"
+    elif n and np.max(np.add.reduceat(np.asarray(costs, np.int64)[order], offsets[:-1])) > capacity:
+        problem = f"a bin holds more than the capacity {capacity:,}"
+    if problem:
+        raise ValueError(f"packing method {name!r}: its bins function broke its contract: {problem}")
 
 
 def overlong_stats(lengths: np.ndarray, capacity: int, overlong: str) -> dict:
