@@ -204,33 +204,83 @@ def merge(datasets, output):
 
 
 # ------------------------------------------------------------------------------------------- pack
+class _PackMethods(click.Choice):
+    """``--method``'s choices: the names in the packing-method registry when they are needed (a value to check,
+    the help), not at import: the registry loads numba, which no other command needs, and a method registered
+    after this module is imported (a plugin, a test) is accepted and listed."""
+
+    def __init__(self):
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from xprep.prep.pack import method_names  # deferred: numba loads with the registry, for `pack` only
+
+        return method_names()
+
+    @choices.setter
+    def choices(self, _value) -> None:  # (click's __init__ sets it: the registry is the one source)
+        pass
+
+
+class _MethodsHelp(click.Option):
+    """An option of ``xprep pack`` whose help names packing methods: written from the registry when the help is
+    shown (``methods_help(methods)``), so it names the registered ones, and the other commands never load it."""
+
+    def __init__(self, *args, methods_help, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.methods_help = methods_help
+
+    def get_help_record(self, ctx: click.Context):
+        from xprep.prep.pack import packing_methods  # deferred: numba loads with the registry, for `pack` only
+
+        self.help = self.methods_help(packing_methods())
+        return super().get_help_record(ctx)
+
+
+def _named(methods, keep, join: str = ", ") -> str:
+    """The names of the ``methods`` that ``keep`` selects, for a help line."""
+    return join.join(m.name for m in methods if keep(m))
+
+
+def _overlong_defaults(methods) -> str:
+    """``split for sequential; drop for multipack, token-aware``: each policy and the methods it is the default of
+    (a method of fixed-length samples cuts every document: none is overlong)."""
+    methods = [m for m in methods if not m.fixed_length_samples]
+    policies = dict.fromkeys(m.default_overlong for m in methods)
+    return "; ".join(f"{p} for {_named(methods, lambda m, p=p: m.default_overlong == p)}" for p in policies)
+
+
 @xprep.command()
 @click.argument("datasets", nargs=-1, required=False, metavar="DATASET[@WEIGHT[:method=M,overlong=P]]...")
 @click.option("-o", "--output", required=True, help="Pack cache directory (created; entries keyed inside).")
-@click.option("--method", required=True, type=click.Choice(["sequential", "multipack", "token-aware", "chunk"]),
-              help="sequential: in order, next bin when full; multipack: first-fit-decreasing over groups, "
-                   "then underfull bins repacked together (densest); token-aware: in order, micro-batches "
-                   "of at most --max-tokens; chunk: documents as one stream cut into --seq-len samples "
-                   "(Megatron GPTDataset, 100 % fill, pretraining).")
-@click.option("--seq-len", type=int, default=None,
-              help="Bin capacity in tokens (sequential, multipack).")
-@click.option("--max-tokens", type=int, default=None, help="Token budget of a micro-batch (token-aware).")
-@click.option("--overlong", type=click.Choice(["drop", "truncate", "split"]), default=None,
-              help="Documents longer than the capacity. Default: split for sequential (pretraining text), "
-                   "drop for multipack and token-aware (SFT); in a blend, split for a source without a loss mask. "
-                   "A blend source sets its own with DATASET@WEIGHT:overlong=P (or overlong: in --mix).")
-@click.option("--cp-size", type=int, default=1, show_default=True,
-              help="Context-parallel size C: each document counts as its length rounded up to a multiple "
-                   "of 2·C; the capacity must be a multiple of 2·C. For --method chunk it only checks that 2·C "
-                   "divides --seq-len (whole samples are zigzagged, nothing is padded).")
-@click.option("--group-size", type=int, default=None,
-              help="multipack: documents per independently packed group [default: 100000].")
-@click.option("--balance-dp", type=int, default=None,
-              help="token-aware: arrange bins in steps over N data-parallel ranks, balancing Σ len².")
+@click.option("--method", required=True, type=_PackMethods(), cls=_MethodsHelp,
+              methods_help=lambda ms: "; ".join(f"{m.name}: {m.help}" for m in ms) + ".")
+@click.option("--seq-len", type=int, default=None, cls=_MethodsHelp, methods_help=lambda ms: (
+    f"Bin capacity in tokens ({_named(ms, lambda m: m.sized_by == 'seq_len' and not m.fixed_length_samples)}), "
+    f"the sample length for {_named(ms, lambda m: m.fixed_length_samples)}."))
+@click.option("--max-tokens", type=int, default=None, cls=_MethodsHelp, methods_help=lambda ms: (
+    f"Token budget of a micro-batch ({_named(ms, lambda m: m.sized_by == 'max_tokens')})."))
+@click.option("--overlong", type=click.Choice(["drop", "truncate", "split"]), default=None, cls=_MethodsHelp,
+              methods_help=lambda ms: (
+                  f"Documents longer than the capacity. Default: {_overlong_defaults(ms)}; in a blend, split for a "
+                  "source without a loss mask. A blend source sets its own with DATASET@WEIGHT:overlong=P (or "
+                  "overlong: in --mix)."))
+@click.option("--cp-size", type=int, default=1, show_default=True, cls=_MethodsHelp, methods_help=lambda ms: (
+    "Context-parallel size C: each document counts as its length rounded up to a multiple of 2·C; the capacity "
+    f"must be a multiple of 2·C. For --method {_named(ms, lambda m: m.fixed_length_samples, ' or ')} it only checks "
+    "that 2·C divides --seq-len (whole samples are zigzagged, nothing is padded)."))
+@click.option("--group-size", type=int, default=None, cls=_MethodsHelp, methods_help=lambda ms: (
+    f"{_named(ms, lambda m: 'group_size' in m.options)}: documents per independently packed group "
+    "[default: 100000]."))
+@click.option("--balance-dp", type=int, default=None, cls=_MethodsHelp, methods_help=lambda ms: (
+    f"{_named(ms, lambda m: 'balance_dp' in m.options)}: arrange bins in steps over N data-parallel ranks, "
+    "balancing Σ len²."))
 @click.option("--dp-micro-batches", type=int, default=None,
               help="With --balance-dp: bins per rank per balanced step [default: 16].")
-@click.option("--shuffle/--no-shuffle", default=None,
-              help="Permute documents (seeded) before packing. Default: on for token-aware, off otherwise.")
+@click.option("--shuffle/--no-shuffle", default=None, cls=_MethodsHelp, methods_help=lambda ms: (
+    f"Permute documents (seeded) before packing. Default: on for {_named(ms, lambda m: m.default_shuffle)}, "
+    "off otherwise."))
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --shuffle.")
 @click.option("--force", is_flag=True, help="Rebuild the entry even if the cache has it.")
 @click.option("--allow-empty", is_flag=True,
@@ -238,10 +288,12 @@ def merge(datasets, output):
 @click.option("--mix", "mix", default=None, metavar="FILE.yaml",
               help="A blend: a YAML (or JSON) file naming datasets, their weights and optional category names "
                    "(instead of, or besides, DATASET@WEIGHT arguments).")
-@click.option("--total-tokens", type=int, default=None,
-              help="Size of a blend, or of a chunk pack (the stream repeated as needed), in tokens.")
-@click.option("--epochs", type=float, default=None,
-              help="Size in epochs instead: of the stream for chunk, of the largest share for a blend.")
+@click.option("--total-tokens", type=int, default=None, cls=_MethodsHelp, methods_help=lambda ms: (
+    f"Size of a blend, or of a {_named(ms, lambda m: m.fixed_length_samples, ' or ')} pack (the stream repeated "
+    "as needed), in tokens."))
+@click.option("--epochs", type=float, default=None, cls=_MethodsHelp, methods_help=lambda ms: (
+    f"Size in epochs instead: of the stream for {_named(ms, lambda m: m.fixed_length_samples)}, of the largest "
+    "share for a blend."))
 @click.option("--split", default=None, metavar="TRAIN,VALID",
               help="Hold out documents for validation, e.g. 99,1: whether a document is held out follows from a "
                    "hash of its dataset's content and its index alone (no seed, no pack option), so it stays on the "
@@ -256,11 +308,7 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     # deferred, as every command's: numba/numpy load only for the command run
     from xprep.prep.inspect import outcome_report, summary_lines, warning_lines
     from xprep.prep.interrupt import run_interruptibly
-    from xprep.prep.pack import (
-        PackConfig,  # deferred here and below: numba/numpy load only for the command run
-        parse_sources,
-        parse_split,
-    )
+    from xprep.prep.pack import PackConfig, parse_sources, parse_split
     from xprep.prep.pack import pack as run_pack
 
     paths, weights, options = parse_sources(datasets, mix)

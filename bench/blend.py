@@ -40,7 +40,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 from xprep.prep.pack import blend  # noqa: E402
-from xprep.prep.pack.kernels import shuffled_order  # noqa: E402
+from xprep.prep.pack.shuffle import shuffled_order  # noqa: E402
 
 CAPACITY = 8192
 SOURCES = 10

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from xprep.prep.dataset import MAX_CATEGORY, CategoryTable, TokenDataset
 from xprep.prep.errors import XprepError
-from xprep.prep.pack import PackBins, PackEntry, check_chunk_cp, open_entry
+from xprep.prep.pack import PackBins, PackEntry, check_chunk_cp, methods_of, open_entry
 from xprep.train.cp import padded_length, shard_batch
 
 IGNORE = -100
@@ -196,8 +196,10 @@ class PackedDataset:
 
 
 def is_chunk_pack(entry: PackEntry) -> bool:
-    """Whether the entry's bins are ``--method chunk`` samples (a blend's: all its sources are)."""
-    return entry.config.get("method") == "chunk"
+    """Whether the entry's bins are fixed-length samples of the document stream (``--method chunk``; a blend's:
+    all its sources are), by its method's registry entry."""
+    methods = methods_of(entry.config.get("method"), str(entry.path))
+    return bool(methods) and all(m.fixed_length_samples for m in methods)
 
 
 def check_cp_size(entry: PackEntry, cp_size: int) -> None:
@@ -211,7 +213,7 @@ def check_cp_size(entry: PackEntry, cp_size: int) -> None:
     if cp_size <= 1:
         return
     if is_chunk_pack(entry):
-        check_chunk_cp(entry.capacity, cp_size, "--cp", str(entry.path))
+        check_chunk_cp(entry.capacity, cp_size, "--cp", str(entry.path), method=entry.config["method"])
         return
     pack_cp = int(entry.config.get("cp_size") or 1)
     if pack_cp % cp_size or entry.capacity % (2 * cp_size):

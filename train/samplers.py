@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from xprep.prep.errors import XprepError
+from xprep.prep.pack import methods_of
 
 
 class BinSampler:
@@ -174,8 +175,8 @@ def plan_batches(num_bins: int, pack_config: dict, dp: int, micro_batch_size: in
     """
     group = int(pack_config.get("balance_dp") or 1)
     micro = micro_batch_size
-    if pack_config.get("method") == "token-aware" and micro != 1:  # a bin is sized to be one micro-batch
-        raise XprepError(f"--micro-batch-size {micro}: a token-aware pack's bin is one whole micro-batch "
+    if any(m.bin_is_micro_batch for m in methods_of(pack_config.get("method"))) and micro != 1:  # token-aware
+        raise XprepError(f"--micro-batch-size {micro}: a {pack_config['method']} pack's bin is one whole micro-batch "
                          "(its token budget); use --micro-batch-size 1 and raise --global-batch-size "
                          "for more bins per step")
     if group > 1:

@@ -444,7 +444,7 @@ def bins_table(r: dict, root: tuple = ()) -> str:
 
 
 def overlong_table(r: dict) -> str:
-    if r["config"]["method"] == "chunk":  # the stream cuts every document: nothing is overlong
+    if r["packing"]["fixed_length_samples"]:  # (chunk) the stream cuts every document: nothing is overlong
         return ""
     labels = {"overlong_documents": "overlong documents", "dropped_documents": "dropped documents",
               "dropped_tokens": "dropped tokens", "truncated_documents": "truncated documents",

@@ -22,6 +22,7 @@ from xprep.prep.pack import (
     DatasetChanged,
     PackEntry,
     doc_lengths,
+    methods_of,
     open_entry,
     range_bincount,
 )
@@ -51,6 +52,7 @@ def pack_report(path: str | Path) -> dict:
         "path": str(entry.path),
         "key": entry.key,
         "config": entry.config,
+        "packing": packing(entry.config, entry.path),
         "layout": entry.meta.get("layout"),
         "datasets": entry.meta["datasets"],
         "bins": n_bins,
@@ -84,6 +86,14 @@ def pack_report(path: str | Path) -> dict:
         "current": entry.path.name,
         "entries": entries,
     }
+
+
+def packing(config: dict, where: str | Path) -> dict:
+    """What the text and the HTML say of a plain pack's method, from its registry entry (they import nothing of the
+    pack stage): its help line, the option that sizes its bins, whether its bins are fixed-length samples. A
+    method this xprep does not know is an error naming the entry."""
+    method, = methods_of(config["method"], str(where))
+    return method.describe()
 
 
 _OVERLONG_KEYS = ("overlong_documents", "dropped_documents", "dropped_tokens", "truncated_documents",
@@ -214,9 +224,13 @@ def _entry_row(path: Path, current: bool, validation: bool = False) -> dict:
         return {**row, "status": "missing", "problem": problem}
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         return {**row, "status": "corrupt", "problem": "unreadable pack.json: re-run its `xprep pack` with --force"}
+    try:
+        flags = pack_flags(c, path)
+    except XprepError as e:  # a method registered by the process that packed it, not by this one
+        return {**row, "status": "unknown-method", "problem": str(e)}
     options = {k: c.get(k) for k in ("method", "capacity", "overlong", "cp_size", "shuffle", "seed",
                                      "group_size", "balance_dp", "dp_micro_batches")}
-    return {**row, "status": "ok", **options, "options": pack_flags(c), "bins": s["bins"], "fill": s["fill"],
+    return {**row, "status": "ok", **options, "options": flags, "bins": s["bins"], "fill": s["fill"],
             "documents_in": s["documents_in"],
             "documents_kept": s["documents_in"] - s["dropped_documents"] - s["empty_documents"]
             - (s.get("no_target") or {}).get("documents", 0),
@@ -225,13 +239,15 @@ def _entry_row(path: Path, current: bool, validation: bool = False) -> dict:
             "datasets": [d.get("path") for d in meta.get("datasets", [])]}
 
 
-def pack_flags(c: dict) -> str:
-    """The ``xprep pack`` options that made an entry: re-running with them makes it current (a hit)."""
-    capacity = "--max-tokens" if c["method"] == "token-aware" else "--seq-len"
+def pack_flags(c: dict, where: str | Path) -> str:
+    """The ``xprep pack`` options that made an entry (``where``): re-running with them makes it current (a hit).
+    The option that sizes the bins and the method's own options are its registry entry's (a blend's sources share
+    the first's capacity option, and show an option only when every one of them takes it)."""
+    methods = methods_of(c["method"], str(where))
     shuffle = f"--shuffle --seed {c['seed']}" if c.get("shuffle") else "--no-shuffle"
-    flags = [f"--method {c['method']}", f"{capacity} {c['capacity']}", f"--overlong {c['overlong']}",
+    flags = [f"--method {c['method']}", f"{methods[0].capacity_option} {c['capacity']}", f"--overlong {c['overlong']}",
              f"--cp-size {c.get('cp_size', 1)}", shuffle]
-    if c["method"] == "multipack":
+    if all("group_size" in m.options for m in methods):
         flags.append(f"--group-size {c['group_size']}")
     if c.get("balance_dp"):
         flags.append(f"--balance-dp {c['balance_dp']} --dp-micro-batches {c['dp_micro_batches']}")
@@ -313,14 +329,17 @@ def blend_row(path: Path) -> dict:
         sources = meta["sources"]
         if meta["seed"] is None:  # the validation blend of a --split mixture
             mix = " ".join(s["name"] for s in sources)
-            options = f"blend {mix}: every held-out bin once; each {pack_flags(meta['config'])}"
+            options = f"blend {mix}: every held-out bin once; each {pack_flags(meta['config'], path)}"
         else:
             mix = " ".join(f"{s['name']}@{s['weight']:g}" for s in sources)
-            options = f"blend {mix} {meta['size']['option']} --seed {meta['seed']}; each {pack_flags(meta['config'])}"
+            options = (f"blend {mix} {meta['size']['option']} --seed {meta['seed']}; each "
+                       f"{pack_flags(meta['config'], path)}")
         docs = sum(s["documents"] for s in sources)
         kept = sum(s.get("documents_delivered", s["documents_kept"]) for s in sources)  # what the blend delivers
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         return {"status": "corrupt", "problem": "unreadable blend.json: re-run its `xprep pack` with --force"}
+    except XprepError as e:  # a source packed by a method registered by the process that packed it, not this one
+        return {"status": "unknown-method", "problem": str(e)}
     return {"status": "ok", "method": "blend", "capacity": summary["capacity"], "options": options,
             "bins": summary["bins"], "fill": summary["fill"], "documents_in": docs, "documents_kept": kept,
             "tokens": summary["real_tokens"], "created": meta.get("created"),
@@ -339,7 +358,8 @@ def outcome_report(outcome) -> dict:
                                      "documents": sum(s["documents"] for s in v.meta["sources"])}}
     v = outcome.validation  # the --split validation entry
     return {"kind": "pack-outcome", "path": str(entry.path), "hit": outcome.hit, "seconds": outcome.seconds,
-            "capacity": entry.capacity, "config": entry.config, "stats": entry.meta["stats"],
+            "capacity": entry.capacity, "config": entry.config, "packing": packing(entry.config, entry.path),
+            "stats": entry.meta["stats"],
             "pack_seconds": entry.meta.get("pack_seconds"),
             "validation": v and {"path": str(v.path), "bins": v.meta["stats"]["bins"],
                                  "documents": v.meta["split"]["documents"]}}

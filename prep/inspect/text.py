@@ -446,9 +446,9 @@ def warning_lines(o: dict) -> list[str]:
                    f"{untrained_phrase(untrained)} with no target token (e.g. the pieces of a long prompt before its "
                    f"answer): nothing in them would be learned")
     removed = s["dropped_tokens"] + s["truncated_tokens"]
-    if config["method"] == "chunk" or not s["tokens_in"] or removed / s["tokens_in"] <= LOUD_TOKEN_SHARE:
+    if o["packing"]["fixed_length_samples"] or not s["tokens_in"] or removed / s["tokens_in"] <= LOUD_TOKEN_SHARE:
         return out  # chunk cuts no document: it leaves only the stream's tail short of one more sample
-    option = "--max-tokens" if config["method"] == "token-aware" else "--seq-len"
+    option = o["packing"]["capacity_option"]
     if config["overlong"] == "drop":
         how, fix = "dropped as overlong", f"raise {option} or use --overlong split|truncate"
     else:

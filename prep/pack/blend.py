@@ -26,6 +26,10 @@ order, each later one in a fresh permutation seeded by (seed, source, epoch). A 
 a seeded random subset of its bins, never a prefix of its packing (multipack orders bins longest first): the
 caller relabels its bins by a permutation (``orders``) and the blend takes the first ones of that order.
 A long blend is computed in two parts at once, on two cores, and is the same bin for bin (``Ahead``).
+
+The steps: ``blend_bins`` prepares the sources once (``BlendRun``: their bins, shares, and the output the kernel
+writes), and ``run_in_parts`` runs the kernel over it, the later epochs of repeated sources prepared beside the
+first part (``run_beside_later_epochs``) and a long blend's second part started ahead (``start_ahead``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 from numba import njit
-from xprep.prep.pack.kernels import shuffled_order
+from xprep.prep.pack.shuffle import shuffled_order
 
 MAX_SOURCES = 32_767  # sources are stored as int16, as Megatron stores its dataset index
 SPLIT_MIN_BINS = 4_000_000  # a blend of fewer bins runs in one part (see ``Ahead``)
@@ -128,7 +132,14 @@ def blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int
     orders = orders or [None] * len(bin_sizes)
     bin_sizes = [s if o is None or isinstance(s, int | np.integer) else np.asarray(s)[o]
                  for s, o in zip(bin_sizes, orders, strict=True)]
-    return relabel(_blend(bin_sizes, weights, unit, total_tokens, seed), orders)
+    job = BlendRun.of(bin_sizes, weights, unit, total_tokens, seed)
+    epochs = epochs_needed(job.weights, job.tokens, total_tokens, job.biggest)
+    taken, delivered = np.zeros(job.k, np.int64), np.zeros(job.k, np.float64)
+    n = run_in_parts(job, epochs, taken, delivered)
+    while n < 0:
+        epochs[-1 - n] *= 2  # rare: that source ran further ahead than prepared for; resume with more epochs
+        n = job.run(job.prepared(epochs), taken, delivered)
+    return relabel(job.result(n, taken, delivered), orders)
 
 
 def relabel(blend: Blend, orders: list[np.ndarray | None]) -> Blend:
@@ -146,93 +157,153 @@ def relabel(blend: Blend, orders: list[np.ndarray | None]) -> Blend:
     return blend
 
 
-def _blend(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int, total_tokens: int, seed: int
-           ) -> Blend:
-    weights = np.asarray(weights, np.float64) / np.sum(weights)
-    k = len(bin_sizes)
-    uniform = all(isinstance(s, int | np.integer) for s in bin_sizes)
-    if not uniform:
-        bin_sizes = [np.full(s, unit, np.int32) if isinstance(s, int | np.integer) else s for s in bin_sizes]
-    counts = np.array([s if uniform else len(s) for s in bin_sizes], np.int64)
-    tokens = counts * unit if uniform else np.array([int(np.sum(s, dtype=np.int64)) for s in bin_sizes], np.int64)
-    biggest = unit if uniform else max(int(np.max(s)) for s in bin_sizes)
-    smallest = unit if uniform else min(int(np.min(s)) for s in bin_sizes)
-    epochs = epochs_needed(weights, tokens, total_tokens, biggest)
-    index_dtype = np.int32 if counts.max() < 2**31 else np.int64
-    capacity = int(np.ceil(total_tokens / max(smallest, 1))) + k + 1
-    out_source = np.empty(capacity, np.int16)
-    out_index = np.empty(capacity, index_dtype)
-    taken, delivered = np.zeros(k, np.int64), np.zeros(k, np.float64)
+@dataclass
+class BlendRun:
+    """One blend being computed: its sources, prepared once, and the output the kernel writes into.
 
-    def first_epochs(epochs: list[int]) -> tuple:
+    ``sizes`` is None when every bin counts ``unit`` (``uniform``: the blend runs on bin counts); else each
+    source's bin sizes in the order it gives its first epoch. The greedy's state (``taken``, ``delivered``) is
+    not held here: the two parts of a long blend (``Ahead``) each keep their own.
+    """
+
+    weights: np.ndarray  # float64[k], normalized
+    unit: int
+    total_tokens: int
+    seed: int
+    sizes: list[np.ndarray] | None
+    counts: np.ndarray  # int64[k]: bins of each source (one epoch)
+    tokens: np.ndarray  # int64[k]: tokens (blend units) of each source's epoch
+    biggest: int  # the largest bin, and the smallest (in blend units)
+    smallest: int
+    index_dtype: type
+    capacity: int  # bins the output has room for: more than the blend can take
+    out_source: np.ndarray
+    out_index: np.ndarray
+
+    @classmethod
+    def of(cls, bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int, total_tokens: int, seed: int
+           ) -> BlendRun:
+        k = len(bin_sizes)
+        sizes = None
+        if not all(isinstance(s, int | np.integer) for s in bin_sizes):
+            sizes = [np.full(s, unit, np.int32) if isinstance(s, int | np.integer) else s for s in bin_sizes]
+        counts = np.array(list(bin_sizes) if sizes is None else [len(s) for s in sizes], np.int64)
+        tokens = counts * unit if sizes is None else np.array([int(np.sum(s, dtype=np.int64)) for s in sizes],
+                                                              np.int64)
+        biggest = unit if sizes is None else max(int(np.max(s)) for s in sizes)
+        smallest = unit if sizes is None else min(int(np.min(s)) for s in sizes)
+        index_dtype = np.int32 if counts.max() < 2**31 else np.int64
+        capacity = int(np.ceil(total_tokens / max(smallest, 1))) + k + 1
+        return cls(np.asarray(weights, np.float64) / np.sum(weights), unit, total_tokens, seed, sizes, counts,
+                   tokens, biggest, smallest, index_dtype, capacity, np.empty(capacity, np.int16),
+                   np.empty(capacity, index_dtype))
+
+    @property
+    def k(self) -> int:
+        return len(self.counts)
+
+    @property
+    def uniform(self) -> bool:
+        return self.sizes is None
+
+    def expected_bins(self) -> int:
+        """About how many bins the blend will take: the tokens over each source's mean bin size, by weight."""
+        return int(self.total_tokens * float(np.sum(self.weights / self.mean)))
+
+    @property
+    def mean(self) -> np.ndarray:
+        """Each source's mean bin size."""
+        return self.tokens / self.counts
+
+    def first_epochs(self, epochs: list[int]) -> tuple:
         """What the kernel needs before any source has given its first epoch (the sizes: room for them all)."""
-        sizes = (np.zeros(0, np.uint16), np.zeros(k + 1, np.int64)) if uniform else taken_sizes(
-            bin_sizes, counts, epochs, biggest)
-        return (np.zeros(1, index_dtype), np.zeros(k + 1, np.int64), *sizes)
+        sizes = (np.zeros(0, np.uint16), np.zeros(self.k + 1, np.int64)) if self.uniform else taken_sizes(
+            self.sizes, self.counts, epochs, self.biggest)
+        return (np.zeros(1, self.index_dtype), np.zeros(self.k + 1, np.int64), *sizes)
 
-    def later_on(first: tuple, epochs: list[int], threads=None) -> tuple:
+    def later_on(self, first: tuple, epochs: list[int], threads=None) -> tuple:
         """``first`` with the later epochs: their orders, and their sizes filled into its room."""
         _, _, sizes, size_offsets = first
-        later, later_offsets = later_epochs(counts, epochs, seed, index_dtype, threads)
-        if not uniform:
-            later_sizes(sizes, size_offsets, counts, later, later_offsets)
+        later, later_offsets = later_epochs(self.counts, epochs, self.seed, self.index_dtype, threads)
+        if not self.uniform:
+            later_sizes(sizes, size_offsets, self.counts, later, later_offsets)
         return later, later_offsets, sizes, size_offsets
 
-    def prepared(epochs: list[int]) -> tuple:
-        return later_on(first_epochs(epochs), epochs)
+    def prepared(self, epochs: list[int]) -> tuple:
+        """Every epoch's orders and sizes at once."""
+        return self.later_on(self.first_epochs(epochs), epochs)
 
-    def run(arrays: tuple, taken: np.ndarray, delivered: np.ndarray, max_bins: int = capacity) -> int:
+    def run(self, arrays: tuple, taken: np.ndarray, delivered: np.ndarray, max_bins: int | None = None) -> int:
+        """``greedy_blend`` from the state (``taken``, ``delivered``) over the ``arrays`` prepared, to ``max_bins``
+        bins in all (default: the end of the blend)."""
         later, later_offsets, sizes, size_offsets = arrays
-        if uniform:  # every bin counts 1; the blend ends at the bins that hold total_tokens
-            return greedy_blend(weights, 1.0, sizes, size_offsets, counts, later, later_offsets,
-                                float(-(-total_tokens // unit)), max_bins, out_source, out_index, taken, delivered)
-        return greedy_blend(weights, float(unit), sizes, size_offsets, counts, later, later_offsets,
-                            float(total_tokens), max_bins, out_source, out_index, taken, delivered)
+        max_bins = self.capacity if max_bins is None else max_bins
+        if self.uniform:  # every bin counts 1; the blend ends at the bins that hold total_tokens
+            return greedy_blend(self.weights, 1.0, sizes, size_offsets, self.counts, later, later_offsets,
+                                float(-(-self.total_tokens // self.unit)), max_bins, self.out_source, self.out_index,
+                                taken, delivered)
+        return greedy_blend(self.weights, float(self.unit), sizes, size_offsets, self.counts, later, later_offsets,
+                            float(self.total_tokens), max_bins, self.out_source, self.out_index, taken, delivered)
 
-    # A long blend runs in two parts at once, the second from a guess of the state where it starts (``Ahead``):
-    # from the middle, or where the first part stops to wait for the later epochs (then the middle of the rest).
-    mean = tokens / counts  # each source's mean bin size
-    expected = int(total_tokens * float(np.sum(weights / mean)))  # bins the blend will take, about
-    split = expected // 2 if expected >= SPLIT_MIN_BINS else capacity
-    ahead = None
+    def result(self, n: int, taken: np.ndarray, delivered: np.ndarray) -> Blend:
+        """The blend of ``n`` bins, with the state it ended in."""
+        return Blend(bin_source=self.out_source[:n], bin_index=self.out_index[:n], bins=taken,
+                     tokens=taken * self.unit if self.uniform else delivered.astype(np.int64),
+                     epochs=np.maximum(1, -(-taken // self.counts)))
+
+
+def run_in_parts(job: BlendRun, epochs: list[int], taken: np.ndarray, delivered: np.ndarray) -> int:
+    """Run the blend, a long one in two parts at once (the second from a guess of the state where it starts,
+    ``Ahead``): from the middle, or, when some source repeats, from where the first part stops to wait for the
+    later epochs (then the middle of the rest). Returns what ``greedy_blend`` does (negative: a source ran out)."""
+    expected = job.expected_bins()
+    split = expected // 2 if expected >= SPLIT_MIN_BINS else job.capacity
     with ThreadPoolExecutor(1, thread_name_prefix="xprep-blend") as pool:
-
-        def start_ahead(split: int) -> Ahead:
-            points = max(1, min(CHECK_POINTS, CHECK_STATES // k))
-            ahead = Ahead(run, weights, counts, mean, split, CHECK_EVERY, points)
-            ahead.future = pool.submit(ahead.run, arrays)
-            return ahead
-
         if max(epochs) > 1:
-            # The blend starts on the first epochs while the later epochs' orders and sizes are prepared in a thread
-            # beside it (the kernel holds no GIL; it reads no size of a later epoch before they are ready, nor uses
-            # one it reads there early); it stops when a source has given its first epoch, and resumes on them.
-            # The permutations run on one core beside the kernel (a loop split over every core would wait at each
-            # barrier on its share on the kernel's core), on every core once the kernel waits for them.
-            waiting = threading.Event()
-            arrays = first_epochs(epochs)
-            coming = pool.submit(later_on, arrays, epochs,
-                                 lambda: numba.config.NUMBA_NUM_THREADS if waiting.is_set() else 1)
-            n = run(arrays, taken, delivered, split)
-            waiting.set()
-            arrays = coming.result()
-            if n < 0 or n == split:  # not at the end yet: the rest in two parts, where enough is left
-                now = int(taken.sum())
-                split = now + (expected - now) // 2 if split < capacity else capacity
-                ahead = start_ahead(split) if split < capacity and split - now >= SPLIT_MIN_BINS // 2 else None
-                n = run(arrays, taken, delivered, split if ahead is not None else capacity)
+            n, arrays, ahead = run_beside_later_epochs(job, epochs, pool, split, taken, delivered)
         else:
-            arrays = prepared(epochs)
-            ahead = start_ahead(split) if split < capacity else None
-            n = run(arrays, taken, delivered, split)
+            arrays = job.prepared(epochs)
+            ahead = start_ahead(job, pool, arrays, split) if split < job.capacity else None
+            n = job.run(arrays, taken, delivered, split)
         if ahead is not None:
             n = ahead.join(n, arrays, taken, delivered)
-    while n < 0:
-        epochs[-1 - n] *= 2  # rare: that source ran further ahead than prepared for; resume with more epochs
-        n = run(prepared(epochs), taken, delivered)
-    return Blend(bin_source=out_source[:n], bin_index=out_index[:n], bins=taken,
-                 tokens=taken * unit if uniform else delivered.astype(np.int64),
-                 epochs=np.maximum(1, -(-taken // counts)))
+    return n
+
+
+def run_beside_later_epochs(job: BlendRun, epochs: list[int], pool: ThreadPoolExecutor, split: int,
+                            taken: np.ndarray, delivered: np.ndarray) -> tuple[int, tuple, Ahead | None]:
+    """Start the blend on the first epochs while the later epochs' orders and sizes are prepared in ``pool``
+    beside it; then go on over all of them, in two parts where enough is left. Returns (bins or a negative
+    ``greedy_blend`` code, the arrays, the second part if one runs).
+
+    The kernel holds no GIL; it reads no size of a later epoch before they are ready, nor uses one it reads
+    there early: it stops when a source has given its first epoch, and resumes on them. The permutations run on
+    one core beside the kernel (a loop split over every core would wait at each barrier on its share on the
+    kernel's core), on every core once the kernel waits for them.
+    """
+    waiting = threading.Event()
+    arrays = job.first_epochs(epochs)
+    coming = pool.submit(job.later_on, arrays, epochs,
+                         lambda: numba.config.NUMBA_NUM_THREADS if waiting.is_set() else 1)
+    n = job.run(arrays, taken, delivered, split)
+    waiting.set()
+    arrays = coming.result()
+    ahead = None
+    if n < 0 or n == split:  # not at the end yet: the rest in two parts, where enough is left
+        now = int(taken.sum())
+        split = now + (job.expected_bins() - now) // 2 if split < job.capacity else job.capacity
+        ahead = start_ahead(job, pool, arrays, split) if split < job.capacity and split - now >= SPLIT_MIN_BINS // 2 \
+            else None
+        n = job.run(arrays, taken, delivered, split if ahead is not None else job.capacity)
+    return n, arrays, ahead
+
+
+def start_ahead(job: BlendRun, pool: ThreadPoolExecutor, arrays: tuple, split: int) -> Ahead:
+    """The second part of the blend, from bin ``split``, started in ``pool``."""
+    points = max(1, min(CHECK_POINTS, CHECK_STATES // job.k))
+    ahead = Ahead(job.run, job.weights, job.counts, job.mean, split, CHECK_EVERY, points)
+    ahead.future = pool.submit(ahead.run, arrays)
+    return ahead
 
 
 class Ahead:

@@ -52,7 +52,8 @@ from xprep.prep.io import (
 )
 from xprep.prep.pack.config import PackConfig
 from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted
-from xprep.prep.pack.kernels import Packed, Targets, held_out, item_targets, pack_lengths
+from xprep.prep.pack.kernels import Packed, Targets, item_targets, pack_lengths
+from xprep.prep.pack.methods import packing_methods
 from xprep.prep.pack.mixture import (
     BlendEntry,
     blend_key,
@@ -67,6 +68,7 @@ from xprep.prep.pack.mixture import (
     shares,
     source_configs,
 )
+from xprep.prep.pack.shuffle import held_out
 
 PACK_VERSION = 2  # bump when the same options and data would pack differently (2: items with no target dropped)
 TRAIN, VALIDATION = "train", "validation"  # the parts of a --split pack
@@ -194,13 +196,15 @@ def _entry(root: Path, inputs: list[dict], config: PackConfig, force: bool, allo
 
 
 def check_sizing(config: PackConfig) -> None:
-    """--total-tokens / --epochs size a chunk pack or a blend (which never reaches here), nothing else."""
-    if config.method == "chunk":
+    """--total-tokens / --epochs size a pack of fixed-length samples (chunk) or a blend (which never reaches
+    here), nothing else."""
+    if config.spec.fixed_length_samples:
         return
     option = f"--total-tokens {config.total_tokens}" if config.total_tokens is not None else (
         f"--epochs {config.epochs:g}" if config.epochs is not None else None)
     if option:
-        raise XprepError(f"{option} sizes a --method chunk pack or a blend (DATASET@WEIGHT, --mix), not a "
+        sized = " or ".join(f"--method {m.name}" for m in packing_methods() if m.fixed_length_samples)
+        raise XprepError(f"{option} sizes a {sized} pack or a blend (DATASET@WEIGHT, --mix), not a "
                          f"--method {config.method} pack of every document once: leave it out")
 
 
@@ -430,11 +434,11 @@ def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool, part: st
         why, fix = "the input has no documents", "check the DATASET arguments (`xprep inspect DATASET`)"
     elif empty == n:
         why, fix = f"all {n:,} documents are empty", "re-tokenize with the right --text-field or --format"
-    elif config.method == "chunk" and (config.epochs is not None or config.total_tokens is not None):
+    elif config.spec.fixed_length_samples and (config.epochs is not None or config.total_tokens is not None):
         size = f"--epochs {config.epochs:g}" if config.epochs is not None else f"--total-tokens {config.total_tokens}"
         why, fix = (f"{size} asks for less than one sample of {opt} (which needs {config.capacity + 1:,} tokens of "
                     f"the {stats['tokens_in']:,}-token stream)", f"raise {size.split()[0]} or leave it out")
-    elif config.method == "chunk":
+    elif config.spec.fixed_length_samples:
         why, fix = (f"its stream of {stats['tokens_in']:,} tokens is too short for one sample of {opt} (which needs "
                     f"{config.capacity + 1:,})", f"lower {config.capacity_option} or repeat it with --total-tokens N")
     elif empty == 0:
@@ -466,7 +470,7 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
                 "layout": layout_of(config), "stats": packed.stats,
                 "pack_seconds": round(time.perf_counter() - t0, 3),
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
-        if config.method == "chunk":
+        if config.spec.fixed_length_samples:
             meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
         if split:
             meta["split"] = {**split, "documents": len(docs)}

@@ -1,7 +1,8 @@
 """``PackConfig``: what ``xprep pack`` packs and how, one field per option, checked once.
 
 Its own module so that the packing pipeline (``xprep.prep.pack.kernels``) takes it without importing the pack
-command (``xprep.prep.pack.cache``), which depends on that pipeline.
+command (``xprep.prep.pack.cache``), which depends on that pipeline. What differs between methods (what sizes
+the bins, which options apply, the defaults) is read from the method registry (``xprep.prep.pack.methods``).
 """
 
 from __future__ import annotations
@@ -10,26 +11,19 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from xprep.prep.errors import XprepError
+from xprep.prep.pack.methods import OVERLONG, PackingMethod, method_names, packing_method, with_option
 
-METHODS = ("sequential", "multipack", "token-aware", "chunk")
-OVERLONG = ("drop", "truncate", "split")
-# Pretraining text is usually packed in order and long documents are worth keeping (split);
-# SFT conversations lose meaning when cut, so the SFT-oriented methods drop them.
-DEFAULT_OVERLONG = {"sequential": "split", "multipack": "drop", "token-aware": "drop", "chunk": "split"}
-DEFAULT_SHUFFLE = {"sequential": False, "multipack": False, "token-aware": True, "chunk": False}
 DEFAULT_GROUP_SIZE = 100_000
 DEFAULT_DP_MICRO_BATCHES = 16  # a wider window balances micro-steps better (1.33 → 1.09 at 8 ranks)
 SOURCE_OPTIONS = ("method", "overlong")  # what one source of a blend may set for itself
-# Methods whose bins can share a blend: each bin is one row of --seq-len tokens, planned and read alike.
-BLENDABLE_METHODS = ("sequential", "multipack")
 
 
 @dataclass
 class PackConfig:
     """What to pack and how; one field per ``xprep pack`` option.
 
-    ``seq_len`` is the capacity of ``sequential``/``multipack`` bins, ``max_tokens`` the token
-    budget of a ``token-aware`` micro-batch. ``None`` fields take the method's default.
+    ``seq_len`` or ``max_tokens`` is the capacity of the bins, whichever the method is sized by
+    (``PackingMethod.sized_by``). ``None`` fields take the method's default.
     """
 
     method: str
@@ -50,45 +44,45 @@ class PackConfig:
     def __post_init__(self):
         self.defaulted = tuple(n for n in ("overlong", "shuffle", "group_size", "dp_micro_batches")
                                if getattr(self, n) is None)
-        if self.method not in METHODS:
-            raise XprepError(f"--method {self.method!r} is unknown: choose one of {', '.join(METHODS)}")
-        self._check_capacity_option()
-        self._check_method_options()
+        spec = packing_method(self.method)  # an unknown --method is an error here, before anything else
+        self._check_capacity_option(spec)
+        self._check_method_options(spec)
         self._check_size_options()
-        if self.method == "chunk":
-            self._check_chunk()
+        if spec.fixed_length_samples:
+            self._check_samples()
         if self.overlong is None:
-            self.overlong = DEFAULT_OVERLONG[self.method]
+            self.overlong = spec.default_overlong
         if self.overlong not in OVERLONG:
             raise XprepError(f"--overlong {self.overlong!r} is unknown: choose one of {', '.join(OVERLONG)}")
         if self.shuffle is None:
-            self.shuffle = DEFAULT_SHUFFLE[self.method]
+            self.shuffle = spec.default_shuffle
         if not 0 <= self.seed < 2**63:
             raise XprepError(f"--seed {self.seed}: use a seed in [0, 2**63)")
         self._check_cp()
 
-    def _check_capacity_option(self) -> None:
-        token_aware = self.method == "token-aware"
-        wanted, other = ("--max-tokens", "--seq-len") if token_aware else ("--seq-len", "--max-tokens")
-        if (self.seq_len if token_aware else self.max_tokens) is not None:
-            raise XprepError(
-                f"{other} does not apply to --method {self.method}: its bins are sized by {wanted}")
+    def _check_capacity_option(self, spec: PackingMethod) -> None:
+        wanted = spec.capacity_option
+        other = next(f for f in ("seq_len", "max_tokens") if f != spec.sized_by)
+        if getattr(self, other) is not None:
+            raise XprepError(f"--{other.replace('_', '-')} does not apply to --method {self.method}: its bins are "
+                             f"sized by {wanted}")
         value = self.capacity
         if value is None:
-            what = "the sample length in tokens" if self.method == "chunk" else "the bin capacity in tokens"
+            what = "the sample length in tokens" if spec.fixed_length_samples else "the bin capacity in tokens"
             raise XprepError(f"--method {self.method} needs {wanted} N ({what})")
         if value < 1:
             raise XprepError(f"{wanted} {value} must be a positive number of tokens")
 
-    def _check_method_options(self) -> None:
-        if self.method == "multipack":
+    def _check_method_options(self, spec: PackingMethod) -> None:
+        """The options only some methods take (``PackingMethod.options``): refused by the others, defaulted."""
+        for name in ("group_size", "balance_dp"):  # (dp_micro_batches goes with balance_dp, checked below)
+            if getattr(self, name) is not None and name not in spec.options:
+                raise XprepError(f"--{name.replace('_', '-')} applies only to --method "
+                                 f"{' or '.join(with_option(name))}, not {self.method}")
+        if "group_size" in spec.options:
             self.group_size = DEFAULT_GROUP_SIZE if self.group_size is None else self.group_size
             if self.group_size < 1:
                 raise XprepError(f"--group-size {self.group_size} must be ≥ 1 (documents per packing group)")
-        elif self.group_size is not None:
-            raise XprepError(f"--group-size applies only to --method multipack, not {self.method}")
-        if self.balance_dp is not None and self.method != "token-aware":
-            raise XprepError(f"--balance-dp applies only to --method token-aware, not {self.method}")
         if self.balance_dp is None:
             if self.dp_micro_batches is not None:
                 raise XprepError("--dp-micro-batches needs --balance-dp N")
@@ -112,13 +106,14 @@ class PackConfig:
         if self.epochs is not None and not 0 < self.epochs < float("inf"):
             raise XprepError(f"--epochs {self.epochs:g} must be a positive number of epochs, e.g. 1 or 2.5")
 
-    def _check_chunk(self) -> None:
-        """Options that mean nothing when documents are cut by the stream into --seq-len samples."""
+    def _check_samples(self) -> None:
+        """Options that mean nothing when documents are cut by the stream into --seq-len samples (chunk)."""
         if self.overlong not in (None, "split"):  # split is what chunk does (and what a rebuilt config holds)
-            raise XprepError(f"--overlong {self.overlong} does not apply to --method chunk: documents are walked as "
-                             "one stream cut into --seq-len samples, so none is dropped or truncated; leave it out")
+            raise XprepError(f"--overlong {self.overlong} does not apply to --method {self.method}: documents are "
+                             "walked as one stream cut into --seq-len samples, so none is dropped or truncated; "
+                             "leave it out")
         if self.cp_size > 1:
-            check_chunk_cp(self.seq_len, self.cp_size, "--cp-size")
+            check_chunk_cp(self.seq_len, self.cp_size, "--cp-size", method=self.method)
             # Context parallelism zigzags a chunk sample whole, unpadded (train/cp.py), so the samples are the same
             # for every C: --cp-size only checks that --seq-len splits into 2·C chunks, and `xtrain run --cp C`
             # takes any chunk pack whose --seq-len does. It is therefore neither recorded nor part of the cache key:
@@ -138,12 +133,17 @@ class PackConfig:
             )
 
     @property
+    def spec(self) -> PackingMethod:
+        """The registry's entry of ``method`` (``xprep.prep.pack.methods``)."""
+        return packing_method(self.method)
+
+    @property
     def capacity(self) -> int | None:
-        return self.max_tokens if self.method == "token-aware" else self.seq_len
+        return getattr(self, self.spec.sized_by)
 
     @property
     def capacity_option(self) -> str:
-        return "--max-tokens" if self.method == "token-aware" else "--seq-len"
+        return self.spec.capacity_option
 
     @property
     def align(self) -> int:
@@ -155,11 +155,7 @@ class PackConfig:
         fields = {"method": self.method, "capacity": self.capacity, "overlong": self.overlong,
                   "cp_size": self.cp_size, "shuffle": self.shuffle,
                   "seed": self.seed if self.shuffle else None}
-        if self.method == "multipack":
-            fields["group_size"] = self.group_size
-        if self.method == "token-aware":
-            fields["balance_dp"] = self.balance_dp
-            fields["dp_micro_batches"] = self.dp_micro_batches
+        fields.update(self.spec.option_values(self))  # the method's own options (the key sorts its fields)
         for name in ("total_tokens", "epochs", "split"):  # only when given: the keys of other packs stay as they were
             if name == "epochs" and self.epochs == 1:  # what the default sizes too: the same pack, the same key
                 continue
@@ -175,10 +171,10 @@ class PackConfig:
         method = method or self.method
         if overlong is None and "overlong" not in self.defaulted:
             overlong = self.overlong
-        if overlong is None and not masked and method != "chunk":
+        if overlong is None and not masked and not packing_method(method).fixed_length_samples:
             overlong = "split"
         kept = {n: getattr(self, n) for n in ("shuffle", "group_size", "dp_micro_batches") if n not in self.defaulted}
-        if method != "multipack":
+        if "group_size" not in packing_method(method).options:
             kept.pop("group_size", None)
         return PackConfig(method=method, seq_len=self.seq_len, max_tokens=self.max_tokens, overlong=overlong,
                           cp_size=self.cp_size, balance_dp=self.balance_dp, seed=self.seed, split=self.split, **kept)
@@ -197,17 +193,18 @@ def nearest_multiples(value: int, unit: int) -> list[int]:
     return [m for m in (below, below + unit) if m > 0 and m != value]
 
 
-def check_chunk_cp(seq_len: int, cp_size: int, flag: str, entry: str | None = None) -> None:
+def check_chunk_cp(seq_len: int, cp_size: int, flag: str, entry: str | None = None, *, method: str) -> None:
     """Refuse context parallelism over ``cp_size`` ranks on chunk samples of ``seq_len`` tokens unless 2·C divides it.
 
-    A chunk sample is exactly ``seq_len`` tokens of document pieces, with no room for padding: context
-    parallelism cuts it into 2·C equal chunks (train/cp.py). ``flag`` is the option that set C (``--cp-size``
-    when packing, ``--cp`` when training), ``entry`` the pack being trained on (None when packing).
+    A chunk sample (of a ``--method`` whose bins are ``fixed_length_samples``) is exactly ``seq_len`` tokens of
+    document pieces, with no room for padding: context parallelism cuts it into 2·C equal chunks (train/cp.py).
+    ``flag`` is the option that set C (``--cp-size`` when packing, ``--cp`` when training), ``entry`` the pack
+    being trained on (None when packing).
     """
     unit = 2 * cp_size
     if seq_len % unit == 0:
         return
-    what = f"the --seq-len of the --method chunk pack {entry}" if entry else "--seq-len with --method chunk"
+    what = f"the --seq-len of the --method {method} pack {entry}" if entry else f"--seq-len with --method {method}"
     near = " or ".join(str(m) for m in nearest_multiples(seq_len, unit))
     fix = f"repack it with --seq-len {near}" if entry else f"use --seq-len {near}"
     if seq_len % 2 == 0 and seq_len > 2:
@@ -236,7 +233,7 @@ def parse_split(text: str | None) -> tuple[int, int] | None:
 
 def check_source_option(key: str, value, where: str) -> None:
     """One per-source option of a blend (a mix file's ``method:``/``overlong:``, or ``DATASET@W:key=value``)."""
-    allowed = {"method": METHODS, "overlong": OVERLONG}.get(key)
+    allowed = {"method": method_names(), "overlong": OVERLONG}.get(key)
     if allowed is None:
         raise XprepError(f"{where}: unknown option {key!r}; a source may set {' and '.join(SOURCE_OPTIONS)}")
     if value not in allowed:

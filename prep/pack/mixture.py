@@ -51,9 +51,10 @@ from xprep.prep.formats import (
 from xprep.prep.fs import is_url
 from xprep.prep.io import read_json
 from xprep.prep.pack.blend import MAX_SOURCES, Blend, blend_bins, epoch_seed, relabel
-from xprep.prep.pack.config import BLENDABLE_METHODS, SOURCE_OPTIONS, PackConfig, check_source_option
+from xprep.prep.pack.config import SOURCE_OPTIONS, PackConfig, check_source_option
 from xprep.prep.pack.entry import CHECK_BLOCK, DamagedEntry, EntryMeta, PackEntry, load_arrays, open_packed, save_array
-from xprep.prep.pack.kernels import shuffled_order
+from xprep.prep.pack.methods import methods_of, packing_method, packing_methods
+from xprep.prep.pack.shuffle import shuffled_order
 
 BLEND_VERSION = 2  # bump when the same sources and options would blend differently (2: cut = random subset)
 BLEND_ARRAYS = ("bin_source", "bin_index")
@@ -200,7 +201,8 @@ def check_blend_config(config: PackConfig) -> None:
 
 def source_configs(sources: list[Source], config: PackConfig) -> list[PackConfig]:
     """How each source is packed (``PackConfig.for_source``), one epoch each (the blend repeats or cuts), checked
-    to blend: bins of one kind and size (``BLENDABLE_METHODS`` mix freely; chunk and token-aware only alone)."""
+    to blend: bins of one kind and size (methods that ``blends_with_others`` mix freely; the others, e.g. chunk
+    and token-aware, only with their own kind)."""
     configs = []
     for s in sources:
         try:
@@ -209,11 +211,12 @@ def source_configs(sources: list[Source], config: PackConfig) -> list[PackConfig
             raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
         configs.append(replace(c, total_tokens=None, epochs=None))
     methods = sorted({c.method for c in configs})
-    if len(methods) > 1 and not set(methods) <= set(BLENDABLE_METHODS):
-        odd = next(m for m in methods if m not in BLENDABLE_METHODS)
+    if len(methods) > 1 and not all(packing_method(m).blends_with_others for m in methods):
+        odd = next(m for m in methods if not packing_method(m).blends_with_others)
+        mixable = [m.name for m in packing_methods() if m.blends_with_others]
         raise XprepError(f"a blend cannot mix --method {odd} with {', '.join(m for m in methods if m != odd)}: "
                          f"{odd} bins are read differently by the trainer; give every source the same method, or "
-                         f"mix only {' and '.join(BLENDABLE_METHODS)} (e.g. text: method=sequential, overlong=split)")
+                         f"mix only {' and '.join(mixable)} (e.g. text: method={mixable[0]}, overlong=split)")
     return configs
 
 
@@ -233,7 +236,8 @@ def blend_unit(entries: list[PackEntry]) -> str:
     tokens of token-aware bins."""
     if any(e.meta.get("loss_mask") for e in entries):
         return UNIT_TARGETS
-    return UNIT_TOKENS if entries[0].config["method"] == "token-aware" else UNIT_CAPACITY
+    micro_batches = any(m.bin_is_micro_batch for m in methods_of(entries[0].config["method"], entries[0].path))
+    return UNIT_TOKENS if micro_batches else UNIT_CAPACITY
 
 
 def bin_sizes(entry: PackEntry, unit: str) -> np.ndarray | int:

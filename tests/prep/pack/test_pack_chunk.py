@@ -16,7 +16,8 @@ from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.pack.chunk import epoch_seed
 from xprep.prep.pack.config import PackConfig
 from xprep.prep.pack.entry import open_packed
-from xprep.prep.pack.kernels import pack_lengths, shuffled_order
+from xprep.prep.pack.kernels import pack_lengths
+from xprep.prep.pack.shuffle import shuffled_order
 from xprep.train.data import IGNORE, PackedDataset, _source, fill_items_reference, fill_items_upto
 
 

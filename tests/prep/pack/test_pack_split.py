@@ -14,7 +14,7 @@ from trainkit import make_dataset, random_docs
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.pack.cache import split_base, split_documents
 from xprep.prep.pack.entry import PackEntry, open_packed
-from xprep.prep.pack.kernels import held_out
+from xprep.prep.pack.shuffle import held_out
 
 METHODS = {
     "sequential": ("--method", "sequential", "--seq-len", 64),

@@ -7,25 +7,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from xprep.prep.errors import XprepError
-from xprep.prep.pack.cache import PackConfig
-from xprep.prep.pack.kernels import (
-    balance_dp_steps,
+from xprep.prep.pack.balance import balance_dp_steps, largest_differencing, step_imbalance
+from xprep.prep.pack.bins import (
     bin_sums,
     csr_from_bins,
-    document_order,
-    expand_items,
     first_fit_decreasing,
     gather_bins,
     grouped_ffd,
-    largest_differencing,
     next_fit,
-    pack_lengths,
-    range_bincount,
     repack_underfull,
-    shuffled_order,
-    step_imbalance,
-    take_items,
 )
+from xprep.prep.pack.cache import PackConfig
+from xprep.prep.pack.kernels import document_order, expand_items, pack_lengths, range_bincount, take_items
+from xprep.prep.pack.shuffle import shuffled_order
 
 FAST = settings(max_examples=60, deadline=None)
 lengths_st = st.lists(st.integers(0, 300), max_size=120)
