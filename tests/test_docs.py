@@ -181,3 +181,22 @@ def test_the_programs_own_options_are_in_the_readme_or_a_page():
     missing = [f"{group.name} {option}" for group in (xprep, xtrain) for option in option_names(group)
                if not mentions(text, option)]
     assert not missing, f"group options documented nowhere: {missing}"
+
+
+@pytest.mark.parametrize("stage", ["sources", "tokenizer", "chat", "tokenize", "dataset", "pack", "inspect"])
+def test_the_architecture_table_lists_each_stages_modules_and_surface(stage):
+    """docs/architecture.md's row of a stage names every module of it and exactly its ``__all__``: the page a new
+    engineer reads first stays the code's."""
+    import importlib
+
+    page = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    row = re.search(rf"^\| \[`prep/{stage}/`\]\(\.\./prep/{stage}\) \| (.*?) \| .*? \| (.*?) \|$", page, flags=re.M)
+    assert row, f"docs/architecture.md has no row for prep/{stage}/"
+    root = REPO_ROOT / "prep" / stage
+    modules = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
+               if p.name != "__init__.py" and "__pycache__" not in p.parts}
+    listed = set(re.findall(r"`([^`]+)`", row.group(1))) - {"assets/"}
+    assert listed == modules, (f"not listed: {sorted(modules - listed)}", f"listed, gone: {sorted(listed - modules)}")
+    surface = set(importlib.import_module(f"xprep.prep.{stage}").__all__)
+    shown = set(re.findall(r"`([^`]+)`", row.group(2)))
+    assert shown == surface, (f"not shown: {sorted(surface - shown)}", f"shown, not exported: {sorted(shown - surface)}")
