@@ -199,4 +199,4 @@ def test_the_architecture_table_lists_each_stages_modules_and_surface(stage):
     assert listed == modules, (f"not listed: {sorted(modules - listed)}", f"listed, gone: {sorted(listed - modules)}")
     surface = set(importlib.import_module(f"xprep.prep.{stage}").__all__)
     shown = set(re.findall(r"`([^`]+)`", row.group(2)))
-    assert shown == surface, (f"not shown: {sorted(surface - shown)}", f"shown, not exported: {sorted(shown - surface)}")
+    assert shown == surface, (f"not shown: {sorted(surface - shown)}", f"not exported: {sorted(shown - surface)}")
