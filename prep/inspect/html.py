@@ -7,6 +7,10 @@ are inline SVG (``prep/inspect/charts.py``), the style and the small script that
 are inlined from ``prep/inspect/assets/``, and a Content-Security-Policy forbids every fetch: the file opens from disk
 with no network, and its tables read without JavaScript. A section per dataset and per pack; the runs share one section
 whose charts overlay them (a dash pattern per run). A name (category or source) has one colour on the whole page.
+
+One module (over 500 lines) because a page is one thing: every section builder writes into the same page with the
+same tagging of values (``data-path``/``data-value``) and the same colour per name; the charts, the largest
+separable part, are already ``charts.py``'s.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ The modules that own the data build the reports as plain JSON-able dicts (``prep
 ``prep/inspect/pack_report.py``, ``train/report.py``); this module only renders them, so ``--json`` and the text
 show the same numbers, computed once. It imports nothing of the project: every report module may use it,
 and it depends on none of them.
+
+It is one module (over 500 lines) on purpose: the renderers of the five report kinds (dataset, pack, blend, run,
+lineage) share the primitives above them (tables, fields, counts, histograms, wrapping) and one wording, which a
+reader checks in one place. Its seam, when it grows, is one renderer module per report kind over those primitives.
 """
 
 from __future__ import annotations
