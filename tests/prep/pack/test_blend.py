@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from xprep.prep.pack import blend
-from xprep.prep.pack.blend import blend_bins, epoch_orders, epochs_needed, later_epochs
+from xprep.prep.pack.blend import blend_bins, epoch_orders, epoch_seed, epochs_needed, later_epochs
+from xprep.prep.pack.shuffle import shuffled_order
 
 
 def fixed(*counts: int, capacity: int = 8) -> list[np.ndarray]:
@@ -144,7 +145,10 @@ def reference_blend(bin_sizes: list, weights: np.ndarray, unit: int, total_token
         best = lags.index(max(lags))
         epoch = taken[best] // count[best]
         if (best, epoch) not in orders:
-            orders[best, epoch] = epoch_orders(count[best], epoch + 1, seed, best)[epoch * count[best]:]
+            # epoch e of a source: the pack's order, then one seeded permutation per later epoch (each drawn
+            # alone: asking epoch_orders for epochs 0..e at every new epoch was quadratic in the epochs)
+            orders[best, epoch] = (np.arange(count[best]) if epoch == 0
+                                   else shuffled_order(count[best], epoch_seed(seed, best, epoch)))
         b = int(orders[best, epoch][taken[best] % count[best]])
         sources.append(best)
         indices.append(b)
