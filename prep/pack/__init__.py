@@ -18,7 +18,8 @@ from xprep.prep.pack.methods import (
     register_method,
     unregister_method,
 )
-from xprep.prep.pack.mixture import BlendEntry, PackBins, doc_lengths, open_entry
+from xprep.prep.pack.mixture import BlendEntry, open_entry
+from xprep.prep.pack.reader import PackBins, doc_lengths
 
 __all__ = [
     "BlendEntry", "DatasetChanged", "MANIFEST", "PACK_JSON", "PackBins", "PackConfig", "PackEntry", "PackingMethod",

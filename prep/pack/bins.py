@@ -212,3 +212,11 @@ def gather_bins(offsets, perm):
             for k in range(offsets[old + 1] - offsets[old]):
                 items[new_offsets[b] + k] = offsets[old] + k
     return new_offsets, items
+
+
+def expand_ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(l, h) for l, h in zip(lo, hi)])``, without the Python loop."""
+    lo, counts = np.asarray(lo, np.int64), np.asarray(hi, np.int64) - np.asarray(lo, np.int64)
+    total = int(counts.sum())
+    starts = np.cumsum(counts) - counts
+    return np.repeat(lo - starts, counts) + np.arange(total, dtype=np.int64)

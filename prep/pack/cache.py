@@ -1,4 +1,4 @@
-"""Pack caches (entries described by schemas/pack.schema.json): cache keys, and atomic, locked publication.
+"""``xprep pack``: cache keys, and the entries found or built (described by schemas/pack.schema.json).
 
 ``pack(datasets, output, config)`` is the whole of ``xprep pack``:
 
@@ -17,21 +17,18 @@ part also with ``"part": "validation"``); the manifest's ``"validation"`` names 
 of the current one. The validation entry is built first, so an empty validation publishes nothing.
 
 A hit reads only the datasets' manifests (and re-hashes their token indexes) and memory-maps the
-entry. An entry that exists but does not open is reported as corrupt, never silently rebuilt.
+entry. An entry that exists but does not open is reported as corrupt, never silently rebuilt. The locks,
+temporary directories, renames and manifest.json that steps 3 and 4 use are ``xprep.prep.pack.publish``'s;
+a blend's sources are read by ``xprep.prep.pack.mixfile`` and ordered by ``xprep.prep.pack.mixture``.
 ``PackConfig`` is defined in ``xprep.prep.pack.config`` (the packing pipeline takes it too);
 ``from xprep.prep.pack.cache import PackConfig`` keeps working.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
-import os
-import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,21 +36,13 @@ from pathlib import Path
 import numpy as np
 from xprep.prep.dataset import TokenDataset, canonical_json, read_manifest, synced_from, verify_streams
 from xprep.prep.errors import XprepError, machine_errors
-from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
-from xprep.prep.interrupt import temporary
-from xprep.prep.io import (
-    TempDir,
-    check_output_dir,
-    fsync_dir,
-    fsync_tree,
-    read_json,
-    remove_stale_temps,
-    write_json_atomic,
-)
+from xprep.prep.formats import BLEND_JSON, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
+from xprep.prep.io import fsync_tree, write_json_atomic
 from xprep.prep.pack.config import PackConfig
 from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted
 from xprep.prep.pack.kernels import Packed, Targets, item_targets, pack_lengths
 from xprep.prep.pack.methods import packing_methods
+from xprep.prep.pack.mixfile import check_blend_config, read_sources, shares, source_configs
 from xprep.prep.pack.mixture import (
     BlendEntry,
     blend_key,
@@ -62,16 +51,22 @@ from xprep.prep.pack.mixture import (
     blend_unit,
     blend_units,
     build_blend,
-    check_blend_config,
-    doc_lengths,
-    read_sources,
-    shares,
-    source_configs,
 )
+from xprep.prep.pack.publish import (
+    VALIDATION,
+    building,
+    locked,
+    prepare_root,
+    publish,
+    refresh_paths,
+    remove_if_only_locks,
+    set_current,
+)
+from xprep.prep.pack.reader import doc_lengths
 from xprep.prep.pack.shuffle import held_out
 
 PACK_VERSION = 2  # bump when the same options and data would pack differently (2: items with no target dropped)
-TRAIN, VALIDATION = "train", "validation"  # the parts of a --split pack
+TRAIN = "train"  # the parts of a --split pack (VALIDATION: the other, named as in manifest.json)
 SPLIT_RULE = ("document d of dataset D is held out for validation when u(D, d) < VALID/(TRAIN+VALID), u = splitmix64 "
               "of (the first 8 bytes of sha256(D's fingerprint), d) as a fraction of 2**64: it depends on the "
               "dataset content and d alone")
@@ -88,6 +83,8 @@ def layout_of(config: PackConfig) -> str:
 
 
 # --------------------------------------------------------------------------------------------- keys
+
+
 def read_fingerprints(paths: list[str | Path]) -> list[dict]:
     """Path and fingerprint of each dataset, from its manifest (cheap: of the streams, only the token index is read).
 
@@ -125,6 +122,8 @@ def entry_name(config: PackConfig, key: str) -> str:
 
 
 # -------------------------------------------------------------------------------------------- pack
+
+
 @dataclass
 class PackOutcome:
     entry: PackEntry | BlendEntry
@@ -161,7 +160,7 @@ def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, fo
     if weights is not None or mix is not None:
         return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, localize, source_options)
     new_root = not Path(output).exists()
-    root = _prepare_root(Path(output))
+    root = prepare_root(Path(output))
     try:
         inputs = read_fingerprints(datasets)
         check_sizing(config)
@@ -172,12 +171,12 @@ def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, fo
         entry, hit = _entry(root, inputs, config, force, allow_empty, log, split, TRAIN)
     except BaseException:
         if new_root:
-            _remove_if_only_locks(root)
+            remove_if_only_locks(root)
         raise
-    entry = _refresh_paths(root, entry, inputs)
-    validation = validation and _refresh_paths(root, validation, inputs)
+    entry = refresh_paths(root, entry, inputs)
+    validation = validation and refresh_paths(root, validation, inputs)
     if make_current:
-        _set_current(root, entry, validation)
+        set_current(root, entry, validation)
     return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, validation=validation)
 
 
@@ -209,6 +208,8 @@ def check_sizing(config: PackConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------------- split
+
+
 def split_names(config: PackConfig, inputs: list[dict]) -> dict | None:
     """What pack.json records of a --split pack: the shares, the rule and both entries' names."""
     if config.split is None:
@@ -236,6 +237,8 @@ def split_documents(datasets: list[dict], split: tuple[int, int]) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------- blend
+
+
 def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
                 log: Callable[[str], None], weights: list[float] | None, mix: str | None, allow_empty: bool,
                 localize: Callable[[str], str] | None = None, source_options: list[dict] | None = None
@@ -264,7 +267,7 @@ def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConf
         held_out = [o.validation for o in outcomes]
         validation, _ = _blend_once(root, sources, held_out, config, sum(blend_units(e, unit) for e in held_out),
                                     "validation", force, log, every_bin_once=True)
-    _set_current(root, entry, validation)
+    set_current(root, entry, validation)
     return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, sources=outcomes,
                        validation=validation)
 
@@ -278,7 +281,7 @@ def _blend_once(root: Path, sources: list, entries: list[PackEntry], config: Pac
     entry = None if force else _open_blend(root / name, key, log)
     if entry is not None:
         return entry, True
-    with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
+    with locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
         entry = None if force else _open_blend(root / name, key, log)
         if entry is not None:
             return entry, True
@@ -306,81 +309,25 @@ def _open_blend(path: Path, key: str, log: Callable[[str], None]) -> BlendEntry 
 def _build_blend(root: Path, name: str, sources: list, entries: list[PackEntry], config: PackConfig, key: str,
                  total: int, size_option: str, every_bin_once: bool = False) -> BlendEntry:
     """Blend into a fresh temp directory, blend.json last, and publish it by rename (the caller holds the lock)."""
-    with _building(root, name) as claim:
+    with building(root, name) as claim:
         tmp = claim.path
         blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
         BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
                    sources=entries).write_arrays(tmp)
         write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable
         fsync_tree(tmp)
-        _publish(claim, root / name)
+        publish(claim, root / name)
     return BlendEntry.open(root / name)
 
-
-@contextmanager
-def _building(root: Path, name: str) -> Iterator[TempDir]:
-    """A fresh temporary directory to build entry ``name`` in (the caller holds the entry's lock), removed if the
-    build fails. First removed: earlier builds' temporaries whose owner is gone (``xprep.prep.io.owner_gone``: never one
-    of another host, where this lock may not reach) and old entries a publisher moved aside and died before
-    removing (it removes them under this lock)."""
-    remove_stale_temps(root, f".tmp-{name}-*")
-    for old in root.glob(f".old-{name}-*"):
-        shutil.rmtree(old, ignore_errors=True)
-    claim = TempDir(root, f".tmp-{name}-{os.getpid()}-")
-    try:
-        with temporary(claim.path):
-            yield claim
-    except BaseException:
-        shutil.rmtree(claim.path, ignore_errors=True)
-        raise
-    finally:
-        claim.release()
-
-
-def _remove_if_only_locks(root: Path) -> None:
-    """Undo a cache directory this command created and failed to fill, unless another command now uses it.
-
-    A lock another process holds (or waits on) stays, and so does the directory: only free locks are removed.
-    """
-    with contextlib.suppress(OSError):
-        children = list(root.iterdir())
-        if not all(p.name.startswith(".") and p.name.endswith(".lock") for p in children):
-            return
-        for lock in children:
-            with open(lock, "rb") as f:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    return  # in use: leave the directory to that command
-                lock.unlink()
-        root.rmdir()
 
 def _build_once(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig, force: bool,
                 allow_empty: bool, log: Callable[[str], None], split: dict | None = None) -> tuple[PackEntry, bool]:
     """Build under the entry's lock; whoever waited for a builder finds its entry (a hit)."""
-    with _locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
+    with locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
         entry = None if force else _open_existing(root / name, key, inputs, log)
         if entry is not None:
             return entry, True
         return _build(root, name, key, inputs, config, allow_empty, split), False
-
-
-def _prepare_root(root: Path) -> Path:
-    """The cache directory: created if needed, refused if it is something else or cannot be made."""
-    check_output_dir(root, option="-o", allow_nonempty=True)  # a cache accumulates entries
-    manifest = root / MANIFEST
-    if manifest.is_file():
-        fmt = _read_cache_manifest(manifest).get("format")
-        if fmt != PACK_FORMAT:
-            raise XprepError(f"-o {root}: holds a {fmt!r} manifest, not a pack cache; choose another -o")
-    elif root.is_dir() and any(not _ours(p) for p in root.iterdir()):
-        raise XprepError(f"-o {root}: exists and is not a pack cache (no {MANIFEST}); choose another -o")
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def _ours(p: Path) -> bool:
-    return p.name.startswith(".") or (p / PACK_JSON).is_file() or (p / BLEND_JSON).is_file()
 
 
 def _open_existing(path: Path, key: str, inputs: list[dict], log: Callable[[str], None]) -> PackEntry | None:
@@ -400,22 +347,6 @@ def _open_existing(path: Path, key: str, inputs: list[dict], log: Callable[[str]
         raise XprepError(f"{path}: its pack.json has key {entry.meta.get('key')!r}, not {key!r}: "
                          "the entry is corrupt; re-run with --force")
     return entry
-
-
-@contextmanager
-def _locked(path: Path, on_wait: Callable[[], None] = lambda: None) -> Iterator[None]:
-    """Hold an exclusive flock on ``path`` (released by the kernel if the process dies); ``on_wait`` runs
-    first when another process holds it."""
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            on_wait()
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool, part: str | None = None) -> None:
@@ -451,13 +382,15 @@ def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool, part: st
 
 
 # ------------------------------------------------------------------------------------------- build
+
+
 def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig,
            allow_empty: bool = False, split: dict | None = None) -> PackEntry:
     """Pack into a fresh temp directory and publish it by rename (the caller holds the lock).
 
     ``split``: what ``split_names`` gives plus the ``part`` to pack; None packs every document.
     """
-    with _building(root, name) as claim:
+    with building(root, name) as claim:
         datasets = open_fingerprinted(inputs, root / name, since="`xprep pack` started")
         lengths, described = _load_lengths(inputs, datasets)
         t0 = time.perf_counter()
@@ -475,7 +408,7 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
         if split:
             meta["split"] = {**split, "documents": len(docs)}
         _write_entry(claim.path, packed, meta)
-        _publish(claim, root / name)
+        publish(claim, root / name)
     return PackEntry.open(root / name)
 
 
@@ -529,61 +462,3 @@ def _mark_complete(tmp: Path, meta: dict) -> None:
     """Write pack.json (``"complete": true``) and make the whole entry durable before it is published."""
     write_json_atomic(tmp / PACK_JSON, meta, durable=False)  # fsync_tree makes all of it durable
     fsync_tree(tmp)
-
-
-def _publish(tmp: TempDir, final: Path) -> None:
-    """Rename the finished directory into place (its owner record gone first), moving a forced-out (or damaged) old
-    entry aside first."""
-    tmp.release()
-    fsync_dir(tmp.path)
-    old = final.with_name(f".old-{final.name}-{os.getpid()}")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp.path, final)
-    shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(final.parent)
-
-
-# ---------------------------------------------------------------------------------------- manifest
-def _refresh_paths(root: Path, entry: PackEntry, inputs: list[dict]) -> PackEntry:
-    """Same data found at other paths (moved or copied): point the entry at the paths given now."""
-    def where(d: dict) -> tuple:
-        return d["path"], d.get("url")
-
-    if [where(d) for d in entry.meta["datasets"]] == [where(d) for d in inputs]:
-        return entry
-    with _locked(root / f".{entry.path.name}.lock"):
-        meta = dict(entry.meta)
-        meta["datasets"] = [{**{k: v for k, v in old.items() if k != "url"}, **new} for old, new in
-                            zip(entry.meta["datasets"], inputs, strict=True)]
-        write_json_atomic(entry.path / PACK_JSON, meta)
-    return PackEntry.open(entry.path)
-
-
-def _set_current(root: Path, entry: PackEntry | BlendEntry, validation: PackEntry | BlendEntry | None = None
-                 ) -> None:
-    """Record the entry (and its --split validation entry) in ``manifest.json`` and make it the current one:
-    ``"current"`` names it, ``"validation"`` its validation entry (absent without one). Atomic, locked."""
-    with _locked(root / ".manifest.lock"):
-        path = root / MANIFEST
-        empty = {"format": PACK_FORMAT, "current": None, "entries": {}}
-        manifest = _read_cache_manifest(path) if path.is_file() else empty
-        for e in (entry, validation) if validation else (entry,):
-            manifest["entries"][e.path.name] = e.manifest_row()
-        if validation:  # which validation entry belongs to it, for a run that resumes on it once it is not current
-            manifest["entries"][entry.path.name][VALIDATION] = validation.path.name
-        manifest["current"] = entry.path.name
-        if validation:
-            manifest[VALIDATION] = validation.path.name
-        else:
-            manifest.pop(VALIDATION, None)
-        write_json_atomic(path, manifest)
-
-
-def _read_cache_manifest(path: Path) -> dict:
-    """The pack cache's manifest.json; one that does not read as a JSON object is corrupt."""
-    fix = "delete it (entries are kept) and re-run"
-    manifest = read_json(path, "pack cache manifest", fix)
-    if not isinstance(manifest, dict):
-        raise XprepError(f"{path}: corrupt (not a JSON object); {fix}")
-    return manifest

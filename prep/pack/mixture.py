@@ -1,4 +1,4 @@
-"""Blends: ``xprep pack DATASET@WEIGHT ...`` or ``--mix FILE``, and reading any pack's bins as items.
+"""Blends: the order in which a mixture takes bins from its sources, and the blend entry that records it.
 
 A blend packs each source on its own (a plain entry of the same PACKED directory, so every mixture that
 uses a dataset with the same options shares it), then orders bins from the sources with Megatron's greedy
@@ -13,217 +13,36 @@ rule (``xprep.prep.pack.blend``), weights in tokens. The blend is an entry of it
 Key = sha256 of canonical JSON over the blend version, the source entries' keys, names and normalized
 weights, the seed and the size in tokens. Size: ``--total-tokens N``, or ``--epochs E`` (default 1) of the
 source with the largest weight: ``total = E · tokens(that source) / its share``. A bin counts its capacity,
-or its tokens for token-aware (then the unit of the greedy rule is the token budget).
+or its tokens for a method whose bins are micro-batches (token-aware: then the unit of the greedy rule is the
+token budget).
 
-Mix file, YAML (needs PyYAML) or JSON (``schemas/mix.schema.json``)::
-
-    sources:
-      - dataset: data/web   # a token dataset; a relative path is read from the mix file's directory
-        weight: 0.7         # > 0, a share of tokens (normalized over the sources)
-        name: web           # optional: the source's name in per-source loss and reports [default: directory name]
-
-``PackBins`` reads a plain entry or a blend as bins of (document, start, length) items over one global
-document index, each bin knowing its source: the trainer's dataset and ``xprep inspect --seen`` use it.
+The sources themselves (``--mix`` files, ``DATASET@WEIGHT`` arguments) are read by ``xprep.prep.pack.mixfile``;
+any entry, plain or blend, is read as bins of items by ``xprep.prep.pack.reader.PackBins``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-from xprep.prep.dataset import TokenDataset, canonical_json
+from xprep.prep.dataset import canonical_json
 from xprep.prep.errors import XprepError
-from xprep.prep.formats import (
-    BLEND_JSON,
-    DATASET_FORMAT,
-    LOSS_MASK_STREAM,
-    MANIFEST,
-    PACK_FORMAT,
-    PACK_JSON,
-    declared_format,
-)
-from xprep.prep.fs import is_url
+from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, declared_format
 from xprep.prep.io import read_json
-from xprep.prep.pack.blend import MAX_SOURCES, Blend, blend_bins, epoch_seed, relabel
-from xprep.prep.pack.config import SOURCE_OPTIONS, PackConfig, check_source_option
+from xprep.prep.pack.bins import expand_ranges
+from xprep.prep.pack.blend import Blend, blend_bins, epoch_seed, relabel
+from xprep.prep.pack.config import PackConfig
 from xprep.prep.pack.entry import CHECK_BLOCK, DamagedEntry, EntryMeta, PackEntry, load_arrays, open_packed, save_array
-from xprep.prep.pack.methods import methods_of, packing_method, packing_methods
+from xprep.prep.pack.methods import methods_of
+from xprep.prep.pack.mixfile import Source, shares
 from xprep.prep.pack.shuffle import shuffled_order
 
 BLEND_VERSION = 2  # bump when the same sources and options would blend differently (2: cut = random subset)
 BLEND_ARRAYS = ("bin_source", "bin_index")
-MIX_KEYS = {"dataset", "weight", "name", *SOURCE_OPTIONS}
-
-
-# -------------------------------------------------------------------------------------------- sources
-@dataclass
-class Source:
-    """One dataset of a blend: where it is, its weight (a share of tokens, not normalized), its name, and the
-    packing options it overrides (``method``, ``overlong``; None: the command's, see ``PackConfig.for_source``)."""
-
-    path: Path
-    weight: float
-    name: str
-    method: str | None = None
-    overlong: str | None = None
-
-
-def read_sources(paths: list[str], weights: list[float] | None, mix: str | None,
-                 localize: Callable[[str], str] | None = None, options: list[dict] | None = None) -> list[Source]:
-    """The sources of a blend: the ``--mix`` file's, then the ``DATASET@WEIGHT[:key=value,...]`` arguments
-    (``options``: each argument's keys); all checked (weights, names, options, datasets present, one tokenizer)
-    before anything is packed. ``localize`` maps a dataset URL of the mix file to the local copy to pack (the
-    CLI syncs it into the cache directory)."""
-    sources = read_mix(mix, localize) if mix is not None else []
-    options = options or [{} for _ in paths]
-    sources += [Source(Path(p), float(w), Path(p).resolve().name, **o)
-                for p, w, o in zip(paths, weights or [], options, strict=True)]
-    where = f"--mix {mix}" if mix is not None else "the blend"
-    if len(sources) > MAX_SOURCES:
-        raise XprepError(f"{where}: {len(sources):,} sources, more than {MAX_SOURCES:,}; merge some datasets first")
-    seen_names, seen_paths = {}, {}
-    for s in sources:
-        check_dataset(s, where)
-        resolved = str(s.path.resolve())
-        if resolved in seen_paths:
-            raise XprepError(f"{where}: dataset {s.path} is listed twice ({seen_paths[resolved]} and {s.name}); "
-                             "list each dataset once, with the sum of its weights")
-        if s.name in seen_names:
-            raise XprepError(f"{where}: two sources are named {s.name!r} ({seen_names[s.name]} and {s.path}); "
-                             "give them distinct names (`name:` in a mix file)")
-        seen_paths[resolved], seen_names[s.name] = s.name, s.path
-    check_one_tokenizer(sources)
-    return sources
-
-
-def read_mix(mix: str, localize: Callable[[str], str] | None = None) -> list[Source]:
-    """The sources a mix file lists; every mistake is one error naming the file and the source."""
-    path = Path(mix)
-    data = _load_mix(path)
-    listed = data.get("sources") if isinstance(data, dict) else None
-    if not isinstance(listed, list) or not listed:
-        raise XprepError(f"--mix {mix}: expected a mapping with a non-empty list `sources:` of "
-                         "{dataset, weight, name?} (see schemas/mix.schema.json)")
-    extra = set(data) - {"sources"}
-    if extra:
-        raise XprepError(f"--mix {mix}: unknown key {sorted(extra)[0]!r} at the top; only `sources:` is read")
-    return [_mix_source(item, i, path, localize) for i, item in enumerate(listed)]
-
-
-def _load_mix(path: Path):
-    if not path.is_file():
-        raise XprepError(f"--mix {path}: no such file; give a YAML or JSON mix file")
-    if path.suffix.lower() not in (".yaml", ".yml"):
-        return read_json(path, "mix file", "fix it, or write it as YAML (.yaml)")
-    try:
-        import yaml  # optional dependency (the yaml extra): only YAML mix files need it
-    except ImportError:
-        raise XprepError(f"--mix {path}: reading YAML needs PyYAML, which is not installed: pip install pyyaml "
-                         "(or pip install 'xprep[yaml]'), or write the mix file as JSON") from None
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise XprepError(f"--mix {path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
-
-
-def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None = None) -> Source:
-    where = f"--mix {path}: source #{i + 1}"
-    if not isinstance(item, dict):
-        raise XprepError(f"{where}: expected a mapping {{dataset, weight, name?}}, got {item!r}")
-    unknown = set(item) - MIX_KEYS
-    if unknown:
-        raise XprepError(f"{where}: unknown key {sorted(unknown)[0]!r}; a source has dataset, weight, name, "
-                         "method and overlong")
-    dataset, weight, name = item.get("dataset"), item.get("weight"), item.get("name")
-    options = {k: item[k] for k in SOURCE_OPTIONS if k in item}
-    for key, value in options.items():
-        check_source_option(key, value, f"{where} ({dataset})")
-    if not isinstance(dataset, str) or not dataset:
-        raise XprepError(f"{where}: `dataset:` must name a token dataset directory")
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not (0 < weight < math.inf):
-        raise XprepError(f"{where} ({dataset}): the weight {weight!r} must be a positive number")
-    if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise XprepError(f"{where} ({dataset}): `name:` must be a non-empty string")
-    if is_url(dataset):  # an object-store dataset: packed from its local copy, named after the URL
-        if localize is None:
-            raise XprepError(f"{where}: {dataset} is a URL; give the mix file to `xprep pack --mix`, which copies "
-                             "URL datasets into its --cache-dir")
-        return Source(Path(localize(dataset)), float(weight), name or dataset.rstrip("/").rsplit("/", 1)[-1],
-                      **options)
-    full = Path(dataset) if Path(dataset).is_absolute() else path.parent / dataset
-    return Source(full, float(weight), name or full.resolve().name, **options)
-
-
-def check_dataset(source: Source, where: str) -> None:
-    """The source is a token dataset, or one error naming it."""
-    manifest = source.path / MANIFEST
-    if not manifest.is_file():
-        raise XprepError(f"{where}: source {source.name!r}: {source.path} is not a token dataset (no {MANIFEST}); "
-                         "check the path (a mix file's relative paths are read from its directory)")
-    fmt = declared_format(manifest)
-    if fmt != DATASET_FORMAT:
-        raise XprepError(f"{where}: source {source.name!r}: {source.path} holds a {fmt!r} manifest, not a token "
-                         "dataset's; blend token datasets (written by `xprep tokenize`)")
-
-
-def check_one_tokenizer(sources: list[Source]) -> None:
-    """All sources of a blend share a tokenizer: their token ids end up in the same batches."""
-    first = None
-    for s in sources:
-        manifest = read_json(s.path / MANIFEST, "dataset manifest", "re-run `xprep tokenize`")
-        sha = (manifest.get("tokenizer") or {}).get("sha256") if isinstance(manifest, dict) else None
-        if first is None:
-            first = (s, sha)
-        elif sha != first[1]:
-            raise XprepError(f"blend sources {first[0].name!r} ({first[0].path}) and {s.name!r} ({s.path}) were "
-                             "tokenized with different tokenizers (tokenizer.json sha256 differs): blend datasets "
-                             "of one tokenizer, or re-tokenize")
-
-
-def check_blend_config(config: PackConfig) -> None:
-    """Options that cannot apply to a blend, refused before any work."""
-    if config.balance_dp:
-        raise XprepError("--balance-dp does not apply to a blend: the blend interleaves the sources' bins, which "
-                         "would break the per-rank steps; drop --balance-dp")
-    if config.total_tokens is not None and config.total_tokens < 1:
-        raise XprepError(f"--total-tokens {config.total_tokens} must be a positive number of tokens")
-    if config.epochs is not None and not 0 < config.epochs < math.inf:
-        raise XprepError(f"--epochs {config.epochs} must be a positive number")
-    if config.total_tokens is not None and config.epochs is not None:
-        raise XprepError("--total-tokens and --epochs both size the blend: give one")
-
-
-def source_configs(sources: list[Source], config: PackConfig) -> list[PackConfig]:
-    """How each source is packed (``PackConfig.for_source``), one epoch each (the blend repeats or cuts), checked
-    to blend: bins of one kind and size (methods that ``blends_with_others`` mix freely; the others, e.g. chunk
-    and token-aware, only with their own kind)."""
-    configs = []
-    for s in sources:
-        try:
-            c = config.for_source(s.method, s.overlong, has_loss_mask(s.path))
-        except XprepError as e:
-            raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
-        configs.append(replace(c, total_tokens=None, epochs=None))
-    methods = sorted({c.method for c in configs})
-    if len(methods) > 1 and not all(packing_method(m).blends_with_others for m in methods):
-        odd = next(m for m in methods if not packing_method(m).blends_with_others)
-        mixable = [m.name for m in packing_methods() if m.blends_with_others]
-        raise XprepError(f"a blend cannot mix --method {odd} with {', '.join(m for m in methods if m != odd)}: "
-                         f"{odd} bins are read differently by the trainer; give every source the same method, or "
-                         f"mix only {' and '.join(mixable)} (e.g. text: method={mixable[0]}, overlong=split)")
-    return configs
-
-
-def has_loss_mask(dataset: Path) -> bool:
-    """Whether a token dataset has a loss-mask stream (SFT data: some tokens are not targets)."""
-    manifest = read_json(dataset / MANIFEST, "dataset manifest", "re-run `xprep tokenize`")
-    return LOSS_MASK_STREAM in (manifest.get("streams") or {})
 
 
 # ------------------------------------------------------------------------------------------- planning
@@ -268,11 +87,6 @@ def blend_units(entry: PackEntry, unit: str) -> int:
     if unit == UNIT_TARGETS:
         return int(_targets(entry).sum(dtype=np.int64))
     return entry.num_bins * entry.capacity if unit == UNIT_CAPACITY else int(entry.meta["stats"]["tokens"])
-
-
-def shares(sources: list[Source]) -> np.ndarray:
-    weights = np.array([s.weight for s in sources], np.float64)
-    return weights / weights.sum()
 
 
 def blend_total(config: PackConfig, shares_: np.ndarray, tokens: list[int]) -> tuple[int, str]:
@@ -422,6 +236,8 @@ def _source_row(s: Source, e: PackEntry, share: float, total: int, blend: Blend,
 
 
 # ---------------------------------------------------------------------------------------------- entry
+
+
 @dataclass
 class BlendEntry(EntryMeta):
     """One immutable blend: bin j is bin ``bin_index[j]`` of source entry ``bin_source[j]``."""
@@ -504,95 +320,6 @@ def open_entry(packed: str | Path) -> PackEntry | BlendEntry:
         if isinstance(current, str) and (packed / current / BLEND_JSON).is_file():
             return BlendEntry.open(packed / current)
     return open_packed(packed)
-
-
-# ----------------------------------------------------------------------------------------------- bins
-def _view(a: np.ndarray) -> np.ndarray:
-    """A plain ndarray view of a memory map: slicing np.memmap objects is several times slower."""
-    return np.asarray(a).view(np.ndarray)
-
-
-class PackBins:
-    """The bins of a plain entry or of a blend, as (document, start, length) items over one global document
-    index: the datasets of source 0's entry, then source 1's, and so on. Every bin knows its source (0 for
-    a plain pack, whose one source is named after its dataset)."""
-
-    def __init__(self, entry: PackEntry | BlendEntry, verify_data: bool = False):
-        self.entry = entry
-        blend = isinstance(entry, BlendEntry)
-        self.parts = entry.sources if blend else [entry]
-        self.source_names = entry.source_names if blend else [_plain_name(entry)]
-        self.bin_source = _view(entry.bin_source) if blend else None
-        self.bin_index = _view(entry.bin_index) if blend else None
-        self.datasets: list[TokenDataset] = []
-        self.dataset_source: list[int] = []  # the source of each dataset
-        self.part_base: list[int] = []  # global index of each source's first document
-        self.part_docs: list[int] = []  # documents of each source
-        for s, part in enumerate(self.parts):
-            self.part_base.append(sum(len(d) for d in self.datasets))
-            opened = part.open_datasets(verify_data)
-            part.check_items(doc_lengths(opened))  # every item inside its document: the trainer slices by them
-            self.datasets += opened
-            self.dataset_source += [s] * len(opened)
-            self.part_docs.append(sum(len(d) for d in opened))
-        self.doc_base = np.cumsum([0, *(len(d) for d in self.datasets)]).astype(np.int64)
-        self._arrays = [tuple(_view(getattr(p, n)) for n in ("bin_offsets", "item_doc", "item_start", "item_len"))
-                        for p in self.parts]
-
-    @property
-    def num_bins(self) -> int:
-        return self.entry.num_bins
-
-    def locate(self, b: int) -> tuple[int, int]:
-        """(source, bin of that source's entry) of bin ``b``."""
-        if self.bin_source is None:
-            return 0, b
-        return int(self.bin_source[b]), int(self.bin_index[b])
-
-    def items(self, b: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """(source, global documents, starts, lengths) of the items of bin ``b``."""
-        s, i = self.locate(b)
-        offsets, doc, start, length = self._arrays[s]
-        lo, hi = int(offsets[i]), int(offsets[i + 1])
-        docs = doc[lo:hi] + self.part_base[s] if self.part_base[s] else doc[lo:hi]
-        return s, docs, start[lo:hi], length[lo:hi]
-
-    def bin_tokens(self, bins: list[int]) -> int:
-        """Real (non-padding) tokens in these bins."""
-        return sum(int(self.items(b)[3].sum()) for b in bins)
-
-    def items_of(self, bins: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(source, global document, start, length) of every item of these bins (repeats kept), vectorized."""
-        bins = np.asarray(bins, np.int64)
-        src = np.zeros(len(bins), np.int64) if self.bin_source is None else self.bin_source[bins].astype(np.int64)
-        idx = bins if self.bin_index is None else self.bin_index[bins].astype(np.int64)
-        out = [[], [], [], []]
-        for s in np.unique(src).tolist():
-            offsets, doc, start, length = self._arrays[s]
-            sel = idx[src == s]
-            items = expand_ranges(offsets[sel], offsets[sel + 1])
-            for k, part in enumerate((np.full(len(items), s, np.int64), doc[items] + self.part_base[s],
-                                      start[items].astype(np.int64), length[items].astype(np.int64))):
-                out[k].append(part)
-        return tuple(np.concatenate(o) if o else np.zeros(0, np.int64) for o in out)
-
-
-def doc_lengths(datasets: list[TokenDataset]) -> np.ndarray:
-    """The lengths of the documents of ``datasets``, concatenated: indexed by a pack's global document index."""
-    return np.concatenate([ds.lengths for ds in datasets]) if datasets else np.zeros(0, np.int32)
-
-
-def expand_ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """``concatenate([arange(l, h) for l, h in zip(lo, hi)])``, without the Python loop."""
-    lo, counts = np.asarray(lo, np.int64), np.asarray(hi, np.int64) - np.asarray(lo, np.int64)
-    total = int(counts.sum())
-    starts = np.cumsum(counts) - counts
-    return np.repeat(lo - starts, counts) + np.arange(total, dtype=np.int64)
-
-
-def _plain_name(entry: PackEntry) -> str:
-    datasets = entry.meta.get("datasets") or []
-    return Path(datasets[0]["path"]).name if len(datasets) == 1 else entry.path.name
 
 
 def once_each(entries: list[PackEntry], unit: str) -> Blend:

@@ -168,12 +168,16 @@ def test_a_method_registered_from_outside_packs_and_inspects(one_per_bin_method,
                                  "bin_is_micro_batch": False}
     assert report["bins"] == meta["stats"]["bins"] and report["entries"][0]["options"].startswith(
         "--method one-per-bin --seq-len 256")
-    text = run("inspect", out)
+    text = run("inspect", out, "--html", tmp_path / "page.html")
     assert text.exit_code == 0 and "one-per-bin, capacity 256" in text.output, text.output
+    assert "--method one-per-bin" in (tmp_path / "page.html").read_text()
     assert run("pack", ds, "-o", out, "--method", "one-per-bin", "--seq-len", 256).output.startswith("cache hit:")
     unregister_method("one-per-bin")  # the process that reads its pack no longer knows it: an error, not a guess
     line = one_line_error(run("inspect", out))
     assert "made by packing method 'one-per-bin', which is not registered" in line, line
+    assert run("pack", ds, "-o", out, "--method", "sequential", "--seq-len", 256).exit_code == 0
+    rows = {e["name"]: e for e in json.loads(run("inspect", out, "--json").output)["entries"]}
+    assert rows[entry]["status"] == "unknown-method" and "'one-per-bin'" in rows[entry]["problem"]  # the others show
 
 
 def test_a_registered_method_must_keep_the_bins_contract(tmp_path, ds):
