@@ -19,7 +19,7 @@ from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.formats import CHAT
 from xprep.prep.tokenize.config import Options
 from xprep.prep.tokenize.encode import Processor
-from xprep.prep.tokenizer.encoder import load_tokenizer_info
+from xprep.prep.tokenizer import load_tokenizer_info
 
 # 1. the template's source, exactly as a tokenizer_config.json would hold it: ChatML with the role in capitals
 TOY = ("{% for message in messages %}"
