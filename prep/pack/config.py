@@ -11,7 +11,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from xprep.prep.errors import XprepError
-from xprep.prep.pack.methods import OVERLONG, PackingMethod, method_names, packing_method, with_option
+from xprep.prep.pack.methods import (
+    CAPACITY_FIELDS,
+    OVERLONG,
+    PackingMethod,
+    method_names,
+    packing_method,
+    with_option,
+)
 
 DEFAULT_GROUP_SIZE = 100_000
 DEFAULT_DP_MICRO_BATCHES = 16  # a wider window balances micro-steps better (1.33 → 1.09 at 8 ranks)
@@ -62,7 +69,7 @@ class PackConfig:
 
     def _check_capacity_option(self, spec: PackingMethod) -> None:
         wanted = spec.capacity_option
-        other = next(f for f in ("seq_len", "max_tokens") if f != spec.sized_by)
+        other = next(f for f in CAPACITY_FIELDS if f != spec.sized_by)
         if getattr(self, other) is not None:
             raise XprepError(f"--{other.replace('_', '-')} does not apply to --method {self.method}: its bins are "
                              f"sized by {wanted}")
