@@ -32,6 +32,12 @@ def many(tmp_path_factory) -> Path:
     return path
 
 
+def default_sigint() -> None:
+    """In the child, before exec: SIGINT as a terminal gives it. A test run started in the background (``make test
+    &``, nohup) ignores SIGINT, and an ignored signal stays ignored across exec: Python would then never see Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def pack_command(data: Path, out: Path) -> list[str]:
     return [sys.executable, "-c", "from xprep import cli; cli.xprep()", "pack", f"{data}@0.5", f"{data}_copy@0.5",
             "-o", str(out), "--method", "multipack", "--seq-len", "256", "--split", "95,5", "--force"]
@@ -45,15 +51,16 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(many, tmp_path):
         shutil.copytree(many, copy)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     out = tmp_path / "P"
-    started = time.perf_counter()
-    done = subprocess.run(pack_command(many, out), capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
+    for _ in range(2):  # the first compiles the kernels where numba's cache is cold: the second is what a run takes
+        started = time.perf_counter()
+        done = subprocess.run(pack_command(many, out), capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr
     whole = time.perf_counter() - started
     rng = random.Random(0)
     outcomes = []
     for k in range(6):
         proc = subprocess.Popen(pack_command(many, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True, preexec_fn=default_sigint)
         time.sleep(rng.uniform(0.6, max(0.7, whole * 0.95)))  # past the interpreter's start, before the end
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole process group
         out_text, err = proc.communicate(timeout=120)
@@ -98,7 +105,8 @@ def test_an_interrupt_inside_a_kernel_ends_the_command_at_once(tmp_path):
     once, with the one line and 130, and the directory being built is removed."""
     tmp = tmp_path / ".tmp-entry"
     proc = subprocess.Popen([sys.executable, "-c", SPIN, str(tmp)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True)
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True,
+                            preexec_fn=default_sigint)
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGINT)
