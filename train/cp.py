@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
+from xprep.prep.errors import XprepError
 from xprep.train.attention import check_lower_right, lower_right_causal_attention, to_device_async, varlen_kernel
 
 Lengths = TypeVar("Lengths", int, np.ndarray, Tensor)
@@ -44,6 +45,56 @@ Piece = tuple[int, int, int]  # (start, end, key_start): global query range insi
 
 # Fill values of the padding tokens, per batch key (keys not listed get 0). position_ids continue.
 PAD_FILL = {"labels": -100, "category_ids": 0, "input_ids": 0}
+
+# How attention reaches the other CP ranks' tokens (--cp-mode). The sharding is the same for all of them.
+ALLGATHER = "allgather"  # every rank all-gathers the whole K/V (the reference: K/V memory O(T) per rank)
+RING = "ring"  # K/V blocks passed around the ring, one step per rank (K/V memory O(T/C))
+ULYSSES = "ulysses"  # all-to-all to whole-sequence Q/K/V on H/C heads, and back
+HYBRID = "hybrid"  # Ulysses inside groups of --ulysses ranks, ring across the groups
+CP_MODES = (ALLGATHER, RING, ULYSSES, HYBRID)
+DEFAULT_CP_MODE = RING  # serves any head count, and its K/V memory shrinks with C
+
+
+def ulysses_degree(mode: str, cp_size: int, ulysses: int | None = None) -> int:
+    """The head-parallel factor U of a CP mode: C for ulysses, --ulysses N for hybrid, 1 for the others.
+
+    The ring then has C / U ranks. An impossible combination is an XprepError naming the valid choices.
+    """
+    if mode not in CP_MODES:
+        raise XprepError(f"--cp-mode {mode}: unknown; choose one of {', '.join(CP_MODES)}")
+    if mode != HYBRID:
+        if ulysses not in (None, 1) and not (mode == ULYSSES and ulysses == cp_size):
+            raise XprepError(f"--ulysses {ulysses} is the head-parallel factor of --cp-mode hybrid, not of {mode}: "
+                             "drop --ulysses or use --cp-mode hybrid")
+        return cp_size if mode == ULYSSES else 1
+    if ulysses is None:
+        raise XprepError(f"--cp-mode hybrid needs --ulysses N (the head-parallel factor; --cp {cp_size} = N × ring "
+                         f"size): N in {_divisors(cp_size)}")
+    if ulysses < 1 or cp_size % ulysses:
+        raise XprepError(f"--ulysses {ulysses} does not divide --cp {cp_size}: choose N in {_divisors(cp_size)}")
+    return ulysses
+
+
+def check_cp_heads(mode: str, cp_size: int, ulysses: int | None, n_heads: int) -> None:
+    """Refuse a head-parallel factor that does not divide the model's query heads, naming the valid ones.
+
+    K/V heads need no such rule: with fewer K/V heads than the factor (or not a multiple of it) each K/V
+    head is repeated until they split evenly (`xprep.train.ulysses`).
+    """
+    factor = ulysses_degree(mode, cp_size, ulysses)
+    if n_heads % factor == 0:
+        return
+    if mode == ULYSSES:
+        valid = [c for c in _divisors(n_heads) if c > 1]
+        raise XprepError(f"--cp-mode ulysses splits the {n_heads} attention heads over --cp {cp_size} ranks, which "
+                         f"does not divide them: use --cp in {valid}, --cp-mode ring, or --cp-mode hybrid")
+    valid = [u for u in _divisors(cp_size) if n_heads % u == 0]
+    raise XprepError(f"--cp-mode hybrid splits the {n_heads} attention heads over --ulysses {factor} ranks, which "
+                     f"does not divide them: use --ulysses in {valid} (dividing both --cp {cp_size} and the heads)")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def cp_alignment(cp_size: int) -> int:
@@ -231,6 +282,25 @@ class CPContext:
         kv = kv.index_select(0, self.inverse.to(kv.device))  # (T_pad, 2·Hkv, D) global order
         k_all, v_all = kv[:, :n_kv], kv[:, n_kv:]
         return piece_attention(q, k_all, v_all, self.pieces)
+
+
+@dataclass(frozen=True)
+class CPGroups:
+    """The process groups the CP modes talk over. CP rank r sits at ring index r // U and Ulysses index
+    r % U (U = the head-parallel factor, `ulysses_degree`): the U ranks of a Ulysses group are neighbours."""
+
+    cp: dist.ProcessGroup  # all C ranks of this DP rank
+    ring: dist.ProcessGroup | None = None  # the C/U ranks with this rank's Ulysses index (ring, hybrid)
+    ulysses: dist.ProcessGroup | None = None  # the U ranks with this rank's ring index (ulysses, hybrid)
+
+
+def cp_context(shard: dict[str, Tensor], mode: str, rank: int, size: int, ulysses: int | None,
+               groups: CPGroups):
+    """The model's `cp` for one batch (shard_batch's dict, on the compute device) under --cp-mode `mode`."""
+    factor = ulysses_degree(mode, size, ulysses)
+    if mode == ALLGATHER:
+        return CPContext.from_shard(shard, groups.cp, rank, size)
+    raise NotImplementedError(f"--cp-mode {mode} (factor {factor})")
 
 
 def local_segments(doc_len: int, rank: int, size: int) -> list[tuple[int, int]]:
