@@ -38,6 +38,8 @@ from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 from xprep.prep.errors import XprepError
 from xprep.train.attention import check_lower_right, lower_right_causal_attention, to_device_async, varlen_kernel
+from xprep.train.ring import Call, Ring, ring_attention, ring_steps
+from xprep.train.ulysses import UlyssesContext
 
 Lengths = TypeVar("Lengths", int, np.ndarray, Tensor)
 GatherFn = Callable[[Tensor], Tensor]  # (T_local, ...) -> (C·T_local, ...) concatenated in rank order
@@ -300,7 +302,39 @@ def cp_context(shard: dict[str, Tensor], mode: str, rank: int, size: int, ulysse
     factor = ulysses_degree(mode, size, ulysses)
     if mode == ALLGATHER:
         return CPContext.from_shard(shard, groups.cp, rank, size)
-    raise NotImplementedError(f"--cp-mode {mode} (factor {factor})")
+    perm = zigzag_permutation(shard["cu_units"], size)  # (C, T_pad/C): the global tokens of every CP rank
+    bounds = shard["cu_seqlens_padded"]
+    device = shard["cp_inverse"].device
+    if factor == 1:  # ring over all C ranks, each its own zigzag share
+        steps = ring_steps(list(perm.numpy()), bounds.numpy(), rank, device)
+        return RingContext(size, _ring(groups.cp), steps)
+    if factor == size:  # Ulysses over all C ranks: the whole sequence, in global order, on H/C heads
+        cu = bounds.to(torch.int32)
+        bounds_list = cu.tolist()
+        longest = max((b - a for a, b in itertools.pairwise(bounds_list)), default=0)
+        return UlyssesContext(size, factor, groups.ulysses or groups.cp, shard["cp_inverse"],
+                              perm.reshape(-1).to(device), to_device_async(cu, device), bounds_list, longest)
+    groups_tokens = list(perm.reshape(size // factor, -1).numpy())  # ring member g: the tokens of CP ranks gU..gU+U-1
+    steps = ring_steps(groups_tokens, bounds.numpy(), rank // factor, device)
+    return UlyssesContext(size, factor, groups.ulysses, ring=_ring(groups.ring), steps=steps)
+
+
+@dataclass(frozen=True)
+class RingContext:
+    """One batch's ring state, handed to the model as `cp`: the calls of every ring step (xprep.train.ring)."""
+
+    size: int
+    ring: Ring
+    steps: list[list[Call]]
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return ring_attention(q, k, v, self.ring, self.steps)
+
+
+@functools.lru_cache(maxsize=4)
+def _ring(group: dist.ProcessGroup) -> Ring:
+    """The ring over `group` (its neighbours' global ranks), looked up once per group."""
+    return Ring(group)
 
 
 def local_segments(doc_len: int, rank: int, size: int) -> list[tuple[int, int]]:
