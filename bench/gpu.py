@@ -86,6 +86,7 @@ import xprep.train.attention as attention  # noqa: E402
 import xprep.train.cp as cp  # noqa: E402
 import xprep.train.dist as tdist  # noqa: E402
 import xprep.train.flops as flops  # noqa: E402
+import xprep.train.ring as ring  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
@@ -386,6 +387,7 @@ def part_kernels(b: Bench) -> None:
     for size in (2, 4):
         for dtype in (torch.bfloat16, torch.float32):
             b.report.attempt(f"cp{size} {_dtype_name(dtype)}", check_cp, b, size, dtype, lengths)
+            b.report.attempt(f"ring{size} {_dtype_name(dtype)}", check_ring, b, size, dtype, lengths)
     for total in s.mask_tokens:
         b.report.attempt(f"block mask T={total // 1024}k", check_block_mask, b, total)
 
@@ -461,6 +463,23 @@ def check_cp(b: Bench, size: int, dtype: torch.dtype, lengths: list[int]) -> Non
         loss = loss + (local.float() * weight[rows]).sum()
     grads = torch.autograd.grad(loss, qkv)
     tol, name = _tolerance(dtype), f"cp{size} {_dtype_name(dtype)}"
+    b.report.below(f"{name} forward", rel_error(out, ref_out), tol)
+    _check_grads(b.report, f"{name} backward", grads, ref_grads, tol)
+
+
+def check_ring(b: Bench, size: int, dtype: torch.dtype, lengths: list[int]) -> None:
+    """Ring attention over ``size`` zigzag ranks simulated in one process (``xprep.train.ring.simulated_ring``: each
+    rank's blocks in ring order through the kernel the device takes, merged by log-sum-exp; the backward given
+    the merged output and log-sum-exp), against the float64 reference; the kernel used is noted."""
+    cu_padded, _, _ = cp.pad_documents(torch.tensor(bounds_of(lengths), dtype=torch.int32), size)
+    bounds = cu_padded.tolist()
+    qkv, weight = _qkv(b, bounds[-1], dtype, seed=4)
+    ref_out, ref_grads = _reference(qkv, weight, bounds)
+    q, k, v = (t.detach() for t in qkv)
+    sets = list(cp.zigzag_permutation(cu_padded, size).numpy())
+    out, *grads = ring.simulated_ring(q, k, v, weight.to(dtype), sets, cu_padded.numpy())
+    tol, name = _tolerance(dtype), f"ring{size} {_dtype_name(dtype)}"
+    b.report.note(f"{name} kernel", type(ring.block_kernel(q)).__name__)
     b.report.below(f"{name} forward", rel_error(out, ref_out), tol)
     _check_grads(b.report, f"{name} backward", grads, ref_grads, tol)
 

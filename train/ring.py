@@ -18,9 +18,10 @@ rank the same work at every step. The alignment is explicit: the only masked cal
 The token sets are those `xprep.train.cp.shard_batch` gives the ranks (zigzag chunks), or the union of a
 Ulysses group's (`xprep.train.ulysses`, hybrid mode): nothing here assumes zigzag.
 
-Kernels (`BlockKernel`): on CPU the fused flash kernel that returns the log-sum-exp, and its backward,
-which takes the merged output and log-sum-exp (what makes a block's gradient share exact); elsewhere a
-plain-ops kernel (scores per call: its memory is the query run × key rows of one call).
+Kernels (`BlockKernel`): fused flash kernels that return the log-sum-exp, with backwards that take the
+merged output and log-sum-exp (what makes a block's gradient share exact): the CPU's, and on CUDA in half
+precision torch's flash kernel (one call per query run and key rows, separate query and key cu_seqlens);
+elsewhere a plain-ops kernel (scores per call: its memory is the query run × key rows of one call).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from xprep.train.attention import varlen_kernel
 
 _aten = torch.ops.aten
 _CPU_FLASH = hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
@@ -177,6 +179,37 @@ class MathKernel(BlockKernel):
         return scores, v_full
 
 
+class CUDAFlashKernel(BlockKernel):
+    """torch's flash kernel (`_flash_attention_forward` / `_backward`, the ones its varlen attention calls) on one
+    query sequence over one key sequence (cu_seqlens [0, Lq] and [0, Lk]); K/V heads repeated to the query heads
+    (the backward sums the copies). CUDA, fp16/bf16, compute capability ≥ 8.0, head dims the kernel takes
+    (`xprep.train.attention.varlen_kernel`). Its log-sum-exp comes back (H, Lq) or (1, H, Lq) by flash
+    version; the backward is handed it in the layout the forward gave."""
+
+    def forward(self, q, k, v, causal, scale):
+        k, v = (_repeat_heads(x, q.shape[1]) for x in (k, v))
+        cu_q, cu_k = _cu(q.shape[0], q.device), _cu(k.shape[0], q.device)
+        out, lse, *_ = _aten._flash_attention_forward(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], 0.0, causal,
+                                                      False, scale=scale)
+        self.lse_dims = lse.dim()
+        return out, lse.reshape(q.shape[1], q.shape[0]).float()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        n_kv = k.shape[1]
+        k, v = (_repeat_heads(x, q.shape[1]) for x in (k, v))
+        cu_q, cu_k = _cu(q.shape[0], q.device), _cu(k.shape[0], q.device)
+        unused = torch.empty(0, dtype=torch.int64, device=q.device)  # the dropout's RNG state: no dropout here
+        lse = lse.contiguous() if getattr(self, "lse_dims", 2) == 2 else lse[None].contiguous()
+        dq, dk, dv = _aten._flash_attention_backward(dout.contiguous(), q, k, v, out.contiguous(), lse, cu_q, cu_k,
+                                                     q.shape[0], k.shape[0], 0.0, causal, unused, unused,
+                                                     scale=scale)
+        return dq, _sum_heads(dk, n_kv), _sum_heads(dv, n_kv)
+
+
+def _cu(length: int, device: torch.device) -> Tensor:
+    return torch.tensor([0, length], dtype=torch.int32).to(device, non_blocking=True)
+
+
 def _heads_first(*xs: Tensor) -> list[Tensor]:
     return [x.transpose(0, 1)[None] for x in xs]  # (L, H, D) -> (1, H, L, D)
 
@@ -189,9 +222,17 @@ def _sum_heads(x: Tensor, n_heads: int) -> Tensor:
     return x if x.shape[1] == n_heads else x.unflatten(1, (n_heads, -1)).sum(2)
 
 
+_CUDA_FLASH = CUDAFlashKernel()  # one instance: it remembers the flash build's log-sum-exp layout
+
+
 def block_kernel(q: Tensor) -> BlockKernel:
-    """The kernel ring steps use for `q`: the fused flash kernel on CPU, plain ops elsewhere."""
-    return CPUFlashKernel() if q.device.type == "cpu" and _CPU_FLASH else MathKernel()
+    """The kernel ring steps use for `q`: the fused flash kernels on CPU and (half precision, Ampere or later)
+    CUDA, plain ops elsewhere (fp32 on CUDA)."""
+    if q.device.type == "cpu" and _CPU_FLASH:
+        return CPUFlashKernel()
+    if varlen_kernel(q) is not None and hasattr(_aten, "_flash_attention_forward"):
+        return _CUDA_FLASH
+    return MathKernel()
 
 
 # ----------------------------------------------------------------------------- one block, forward and backward
@@ -313,3 +354,35 @@ def ring_steps(token_sets: list[np.ndarray], doc_bounds: np.ndarray, index: int,
     runs = [token_runs(tokens, doc_bounds) for tokens in token_sets]
     size = len(token_sets)
     return [block_calls(runs[index], runs[(index - s) % size], device) for s in range(size)]
+
+
+def simulated_ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, token_sets: list[np.ndarray],
+                   doc_bounds: np.ndarray, kernel: BlockKernel | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The ring run member by member in one process, with no communication: each member's forward over the
+    blocks in ring order, then its backward with the merged output and log-sum-exp, each block's dK/dV summed
+    into its owner's. q (T, H, D), k/v (T, Hkv, D) and `dout` (T, H, D) in global order; returns the output and
+    dq, dk, dv in global order. What the kernels are checked with without a process group (tests/train/test_ring.py,
+    bench/gpu.py)."""
+    kernel = kernel or block_kernel(q)
+    scale, size, n_heads = 1.0 / math.sqrt(q.shape[-1]), len(token_sets), q.shape[1]
+    sets = [torch.from_numpy(np.asarray(t, dtype=np.int64)).to(q.device) for t in token_sets]
+    steps = [ring_steps(token_sets, doc_bounds, i, q.device) for i in range(size)]
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in (q, k, v))
+    for i, tokens in enumerate(sets):
+        acc = torch.zeros(len(tokens), *q.shape[1:], dtype=torch.float32, device=q.device)
+        lse = torch.full((n_heads, len(tokens)), float("-inf"), device=q.device)
+        for s, calls in enumerate(steps[i]):
+            block = sets[(i - s) % size]
+            attend_block(q[tokens], k[block], v[block], calls, acc, lse, kernel, scale)
+        out[tokens] = acc.to(q.dtype)
+        dq_i = torch.zeros(acc.shape, device=q.device)
+        for s, calls in enumerate(steps[i]):
+            block = sets[(i - s) % size]
+            dk_b, dv_b = (torch.zeros(len(block), *x.shape[1:], device=q.device) for x in (k, v))
+            attend_block_backward(dout[tokens], q[tokens], k[block], v[block], out[tokens], lse, calls, dq_i, dk_b,
+                                  dv_b, kernel, scale)
+            dk[block] += dk_b
+            dv[block] += dv_b
+        dq[tokens] += dq_i
+    return out, dq, dk, dv

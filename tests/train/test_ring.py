@@ -14,9 +14,8 @@ from xprep.train.ring import (
     Call,
     CPUFlashKernel,
     MathKernel,
-    attend_block,
-    attend_block_backward,
     ring_steps,
+    simulated_ring,
     token_runs,
 )
 from xprep.train.ulysses import kv_repeat
@@ -70,35 +69,8 @@ def test_keys_of_other_documents_are_never_seen():
 
 
 def simulate(q, k, v, perm, bounds, kernel, index_sets=None):
-    """Every ring member's forward (block by block, in ring order) and backward with dout = 1, as the ring runs
-    them; returns the output and gradients in global order."""
     sets = index_sets if index_sets is not None else list(perm.numpy())
-    size, n_kv = len(sets), k.shape[1]
-    steps = [ring_steps(sets, bounds, i) for i in range(size)]
-    outs, lses = [], []
-    for i, tokens in enumerate(sets):
-        out = torch.zeros(len(tokens), *q.shape[1:])
-        lse = torch.full((q.shape[1], len(tokens)), float("-inf"))
-        for s, calls in enumerate(steps[i]):
-            block = sets[(i - s) % size]
-            attend_block(q[tokens], k[block], v[block], calls, out, lse, kernel, q.shape[-1] ** -0.5)
-        outs.append(out)
-        lses.append(lse)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for i, tokens in enumerate(sets):
-        dq_i = torch.zeros(len(tokens), *q.shape[1:])
-        for s, calls in enumerate(steps[i]):
-            block = sets[(i - s) % size]
-            dk_b, dv_b = torch.zeros(len(block), n_kv, q.shape[-1]), torch.zeros(len(block), n_kv, q.shape[-1])
-            attend_block_backward(torch.ones_like(outs[i]), q[tokens], k[block], v[block], outs[i], lses[i], calls,
-                                  dq_i, dk_b, dv_b, kernel, q.shape[-1] ** -0.5)
-            dk[block] += dk_b
-            dv[block] += dv_b
-        dq[tokens] += dq_i
-    out = torch.zeros_like(q)
-    for tokens, o in zip(sets, outs, strict=True):
-        out[tokens] = o
-    return out, dq, dk, dv
+    return simulated_ring(q, k, v, torch.ones_like(q), sets, bounds, kernel)
 
 
 @pytest.mark.parametrize("kernel", [CPUFlashKernel(), MathKernel()], ids=["cpu-flash", "math"])
