@@ -1,4 +1,4 @@
-"""Context parallelism for packed sequences: zigzag sharding and all-gather K/V attention.
+"""Context parallelism for packed sequences: zigzag sharding, and the attention of each --cp-mode.
 
 The zigzag *unit* is the range of tokens cut into 2·C equal chunks; rank r keeps chunks r and
 2C−1−r of every unit, so each rank gets the same number of tokens and about the same
@@ -16,10 +16,15 @@ Sharding is a chain of small pure steps (STYLE 11), each testable without a proc
     cu_seqlens --pad_documents / sample_units--> unit bounds --zigzag_permutation--> (C, T_pad/C) global indices
                                                              --inverse_permutation--> gathered order -> global order
 
-At attention time each rank all-gathers K and V over the CP group (autograd-aware: the backward
-reduce-scatters their gradients) and puts them back in global order. Its local queries, cut
-into pieces that each lie inside one document (`local_pieces`), attend causally to their own
-document's keys only. Real tokens keep their labels and positions, so the loss is that of cp=1.
+At attention time (`cp_context` builds the model's `cp` for a batch, per mode):
+- allgather (`CPContext`, the reference): each rank all-gathers K and V over the CP group
+  (autograd-aware: the backward reduce-scatters their gradients) and puts them back in global
+  order. Its local queries, cut into pieces that each lie inside one document (`local_pieces`),
+  attend causally to their own document's keys only.
+- ring (xprep.train.ring): K/V blocks travel around the CP ranks; K/V memory O(T/C).
+- ulysses and hybrid (xprep.train.ulysses): all-to-all to whole-sequence heads; hybrid runs a ring
+  across Ulysses groups.
+Real tokens keep their labels and positions, so the loss is that of cp=1 in every mode.
 """
 
 from __future__ import annotations
