@@ -1,7 +1,8 @@
 """Run under torchrun by tests/train/test_cp_modes.py: the built-in model over each --cp-mode, against cp=1.
 
-argv: PACKED CHUNK_PACKED OUT BINS CONFIG... where a config is ``mode,C[,U][,chunk]`` (U: hybrid's Ulysses
-factor; chunk: the micro-batch of the chunk pack, whose samples are zigzagged whole, documents crossing them) and
+argv: PACKED CHUNK_PACKED OUT BINS CONFIG... where a config is ``mode,C[,U][,chunk][,mqa]`` (U: hybrid's Ulysses
+factor; chunk: the micro-batch of the chunk pack, whose samples are zigzagged whole, documents crossing them; mqa:
+the tiny model with one K/V head and tied embeddings instead of 4 heads over 2 K/V heads) and
 BINS the comma-separated bins of the one micro-batch of each pack. Every rank computes cp=1 itself (the whole
 micro-batch in one
 row), then for each config: the ranks form groups of C (a (world/C, C) mesh, or (world/C, C/U, U) for hybrid,
@@ -11,6 +12,8 @@ over the CP group) are compared with cp=1 as relative differences. Rank 0 saves 
 "grads"}} (the differences) to OUT.
 """
 
+import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -20,9 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
-from trainkit import tiny_model  # noqa: E402
 from xprep.train.cp import CPGroups, cp_context, pad_documents, shard_batch, ulysses_degree  # noqa: E402
 from xprep.train.data import IGNORE, PackedDataset, collate  # noqa: E402
+from xprep.train.model import Transformer, load_model_config  # noqa: E402
 
 packed, chunk_packed, out, bins, configs = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
 dist.init_process_group("gloo")
@@ -43,25 +46,29 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-model = tiny_model(vocab_size)
+models = {}
+for variant, changes in (("gqa", {}), ("mqa", {"n_kv_heads": 1, "tie_embeddings": True})):
+    models[variant] = Transformer(dataclasses.replace(load_model_config("tiny", vocab_size), **changes))
+    models[variant].init_weights(0)
 wanted = {}
-for name, (batch, _) in data.items():  # cp=1: the whole micro-batch in one row
-    model.zero_grad()
+for (name, (batch, _)), (variant, model) in itertools.product(data.items(), models.items()):
+    model.zero_grad()  # cp=1: the whole micro-batch in one row
     n_targets = int((batch["labels"] != IGNORE).sum())
     with torch.no_grad():
         logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])[0]  # (T, V)
     loss = loss_of(model, batch, n_targets)
     loss.backward()
-    wanted[name] = (n_targets, logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    wanted[name, variant] = (n_targets, logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
 
 results = {}
 for config in configs:
     mode, size, *rest = config.split(",")
     size = int(size)
-    name = "chunk" if "chunk" in rest else "multi"
-    rest = [r for r in rest if r != "chunk"]
+    name, variant = "chunk" if "chunk" in rest else "multi", "mqa" if "mqa" in rest else "gqa"
+    rest = [r for r in rest if r not in ("chunk", "mqa")]
     batch, sample_len = data[name]
-    n_targets, want_logits, want_loss, want_grads = wanted[name]
+    model = models[variant]
+    n_targets, want_logits, want_loss, want_grads = wanted[name, variant]
     factor = ulysses_degree(mode, size, int(rest[0]) if rest else None)
     mesh = init_device_mesh("cpu", (world // size, size // factor, factor), mesh_dim_names=("dp", "ring", "ulysses"))
     cp_mesh = mesh["ring", "ulysses"]._flatten("cp")

@@ -1,11 +1,9 @@
-"""Context parallelism: padding rule, zigzag shard/inverse, simulated ranks, and 2 real processes."""
+"""Context parallelism: padding rule, zigzag shard/inverse, simulated ranks (real processes, every mode:
+tests/train/test_cp_modes.py)."""
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -185,22 +183,3 @@ def test_cp_context_needs_a_group_or_gather():
     shard = shard_batch(make_batch([4]), 0, 2)
     with pytest.raises(ValueError, match="process group"):
         CPContext.from_shard(shard, None, 0, 2)
-
-
-# ----------------------------------------------------------------------------- real processes
-
-
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_cp_model_equals_cp1_under_torchrun(nproc):
-    """Tiny model, packed batch of 8 random documents: loss, logits and every gradient, cp=N vs cp=1."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        str(REPO / "tests" / "_dist_cp_worker.py"),
-    ]  # fmt: skip
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun CP worker hung for {e.timeout}s:\n{e.stderr}")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(f"cp={nproc} equals cp=1") == nproc, proc.stdout + proc.stderr

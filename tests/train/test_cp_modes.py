@@ -5,8 +5,9 @@ The data: State of the Union addresses (Mistral tokenizer) cut into documents of
 with --cp-size 4 (many documents per bin, documents shorter than a zigzag chunk and longer than a rank's share,
 padding), and the same documents as a chunk pack (documents crossing sample bounds, samples zigzagged whole).
 Without ../shared/data the same shapes come from random tokens. Modes: ring and ulysses at C = 2 and 4, hybrid
-at C = 4 as 2 × 2, allgather (the reference) at C = 4. The trainer's paths (FSDP2, activation checkpointing,
-accumulation) under each mode are tests/train/test_parallel_equivalence.py's.
+at C = 4 as 2 × 2, allgather (the reference) at C = 4 and 2; the tiny model with 4 heads over 2 K/V heads, and
+with one K/V head and tied embeddings (Ulysses repeats K/V heads when fewer than C). The trainer's paths
+(FSDP2, activation checkpointing, accumulation) under each mode are tests/train/test_parallel_equivalence.py's.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from xprep.prep.pack import PackConfig, pack
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 TOL = 1e-5
-CONFIGS = ["ring,2", "ulysses,2", "ring,4", "ulysses,4", "hybrid,4,2", "allgather,4",
-           "ring,2,chunk", "ulysses,4,chunk", "hybrid,4,2,chunk"]
+CONFIGS = ["ring,2", "ulysses,2", "ring,4", "ulysses,4", "hybrid,4,2", "allgather,4", "allgather,2,chunk",
+           "ring,2,chunk", "ulysses,4,chunk", "hybrid,4,2,chunk", "ring,4,mqa", "ulysses,4,mqa", "hybrid,4,2,mqa"]
 
 
 def real_or_random_docs(n: int = 120) -> tuple[list[np.ndarray], int]:
