@@ -49,7 +49,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from xprep.prep.errors import XprepError
 from xprep.train.checkpoint import CheckpointManager, checkpoint_timeout
-from xprep.train.cp import CP_MODES, DEFAULT_CP_MODE, ulysses_degree
+from xprep.train.cp import CP_MODES, DEFAULT_CP_MODE, HYBRID, ulysses_degree
 from xprep.train.data import PackedDataset
 from xprep.train.dist import DEVICES, ParallelDims, collective_timeout, materialize
 from xprep.train.evaluate import (
@@ -557,6 +557,8 @@ def resolve_config(file: str | None, flags: dict, log: Callable[[str], None] | N
         for flag, other in (("steps", "epochs"), ("epochs", "steps")):  # a later run length replaces an earlier
             if flag in layer:
                 values.pop(other, None)
+        if layer["parallel"].get("cp_mode", HYBRID) != HYBRID and "ulysses" not in layer["parallel"]:
+            values["parallel"].pop("ulysses", None)  # hybrid's factor leaves with it (a resume may switch modes)
         _merge(values, layer)
     config = TrainConfig.from_dict(values)
     if saved is not None and log is not None:

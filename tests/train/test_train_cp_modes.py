@@ -186,7 +186,7 @@ def test_start_line_run_json_and_report_say_the_mode(tmp_path):
 
 def test_a_run_resumes_under_another_cp_mode(tmp_path):
     """A checkpoint holds no layout: resuming with another --cp, --cp-mode or --ulysses is not refused, and the
-    console says what changed from the run's config."""
+    console says what changed from the run's config. Leaving hybrid drops the run's --ulysses with it."""
     packed = cp_pack(tmp_path / "data", cp_size=2)
     run = tmp_path / "run"
     result = CliRunner().invoke(cli.xtrain, ["run", str(packed), "--steps", "2", "--output", str(run),
@@ -198,3 +198,9 @@ def test_a_run_resumes_under_another_cp_mode(tmp_path):
     setup = prepare_run(cfg, cfg.parallel.build(world=2))
     assert setup.resume_from == run / "checkpoints" / "step-2"
     assert "--cp 1 → 2" in notes[0] and "--cp-mode ring → hybrid" in notes[0] and "--ulysses unset → 2" in notes[0]
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))  # as the hybrid run would have left it
+    notes.clear()
+    cfg = resolve_config(None, {"output": str(run), "cp_mode": "ring"}, log=notes.append)  # no --ulysses to drop
+    assert (cfg.parallel.cp, cfg.parallel.cp_mode, cfg.parallel.ulysses) == (2, "ring", None)
+    assert "--cp-mode hybrid → ring" in notes[0] and "--ulysses 2 → unset" in notes[0]
+    assert prepare_run(cfg, cfg.parallel.build(world=2)).resume_from == run / "checkpoints" / "step-2"
