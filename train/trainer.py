@@ -169,11 +169,11 @@ class Trainer:
     def cp_context(self, batch: dict[str, torch.Tensor]):
         """What the model's attention needs to see the other CP ranks' keys and values under --cp-mode (None
         without CP). The mode's process groups are made once, by every rank at its first CP batch."""
-        if not self.dims.cp_enabled:
+        dims = self.dims
+        if not dims.cp_enabled:
             return None
         if self._cp_groups is None:
-            self._cp_groups = self.dims.cp_groups()
-        dims = self.dims
+            self._cp_groups = dims.cp_groups()
         return cp_context(batch, dims.cp_mode, dims.cp_rank, dims.cp, dims.ulysses, self._cp_groups)
 
     @property
