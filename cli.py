@@ -19,6 +19,8 @@ import click
 from xprep.prep.errors import XprepError, machine_cause, machine_error
 from xprep.prep.formats import RECORD_FORMATS
 
+CP_MODES = ("allgather", "ring", "ulysses", "hybrid")  # xprep.train.cp.CP_MODES, named here without importing torch
+
 
 def _user_errors(fn):
     """Turn an XprepError, or an OSError of the machine (a full disk, a permission, a read-only filesystem:
@@ -523,6 +525,13 @@ def xtrain():
 @click.option("--cp", type=int, default=None,
               help="Context-parallel degree: documents split zigzag over C ranks; needs a pack made with "
                    "--cp-size C [default: 1].")
+@click.option("--cp-mode", type=click.Choice(CP_MODES), default=None,
+              help="How attention reaches the other CP ranks' tokens. ring: K/V blocks passed around the C ranks, "
+                   "serves any head count, K/V memory O(T/C) per rank; allgather: every rank holds the whole K/V "
+                   "(the reference); ulysses: all-to-all over heads, the heads must be divisible by C; hybrid: "
+                   "ulysses inside groups of --ulysses ranks, ring across the groups [default: ring].")
+@click.option("--ulysses", type=int, default=None, metavar="N",
+              help="--cp-mode hybrid: ranks per Ulysses group, dividing --cp and the heads (--cp C = N × ring size).")
 @click.option("--fsdp/--no-fsdp", default=None,
               help="Shard parameters, gradients and optimizer state with FSDP2 over all ranks "
                    "[default: on with more than one process].")

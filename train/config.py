@@ -6,8 +6,8 @@ TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the ru
   model       name (--model), precision, tf32, loss_chunk, compile, init_from     → model (+ its config)
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
               max_bad_steps, inject_nonfinite (tests only)                        → Trainer's bad-step rule
-  parallel    device, nproc_per_node, dp, cp, fsdp, reshard_after_forward, activation_checkpointing,
-              reduce_every_micro_batch, dist_timeout                              → ParallelDims
+  parallel    device, nproc_per_node, dp, cp, cp_mode, ulysses, fsdp, reshard_after_forward,
+              activation_checkpointing, reduce_every_micro_batch, dist_timeout    → ParallelDims
   checkpoint  save_every, save_every_minutes, keep, resume, async_save, no_save,  → CheckpointManager
               save_hf, save_hf_every, checkpoint_timeout
   eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
@@ -49,6 +49,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from xprep.prep.errors import XprepError
 from xprep.train.checkpoint import CheckpointManager, checkpoint_timeout
+from xprep.train.cp import CP_MODES, DEFAULT_CP_MODE, HYBRID, ulysses_degree
 from xprep.train.data import PackedDataset
 from xprep.train.dist import DEVICES, ParallelDims, collective_timeout, materialize
 from xprep.train.evaluate import (
@@ -248,13 +249,16 @@ class OptimizerSection:
 
 @dataclass
 class ParallelSection:
-    """How many processes, their dp × cp layout, and how the model is spread over them."""
+    """How many processes, their dp × cp layout, how attention spans the cp ranks, and how the model is spread
+    over them."""
 
     SECTION: ClassVar[str] = "parallel"
     device: str | None = None  # auto | cpu | cuda; None: $XTRAIN_DEVICE, else auto (xprep.train.dist.resolve_device)
     nproc_per_node: int | None = None  # None: run in this process (or the ranks torchrun started)
     dp: int | None = None  # None: processes / cp
     cp: int = 1
+    cp_mode: str = DEFAULT_CP_MODE  # how attention reaches the other CP ranks (xprep.train.cp.CP_MODES)
+    ulysses: int | None = None  # hybrid: the head-parallel factor, --cp = ulysses × ring size
     fsdp: bool | None = None  # None: on when there is more than one process
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
@@ -263,9 +267,11 @@ class ParallelSection:
 
     def __post_init__(self):
         _check_types(self)
-        _check_at_least(self, 1, "nproc_per_node", "dp", "cp")
+        _check_at_least(self, 1, "nproc_per_node", "dp", "cp", "ulysses")
         if self.device is not None:
             _check_choice(self, "device", DEVICES)
+        _check_choice(self, "cp_mode", CP_MODES)
+        ulysses_degree(self.cp_mode, self.cp, self.ulysses)  # e.g. hybrid without --ulysses: before any process
         self.collective_timeout()  # a bad value (or $XTRAIN_DIST_TIMEOUT) fails here, before any process starts
 
     def collective_timeout(self) -> timedelta:
@@ -276,8 +282,9 @@ class ParallelSection:
         """This process's layout (from torchrun's environment), or that of ``world`` processes to launch on this
         machine."""
         if world is None:
-            return ParallelDims.from_env(self.dp, self.cp, self.fsdp, self.device)
-        return ParallelDims.for_world(world, self.dp, self.cp, self.fsdp, device=self.device)
+            return ParallelDims.from_env(self.dp, self.cp, self.fsdp, self.device, self.cp_mode, self.ulysses)
+        return ParallelDims.for_world(world, self.dp, self.cp, self.fsdp, device=self.device, cp_mode=self.cp_mode,
+                                      ulysses=self.ulysses)
 
 
 @dataclass
@@ -550,6 +557,8 @@ def resolve_config(file: str | None, flags: dict, log: Callable[[str], None] | N
         for flag, other in (("steps", "epochs"), ("epochs", "steps")):  # a later run length replaces an earlier
             if flag in layer:
                 values.pop(other, None)
+        if layer["parallel"].get("cp_mode", HYBRID) != HYBRID and "ulysses" not in layer["parallel"]:
+            values["parallel"].pop("ulysses", None)  # hybrid's factor leaves with it (a resume may switch modes)
         _merge(values, layer)
     config = TrainConfig.from_dict(values)
     if saved is not None and log is not None:

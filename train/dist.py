@@ -1,9 +1,11 @@
 """Process group, parallel layout and how the model is spread over it.
 
 ``ParallelDims`` is the one object describing the layout: data-parallel × context-parallel
-degrees, this rank's coordinates, and the device mesh over (dp, cp), built lazily once the
-process group exists. Ranks are laid out dp-major: rank = dp_rank · cp + cp_rank, so the cp
-ranks of one dp rank are neighbours (on one node when cp ≤ GPUs per node).
+degrees, how attention reaches the other CP ranks (``--cp-mode``, ``--ulysses``: xprep.train.cp), this rank's
+coordinates, and the device meshes, built lazily once the process group exists. Ranks are laid out
+dp-major: rank = dp_rank · cp + cp_rank, so the cp ranks of one dp rank are neighbours (on one node when
+cp ≤ GPUs per node). Inside them, with head-parallel factor U: cp_rank = ring_index · U + ulysses_index, so
+the U ranks of a Ulysses group (an all-to-all every layer) are the closest neighbours.
 
 ``parallelize`` spreads the model: ``torch.compile`` and activation checkpointing per decoder
 block, then FSDP2 ``fully_shard`` per block and the root over all dp×cp ranks (context-parallel
@@ -40,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from xprep.prep.errors import XprepError
+from xprep.train.cp import DEFAULT_CP_MODE, HYBRID, RING, ULYSSES, CPGroups, ulysses_degree
 
 TIMEOUT_ENV = "XTRAIN_DIST_TIMEOUT"  # the default of --dist-timeout when neither a flag nor a config sets it
 DEFAULT_TIMEOUT_S = 600.0  # seconds a collective waits for a peer when neither the option nor TIMEOUT_ENV says
@@ -52,7 +55,8 @@ WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.",)  # what wrappers add to para
 
 @dataclass
 class ParallelDims:
-    """Degrees of parallelism and this rank's place in them. Ranks are laid out (dp, cp)."""
+    """Degrees of parallelism and this rank's place in them. Ranks are laid out (dp, cp), and the cp ranks
+    (ring, ulysses) for the CP modes that split heads."""
 
     dp: int = 1
     cp: int = 1
@@ -61,11 +65,14 @@ class ParallelDims:
     local_rank: int = 0
     fsdp: bool = False  # FSDP2 shards parameters and reduces gradients itself
     device_type: str = "cpu"
+    cp_mode: str = DEFAULT_CP_MODE  # how attention reaches the other CP ranks (xprep.train.cp.CP_MODES)
+    ulysses: int | None = None  # --ulysses: hybrid's head-parallel factor (``ulysses_degree`` is U for any mode)
     _meshes: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.dp < 1 or self.cp < 1:
             raise XprepError(f"--dp {self.dp} --cp {self.cp}: parallel degrees must be ≥ 1")
+        ulysses_degree(self.cp_mode, self.cp, self.ulysses)  # an impossible mode, factor and cp: an XprepError
         if self.dp * self.cp != self.world_size:
             raise XprepError(f"--dp {self.dp} × --cp {self.cp} = {self.dp * self.cp}, but {self.world_size} "
                              f"process(es) were launched: launch dp·cp processes (--nproc-per-node) or change "
@@ -75,17 +82,20 @@ class ParallelDims:
 
     @classmethod
     def from_env(cls, dp: int | None = None, cp: int = 1, fsdp: bool | None = None,
-                 device: str | None = None) -> ParallelDims:
+                 device: str | None = None, cp_mode: str = DEFAULT_CP_MODE, ulysses: int | None = None
+                 ) -> ParallelDims:
         """This process's layout from torchrun's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (one process
         without them)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         return cls.for_world(world, dp, cp, fsdp, rank=int(os.environ.get("RANK", "0")),
                              local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=device,
-                             local_world=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+                             local_world=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), cp_mode=cp_mode,
+                             ulysses=ulysses)
 
     @classmethod
     def for_world(cls, world: int, dp: int | None = None, cp: int = 1, fsdp: bool | None = None, rank: int = 0,
-                  local_rank: int = 0, device: str | None = None, local_world: int | None = None) -> ParallelDims:
+                  local_rank: int = 0, device: str | None = None, local_world: int | None = None,
+                  cp_mode: str = DEFAULT_CP_MODE, ulysses: int | None = None) -> ParallelDims:
         """The layout of ``world`` processes, ``local_world`` of them on this machine (all by default):
         ``dp`` defaults to world / cp, ``fsdp`` to on whenever there is more than one process (there is
         nothing to shard over one), the device to ``resolve_device(device, local_world)``."""
@@ -98,7 +108,8 @@ class ParallelDims:
             dp = world // cp
         device_type = resolve_device(device, world if local_world is None else local_world)
         return cls(dp=dp, cp=cp, world_size=world, rank=rank, local_rank=local_rank,
-                   fsdp=(world > 1) if fsdp is None else (fsdp and world > 1), device_type=device_type)
+                   fsdp=(world > 1) if fsdp is None else (fsdp and world > 1), device_type=device_type,
+                   cp_mode=cp_mode, ulysses=ulysses)
 
     @property
     def distributed(self) -> bool:
@@ -121,6 +132,11 @@ class ParallelDims:
         return self.rank % self.cp
 
     @property
+    def ulysses_degree(self) -> int:
+        """U, the head-parallel factor of the CP mode: C for ulysses, --ulysses for hybrid, else 1 (a ring of C/U)."""
+        return ulysses_degree(self.cp_mode, self.cp, self.ulysses)
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -140,6 +156,31 @@ class ParallelDims:
     def cp_group(self) -> dist.ProcessGroup:
         """The process group of this rank's context-parallel peers (same dp rank)."""
         return self.mesh()["cp"].get_group()
+
+    def cp_mesh(self):
+        """The 3-D (dp, ring, ulysses) DeviceMesh of shape (dp, cp / U, U), built on first use: rank = dp_rank · cp +
+        ring_index · U + ulysses_index, the (dp, cp) mesh's cp dimension cut in two. Making a mesh makes process
+        groups on every rank, so only a mode that needs both of its groups asks for it (``ring_group``)."""
+        if "dp,ring,ulysses" not in self._meshes:
+            u = self.ulysses_degree
+            self._meshes["dp,ring,ulysses"] = init_device_mesh(self.device_type, (self.dp, self.cp // u, u),
+                                                               mesh_dim_names=("dp", "ring", "ulysses"))
+        return self._meshes["dp,ring,ulysses"]
+
+    def ring_group(self) -> dist.ProcessGroup:
+        """The C/U ranks of this rank's ring: same dp rank and Ulysses index (the whole CP group when U = 1)."""
+        return self.cp_group() if self.ulysses_degree == 1 else self.cp_mesh()["ring"].get_group()
+
+    def ulysses_group(self) -> dist.ProcessGroup:
+        """The U ranks this rank all-to-alls heads with: same dp rank and ring index (the whole CP group when
+        U = C)."""
+        return self.cp_group() if self.ulysses_degree == self.cp else self.cp_mesh()["ulysses"].get_group()
+
+    def cp_groups(self) -> CPGroups:
+        """The process groups the CP mode talks over (``xprep.train.cp.cp_context``), and only those: the CP group
+        always, the ring group for ring and hybrid, the Ulysses group for ulysses and hybrid (None otherwise)."""
+        return CPGroups(cp=self.cp_group(), ring=self.ring_group() if self.cp_mode in (RING, HYBRID) else None,
+                        ulysses=self.ulysses_group() if self.cp_mode in (ULYSSES, HYBRID) else None)
 
 
 def resolve_device(choice: str | None, local_ranks: int = 1) -> str:

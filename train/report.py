@@ -1,6 +1,7 @@
 """The report on a run directory (``xprep inspect runs/NAME``): loss by category and by source over the
 run (first, last, best, trend), and the same of the validation loss when the run evaluated; throughput
-(median tokens/s, TFLOPS and both MFUs, peak memory); no torch; ``xprep.prep.inspect.text`` makes the text.
+(median tokens/s, TFLOPS and both MFUs, peak memory); the parallel layout it ran on; no torch;
+``xprep.prep.inspect.text`` makes the text.
 
 A step without target tokens has a null loss (train/metrics.py): it is left out of the loss summary
 (first, last, best, trend), a gap in the curves, and counted as ``steps_without_targets`` (evaluations
@@ -28,6 +29,8 @@ from xprep.train.metrics import best_step, line_step, replayed_files
 
 PLOT = "loss_by_category.png"  # the name suggested when --plot names a directory
 PLOT_FORMATS = {"": "png", ".png": "png", ".pdf": "pdf", ".svg": "svg"}
+HYBRID = "hybrid"  # xprep.train.cp.HYBRID, named here without importing torch: the CP mode whose U is not implied
+OLD_CP_MODE = "allgather"  # of a run.json from before --cp-mode, when all-gather was how every CP run attended
 
 
 def _number(v) -> bool:
@@ -77,7 +80,7 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
     info = _read_json(path / "run.json")
     records = read_metrics(path)
     report = {"kind": "run", "path": str(path), "config": config, "settings": settings(config),
-              "pack": info.get("pack"), "validation": info.get("validation"),
+              "layout": run_layout(info), "pack": info.get("pack"), "validation": info.get("validation"),
               "plan": info.get("plan"), "steps": len(records),
               "last_step": records[-1]["step"] if records else 0,
               "checkpoints": _checkpoints(path), "replayed": replayed(path), "plot": None}
@@ -247,6 +250,25 @@ def draw_plot(out: Path, records: list[dict], names: list[str]) -> str:
     finally:
         plt.close(fig)
     return str(out)
+
+
+def layout_text(dp: int, cp: int, cp_mode: str, ulysses: int, fsdp: bool) -> str:
+    """A layout as a run's start line and its report say it, e.g. "1 DP × 4 CP (hybrid: 2 Ulysses × 2 ring),
+    FSDP2": the CP mode only with CP; ``ulysses`` is the head-parallel factor U (``xprep.train.cp.ulysses_degree``)."""
+    text = f"{dp} DP"
+    if cp > 1:
+        mode = f"{cp_mode}: {ulysses} Ulysses × {cp // ulysses} ring" if cp_mode == HYBRID else cp_mode
+        text += f" × {cp} CP ({mode})"
+    return text + (", FSDP2" if fsdp else "")
+
+
+def run_layout(info: dict) -> str | None:
+    """The layout and precision a run recorded in run.json; None when it has none (no run.json yet)."""
+    if "dp" not in info:
+        return None
+    text = layout_text(info["dp"], info.get("cp", 1), info.get("cp_mode", OLD_CP_MODE), info.get("ulysses", 1),
+                       bool(info.get("fsdp")))
+    return text + (f", {info['precision']}" if info.get("precision") else "")
 
 
 SETTINGS = ("model", "sampler", "lr", "schedule", "warmup")

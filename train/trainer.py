@@ -44,7 +44,7 @@ from xprep.train import attempts
 from xprep.train.attention import attention_path, check_head_dim
 from xprep.train.checkpoint import CheckpointManager
 from xprep.train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
-from xprep.train.cp import CPContext
+from xprep.train.cp import CPGroups, check_cp_heads, cp_context
 from xprep.train.data import PackedDataset, count_targets, micro_batch
 from xprep.train.dist import (
     ParallelDims,
@@ -71,6 +71,7 @@ from xprep.train.memory import peak_memory, reset_peak_memory
 from xprep.train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from xprep.train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
 from xprep.train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
+from xprep.train.report import layout_text
 from xprep.train.resume import check_same_model, check_same_pack, pinned_entry
 from xprep.train.rundir import RanksLock, RunLock
 from xprep.train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
@@ -138,6 +139,7 @@ class Trainer:
         self.nonfinite = nonfinite or {}  # test hook: {"loss"|"grad": steps at which this rank makes them non-finite}
         self.loss: float | None = None  # of the last step (None: it had no target token)
         self.eval_loss: float | None = None  # of the last step, when it evaluated
+        self._cp_groups: CPGroups | None = None  # the CP mode's process groups, made at the first CP batch
 
     def next_micro_batches(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """This rank's micro-batches of the next step, ready for the model; its real tokens and targets.
@@ -164,11 +166,15 @@ class Trainer:
         CPU, where attention reads them as Python ints once per micro-batch (no device sync)."""
         return {k: v if k in CPU_KEYS else v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def cp_context(self, batch: dict[str, torch.Tensor]) -> CPContext | None:
-        """What the model's attention needs to see the other CP ranks' keys and values (None without CP)."""
-        if not self.dims.cp_enabled:
+    def cp_context(self, batch: dict[str, torch.Tensor]):
+        """What the model's attention needs to see the other CP ranks' keys and values under --cp-mode (None
+        without CP). The mode's process groups are made once, by every rank at its first CP batch."""
+        dims = self.dims
+        if not dims.cp_enabled:
             return None
-        return CPContext.from_shard(batch, self.dims.cp_group(), self.dims.cp_rank, self.dims.cp)
+        if self._cp_groups is None:
+            self._cp_groups = dims.cp_groups()
+        return cp_context(batch, dims.cp_mode, dims.cp_rank, dims.cp, dims.ulysses, self._cp_groups)
 
     @property
     def last_step_bad(self) -> bool:
@@ -374,6 +380,8 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     if dims.cp_enabled and model_config is None:  # hf:DIR running as a transformers module
         raise XprepError(f"--cp {dims.cp} needs the built-in model (its attention runs over the CP group): "
                          f"use a preset or a JSON model config instead of --model {cfg.model.name}")
+    if dims.cp_enabled:  # a head split --cp-mode cannot make: refused before any process group
+        check_cp_heads(dims.cp_mode, dims.cp, dims.ulysses, model_config["n_heads"])
     loss_chunk = cfg.model.chunk_for(micro_batch_tokens(dataset, plan, dims), dataset.vocab_size,
                                      builtin=model_config is not None)
     attention, attention_note = attention_plan(cfg, dims, model_config)
@@ -666,7 +674,7 @@ def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan, attention: 
     """The model, the data, the batch arithmetic and the layout of the run about to start."""
     dims, dataset = trainer.dims, trainer.dataset
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    layout = f"{dims.dp} DP" + (f" × {dims.cp} CP" if dims.cp_enabled else "") + (", FSDP2" if dims.fsdp else "")
+    layout = layout_text(dims.dp, dims.cp, dims.cp_mode, dims.ulysses_degree, dims.fsdp)
     layout += f", {dims.device_type}, {precision_note(cfg.model.precision, dims.device_type)}"
     layout += f", attention: {attention}" if attention else ""
     return (f"{cfg.model.name} ({n_params / 1e6:,.1f}M parameters) on {len(dataset):,} bins of "
@@ -703,7 +711,8 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
         "pack": {"path": str(Path(dataset.entry.path).resolve()), "entry": dataset.entry.path.name, "key": dataset.key,
                  "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
         "categories": dataset.category_names, "sources": dataset.source_names, "validation": val,
-        "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp,
+        "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "cp_mode": dims.cp_mode,
+        "ulysses": dims.ulysses_degree, "fsdp": dims.fsdp,
         "precision": _precision(cfg, dims), "loss_chunk": loss_chunk,
         "code": attempts.code_version(), "config_sha256": attempts.config_digest(cfg.to_dict()),
         "model": model_config, "init": init,

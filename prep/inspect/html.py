@@ -623,7 +623,8 @@ def run_block(i: int, r: dict, colours: Colours) -> str:
     """One run's figures: settings, key numbers and its loss tables."""
     s = r.get("settings") or {}
     facts = [f"model {s.get('model')}", f"sampler {s.get('sampler')}", f"lr {s.get('lr')} ({s.get('schedule')}, "
-             f"warm-up {s.get('warmup')})", f"pack {r['pack']['path']}" if r.get("pack") else ""]
+             f"warm-up {s.get('warmup')})", f"layout {r['layout']}" if r.get("layout") else "",
+             f"pack {r['pack']['path']}" if r.get("pack") else ""]
     items = [("steps logged", ("steps",), integer), ("steps planned", ("plan", "steps"), integer),
              ("tokens", ("tokens",), integer), ("last loss", ("loss", "last"), lambda v: f"{v:.4f}"),
              ("best loss", ("loss", "best"), lambda v: f"{v:.4f}"), ("at step", ("loss", "best_step"), integer),

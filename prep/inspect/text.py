@@ -476,6 +476,8 @@ def render_run(r: dict) -> str:
     if cfg:
         lines += field("model", f"{cfg.get('model')}   sampler {cfg.get('sampler')}   lr {cfg.get('lr')} "
                                 f"({cfg.get('schedule')}, warm-up {cfg.get('warmup')})")
+    if r.get("layout"):
+        lines += field("layout", r["layout"])
     total = (r.get("plan") or {}).get("steps")
     lines.append(f"  steps logged  {r['steps']:,}" + (f" / {total:,}" if total else "")
                  + (f"   tokens {r['tokens']:,}" if "tokens" in r else ""))

@@ -67,7 +67,7 @@ def test_cp2_curve_equals_one_process_and_resumes_on_dp2(runs, tmp_path):
     packed, one = runs
     cp2 = xtrain(str(packed), *COMMON, *CP2, "--output", str(tmp_path / "cp2"))
     assert cp2.returncode == 0, cp2.stderr
-    assert "1 DP × 2 CP, FSDP2" in cp2.stderr and cp2.stderr.count("step 20/20") == 1  # rank 0 speaks
+    assert "1 DP × 2 CP (ring), FSDP2" in cp2.stderr and cp2.stderr.count("step 20/20") == 1  # rank 0 speaks
     same_curve(metrics(one), metrics(tmp_path / "cp2"))
     resumed = xtrain(str(packed), *COMMON, *DP2, "--output", str(tmp_path / "dp2"),
                      "--resume", str(tmp_path / "cp2" / "checkpoints" / "step-10"))
