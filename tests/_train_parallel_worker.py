@@ -1,9 +1,10 @@
 """Run under torchrun by test_parallel_equivalence.py: one global batch on several (dp, cp, accum) layouts.
 
 argv: PACKED OUT GLOBAL_BATCH LAYOUT... where a layout is ``dp,cp,accum[,ac][,nofsdp][,keep][,bf16][,once]
-[,chunk][,compile]`` (ac = activation checkpointing; FSDP2 is on unless nofsdp; keep = no reshard after
+[,chunk][,compile][,MODE][,uN]`` (ac = activation checkpointing; FSDP2 is on unless nofsdp; keep = no reshard after
 forward; bf16 = --precision bf16; once = --reduce-once-per-step (reduce-scatter after the step's last
-micro-batch only, not after every one); chunk = --loss-chunk 16; compile = torch.compile each block).
+micro-batch only, not after every one); chunk = --loss-chunk 16; compile = torch.compile each block; MODE = a
+--cp-mode, the default one when left out; uN = --ulysses N).
 For each layout every rank builds the tiny model (on the meta device, then sharded and initialized)
 and a Trainer over its share, gathers the whole initial weights, runs ``accumulate_gradients`` once,
 and gathers the whole gradients; rank 0 saves {layout: {"loss": float, "init": {name: tensor},
@@ -21,6 +22,7 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 from trainkit import grads, make_trainer, params  # noqa: E402
+from xprep.train.cp import CP_MODES, DEFAULT_CP_MODE  # noqa: E402
 from xprep.train.dist import ParallelDims, all_reduce_sum, init_distributed, shutdown  # noqa: E402
 from xprep.train.loss import LossSums, step_losses  # noqa: E402
 
@@ -67,7 +69,9 @@ def measuring_held_gradients(trainer, held: list[int]):
 for layout in layouts:
     dp, cp, accum, *flags = layout.split(",")
     dp, cp, accum = int(dp), int(cp), int(accum)
-    dims = ParallelDims.from_env(dp, cp, fsdp="nofsdp" not in flags)
+    mode = next((f for f in flags if f in CP_MODES), DEFAULT_CP_MODE)
+    ulysses = next((int(f[1:]) for f in flags if f.startswith("u") and f[1:].isdigit()), None)
+    dims = ParallelDims.from_env(dp, cp, fsdp="nofsdp" not in flags, cp_mode=mode, ulysses=ulysses)
     init_distributed(dims)
     trainer = make_trainer(packed, micro=global_batch // (dp * accum), accum=accum, dims=dims,
                            activation_checkpointing="ac" in flags, reshard_after_forward="keep" not in flags,

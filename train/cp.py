@@ -42,8 +42,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 from xprep.prep.errors import XprepError
-from xprep.train.attention import check_lower_right, lower_right_causal_attention, to_device_async, varlen_kernel
-from xprep.train.ring import Call, Ring, ring_attention, ring_steps
+from xprep.train.attention import (
+    attention_path,
+    check_lower_right,
+    lower_right_causal_attention,
+    to_device_async,
+    varlen_kernel,
+)
+from xprep.train.ring import Call, Ring, ring_attention, ring_path, ring_steps
 from xprep.train.ulysses import UlyssesContext
 
 Lengths = TypeVar("Lengths", int, np.ndarray, Tensor)
@@ -98,6 +104,14 @@ def check_cp_heads(mode: str, cp_size: int, ulysses: int | None, n_heads: int) -
     valid = [u for u in _divisors(cp_size) if n_heads % u == 0]
     raise XprepError(f"--cp-mode hybrid splits the {n_heads} attention heads over --ulysses {factor} ranks, which "
                      f"does not divide them: use --ulysses in {valid} (dividing both --cp {cp_size} and the heads)")
+
+
+def cp_attention_path(mode: str, device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str:
+    """The attention path of a `mode` forward, named for a start line (xprep.train.attention.attention_path):
+    allgather's query pieces over gathered keys, Ulysses' whole documents, the ring's per-block kernel."""
+    if mode in (RING, HYBRID):
+        return ring_path(device, dtype, head_dim)
+    return attention_path(device, dtype, head_dim, context_parallel=mode == ALLGATHER)
 
 
 def _divisors(n: int) -> list[int]:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from xprep.train.attention import varlen_kernel
+from xprep.train.attention import FLASH_VARLEN, TORCH_VARLEN, attention_path
 
 _aten = torch.ops.aten
 _CPU_FLASH = hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
@@ -222,17 +222,29 @@ def _sum_heads(x: Tensor, n_heads: int) -> Tensor:
     return x if x.shape[1] == n_heads else x.unflatten(1, (n_heads, -1)).sum(2)
 
 
+# The kernels, as the start line names them (`ring_path`).
+RING_CUDA_FLASH = "flash per ring block (torch)"
+RING_CPU_FLASH = "CPU flash per ring block"
+RING_MATH = "plain ops per ring block"
+
 _CUDA_FLASH = CUDAFlashKernel()  # one instance: it remembers the flash build's log-sum-exp layout
 
 
 def block_kernel(q: Tensor) -> BlockKernel:
     """The kernel ring steps use for `q`: the fused flash kernels on CPU and (half precision, Ampere or later)
     CUDA, plain ops elsewhere (fp32 on CUDA)."""
-    if q.device.type == "cpu" and _CPU_FLASH:
-        return CPUFlashKernel()
-    if varlen_kernel(q) is not None and hasattr(_aten, "_flash_attention_forward"):
-        return _CUDA_FLASH
-    return MathKernel()
+    path = ring_path(q.device, q.dtype, q.shape[-1])
+    return CPUFlashKernel() if path == RING_CPU_FLASH else _CUDA_FLASH if path == RING_CUDA_FLASH else MathKernel()
+
+
+def ring_path(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str:
+    """Which kernel ring steps take for these inputs (`block_kernel`), named for a start line."""
+    if torch.device(device).type == "cpu" and _CPU_FLASH:
+        return RING_CPU_FLASH
+    if attention_path(device, dtype, head_dim) in (FLASH_VARLEN, TORCH_VARLEN) and hasattr(
+            _aten, "_flash_attention_forward"):
+        return RING_CUDA_FLASH
+    return RING_MATH
 
 
 # ----------------------------------------------------------------------------- one block, forward and backward

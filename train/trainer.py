@@ -44,7 +44,7 @@ from xprep.train import attempts
 from xprep.train.attention import attention_path, check_head_dim
 from xprep.train.checkpoint import CheckpointManager
 from xprep.train.config import ModelSection, ParallelSection, TrainConfig, validate_against_schema
-from xprep.train.cp import CPGroups, check_cp_heads, cp_context
+from xprep.train.cp import CPGroups, check_cp_heads, cp_attention_path, cp_context
 from xprep.train.data import PackedDataset, count_targets, micro_batch
 from xprep.train.dist import (
     ParallelDims,
@@ -399,7 +399,9 @@ def attention_plan(cfg: TrainConfig, dims: ParallelDims, model_config: dict | No
         return "", ""
     head_dim = model_config["dim"] // model_config["n_heads"]
     dtype = param_dtype_for(cfg.model.precision, dims.device_type)
-    path = attention_path(torch.device(dims.device_type), dtype, head_dim, context_parallel=dims.cp_enabled)
+    device = torch.device(dims.device_type)
+    path = (cp_attention_path(dims.cp_mode, device, dtype, head_dim) if dims.cp_enabled
+            else attention_path(device, dtype, head_dim))
     return path, check_head_dim(head_dim, dims.device_type)
 
 

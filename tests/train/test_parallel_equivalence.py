@@ -7,8 +7,9 @@ shard: (1,1,1) and (1,1,2) run without FSDP2, as `xtrain run` does.) Issue 13: r
 every micro-batch gives the same gradients with one reduce-scatter per micro-batch; the chunked loss
 under FSDP2 × CP the same loss and gradients; bf16 (FSDP2's MixedPrecisionPolicy, autocast without
 FSDP2) agrees within bf16 tolerance; the meta-device init gives every layout the 1-process weights
-exactly. Also the data side of
-CP: bins of a pack made with --cp-size fill exactly their capacity once sharded, and packs
+exactly. Issue 33: every --cp-mode (ring, the default, in every CP layout without a mode; ulysses and allgather at
+C = 2; ring, ulysses, hybrid 2 × 2 and allgather at C = 4, with and without FSDP2 and activation checkpointing).
+Also the data side of CP: bins of a pack made with --cp-size fill exactly their capacity once sharded, and packs
 without room for the padding are refused.
 """
 
@@ -51,7 +52,8 @@ def one_process(packed: Path, accum: int, precision: str = "fp32") -> dict:
 
 def test_loss_and_gradients_agree_across_layouts(packed, tmp_path):
     layouts = ["2,1,1", "1,2,1", "2,1,2,once", "1,2,2,ac,once", "1,2,1,nofsdp", "2,1,2,keep,once", "2,1,2",
-               "1,2,2,chunk,once", "2,1,2,bf16,once", "1,2,1,ac,bf16,chunk", "2,1,1,nofsdp,bf16"]
+               "1,2,2,chunk,once", "2,1,2,bf16,once", "1,2,1,ac,bf16,chunk", "2,1,1,nofsdp,bf16",
+               "1,2,2,ulysses,ac,once", "1,2,1,ulysses,nofsdp", "1,2,1,allgather"]
     out = tmp_path / "layouts.pt"
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "_train_parallel_worker.py"),
            str(packed), str(out), str(GLOBAL_BATCH), *layouts]
@@ -85,6 +87,26 @@ def test_loss_and_gradients_agree_across_layouts(packed, tmp_path):
     assert results["1,2,2,chunk,once"]["reduce_scatters"] == results["2,1,2,bf16,once"]["reduce_scatters"] == once
     whole_model_fp32 = 4 * sum(p.numel() for p in init.parameters())
     assert results["2,1,2,once"]["held_grad_bytes"] == results["2,1,2,bf16,once"]["held_grad_bytes"] == whole_model_fp32
+
+
+def test_every_cp_mode_on_four_ranks_equals_one_process(tmp_path):
+    """C = 4 under each --cp-mode through the trainer: FSDP2 or not, activation checkpointing, accumulation;
+    loss and every gradient equal one process's (the default mode, ring, is also every layout above)."""
+    packed4 = cp_pack(tmp_path / "cp4", cp_size=4)
+    layouts = ["1,4,1,ring,ac", "1,4,2,ulysses,once", "1,4,1,hybrid,u2,ac", "1,4,2,hybrid,u2,nofsdp",
+               "2,2,1,ulysses", "1,4,1,allgather,nofsdp,ac"]
+    out = tmp_path / "layouts.pt"
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=4", str(ROOT / "tests" / "_train_parallel_worker.py"),
+           str(packed4), str(out), str(GLOBAL_BATCH), *layouts]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = torch.load(out, weights_only=True)
+    ref = one_process(packed4, accum=1)
+    assert list(results) == layouts
+    for layout, got in results.items():
+        assert abs(got["loss"] - ref["loss"]) <= TOL * ref["loss"], layout
+        assert max_rel_diff(got["grads"], ref["grads"]) <= TOL, layout
 
 
 def test_cp_bins_fill_their_capacity_once_sharded(packed):

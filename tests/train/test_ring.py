@@ -120,3 +120,15 @@ def test_ulysses_head_split_keeps_each_query_head_on_its_kv_head(n_heads, n_kv, 
             head = member * h + local  # the query head this member holds
             local_kv = local // (h // hk)  # GQA inside the member: h / hk queries per K/V head
             assert kv_heads[member * hk + local_kv] == head // (n_heads // n_kv)
+
+
+def test_the_start_line_names_each_mode_s_kernel():
+    from xprep.train import attention
+    from xprep.train.cp import cp_attention_path
+    from xprep.train.ring import RING_CPU_FLASH, RING_MATH, ring_path
+
+    assert cp_attention_path("ring", "cpu", torch.float32, 16) == RING_CPU_FLASH
+    assert cp_attention_path("hybrid", "cpu", torch.bfloat16, 16) == RING_CPU_FLASH
+    assert cp_attention_path("ulysses", "cpu", torch.float32, 16) == attention.SDPA_PER_DOCUMENT  # whole documents
+    assert cp_attention_path("allgather", "cpu", torch.float32, 16) == attention.SDPA_PER_PIECE
+    assert ring_path("meta", torch.float32, 16) == RING_MATH
