@@ -1,7 +1,8 @@
 """`xtrain run` on 2 ranks it starts itself (--nproc-per-node): CP and DP runs, resume across layouts, failures.
 
 Issue 5 points 2 (second half), 3 and 4: a 20-step run has the same loss curve on (1,1,1) and
-(dp 1, cp 2); a checkpoint written with dp=2 resumes with cp=2 and vice versa, the losses and the
+(dp 1, cp 2); a checkpoint written with dp=2 resumes with cp=2, one written with cp=2 (ring) on one process and
+on cp=4 (hybrid 2 × 2: issue 33, another mode and another C), the losses and the
 data order continuing exactly as in an uninterrupted run; a rank that dies ends the whole job
 quickly, non-zero, with its error shown.
 """
@@ -57,23 +58,24 @@ def same_curve(a: list[dict], b: list[dict]) -> None:
 def runs(tmp_path_factory) -> tuple[Path, Path]:
     """The pack, and the uninterrupted single-process run everything is compared with."""
     root = tmp_path_factory.mktemp("runs")
-    packed = cp_pack(root)
+    packed = cp_pack(root, cp_size=4)  # room for --cp 4 (and 2)
     one = xtrain(str(packed), *COMMON, "--output", str(root / "one"))
     assert one.returncode == 0, one.stderr
     return packed, root / "one"
 
 
-def test_cp2_curve_equals_one_process_and_resumes_on_dp2(runs, tmp_path):
+def test_cp2_curve_equals_one_process_and_resumes_under_another_mode_and_c(runs, tmp_path):
     packed, one = runs
-    cp2 = xtrain(str(packed), *COMMON, *CP2, "--output", str(tmp_path / "cp2"))
+    cp2 = xtrain(str(packed), *COMMON, *CP2, "--cp-mode", "ring", "--output", str(tmp_path / "cp2"))
     assert cp2.returncode == 0, cp2.stderr
     assert "1 DP × 2 CP (ring), FSDP2" in cp2.stderr and cp2.stderr.count("step 20/20") == 1  # rank 0 speaks
     same_curve(metrics(one), metrics(tmp_path / "cp2"))
-    resumed = xtrain(str(packed), *COMMON, *DP2, "--output", str(tmp_path / "dp2"),
+    hybrid = ["--nproc-per-node", "4", "--cp", "4", "--cp-mode", "hybrid", "--ulysses", "2"]
+    resumed = xtrain(str(packed), *COMMON, *hybrid, "--output", str(tmp_path / "cp4"),
                      "--resume", str(tmp_path / "cp2" / "checkpoints" / "step-10"))
     assert resumed.returncode == 0, resumed.stderr
-    assert "resuming at step 10" in resumed.stderr and "2 DP, FSDP2" in resumed.stderr
-    same_curve(metrics(one)[10:], metrics(tmp_path / "dp2"))
+    assert "resuming at step 10" in resumed.stderr and "1 DP × 4 CP (hybrid: 2 Ulysses × 2 ring)" in resumed.stderr
+    same_curve(metrics(one)[10:], metrics(tmp_path / "cp4"))
     alone = xtrain(str(packed), *COMMON, "--output", str(tmp_path / "alone"),  # 2 ranks' shards on 1 process
                    "--resume", str(tmp_path / "cp2" / "checkpoints" / "step-10"))
     assert alone.returncode == 0, alone.stderr
