@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from trainkit import category_pack, grads, make_trainer, max_rel_diff
+from trainkit import category_pack, cp_pack, grads, make_trainer, max_rel_diff
 from xprep.train.loss import LossSums
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,16 +43,19 @@ def test_compiled_blocks_match_eager(tmp_path):
 
 
 def test_compiled_blocks_under_fsdp2(tmp_path):
-    packed = category_pack(tmp_path)
+    """dp 2, and cp 2 under the default --cp-mode (ring: its attention runs between the compiled graphs)."""
+    packed = cp_pack(tmp_path)
     out = tmp_path / "layouts.pt"
+    layouts = ["2,1,2,ac,compile", "1,2,2,ac,compile"]
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "_train_parallel_worker.py"),
-           str(packed), str(out), "4", "2,1,2,ac,compile"]
+           str(packed), str(out), "4", *layouts]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(out, weights_only=True)["2,1,2,ac,compile"]
+    results = torch.load(out, weights_only=True)
     ref = make_trainer(packed, micro=2, accum=2)
     sums, _, _ = ref.accumulate_gradients()
     loss = LossSums.from_flat(sums.flat()).loss
-    assert abs(got["loss"] - loss) <= TOL * loss
-    assert max_rel_diff(got["grads"], grads(ref.model)) <= TOL
+    for layout in layouts:
+        assert abs(results[layout]["loss"] - loss) <= TOL * loss, layout
+        assert max_rel_diff(results[layout]["grads"], grads(ref.model)) <= TOL, layout
