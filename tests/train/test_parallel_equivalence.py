@@ -50,17 +50,23 @@ def one_process(packed: Path, accum: int, precision: str = "fp32") -> dict:
     return {"loss": loss, "grads": grads(trainer.model)}
 
 
+def run_layouts(packed: Path, nproc: int, layouts: list[str], tmp_path: Path) -> dict:
+    """tests/_train_parallel_worker.py on `nproc` gloo ranks over `layouts`: {layout: its results}."""
+    out = tmp_path / "layouts.pt"
+    worker = ROOT / "tests" / "_train_parallel_worker.py"
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(worker), str(packed), str(out),
+           str(GLOBAL_BATCH), *layouts]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=True)
+
+
 def test_loss_and_gradients_agree_across_layouts(packed, tmp_path):
     layouts = ["2,1,1", "1,2,1", "2,1,2,once", "1,2,2,ac,once", "1,2,1,nofsdp", "2,1,2,keep,once", "2,1,2",
                "1,2,2,chunk,once", "2,1,2,bf16,once", "1,2,1,ac,bf16,chunk", "2,1,1,nofsdp,bf16",
                "1,2,2,ulysses,ac,once", "1,2,1,ulysses,nofsdp", "1,2,1,allgather"]
-    out = tmp_path / "layouts.pt"
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "_train_parallel_worker.py"),
-           str(packed), str(out), str(GLOBAL_BATCH), *layouts]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(out, weights_only=True)
+    results = run_layouts(packed, 2, layouts, tmp_path)
     results["1,1,1"] = ref = one_process(packed, accum=1)
     results["1,1,2"] = one_process(packed, accum=2)
     results["1,1,2,bf16"] = one_process(packed, accum=2, precision="bf16")
@@ -95,13 +101,7 @@ def test_every_cp_mode_on_four_ranks_equals_one_process(tmp_path):
     packed4 = cp_pack(tmp_path / "cp4", cp_size=4)
     layouts = ["1,4,1,ring,ac", "1,4,2,ulysses,once", "1,4,1,hybrid,u2,ac", "1,4,2,hybrid,u2,nofsdp",
                "2,2,1,ulysses", "1,4,1,allgather,nofsdp,ac"]
-    out = tmp_path / "layouts.pt"
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=4", str(ROOT / "tests" / "_train_parallel_worker.py"),
-           str(packed4), str(out), str(GLOBAL_BATCH), *layouts]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(out, weights_only=True)
+    results = run_layouts(packed4, 4, layouts, tmp_path)
     ref = one_process(packed4, accum=1)
     assert list(results) == layouts
     for layout, got in results.items():

@@ -68,9 +68,19 @@ def test_keys_of_other_documents_are_never_seen():
             assert keys.max() <= queries.max()
 
 
-def simulate(q, k, v, perm, bounds, kernel, index_sets=None):
-    sets = index_sets if index_sets is not None else list(perm.numpy())
+def simulate(q, k, v, sets, bounds, kernel):
+    """The ring over members holding `sets` (global indices), run in this process, with dout = 1."""
     return simulated_ring(q, k, v, torch.ones_like(q), sets, bounds, kernel)
+
+
+def assert_equals_reference(got, q, k, v, bounds):
+    """(out, dq, dk, dv) equal the document attention of q, k, v and its gradients for dout = 1."""
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = reference(*leaves, bounds)
+    ref.sum().backward()
+    torch.testing.assert_close(got[0], ref.detach(), rtol=1e-5, atol=1e-5)
+    for grad, leaf in zip(got[1:], leaves, strict=True):
+        torch.testing.assert_close(grad, leaf.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", [CPUFlashKernel(), MathKernel()], ids=["cpu-flash", "math"])
@@ -83,13 +93,7 @@ def test_simulated_ring_equals_document_attention(kernel, cp_size, seed):
     torch.manual_seed(seed)
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
     perm = zigzag_permutation(cu, cp_size)
-    out, dq, dk, dv = simulate(q, k, v, perm, cu.numpy(), kernel)
-    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    ref = reference(qr, kr, vr, cu.tolist())
-    ref.sum().backward()
-    torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-5)
-    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_equals_reference(simulate(q, k, v, list(perm.numpy()), cu.numpy(), kernel), q, k, v, cu.tolist())
 
 
 def test_simulated_ring_over_ulysses_groups_and_chunk_samples():
@@ -100,13 +104,7 @@ def test_simulated_ring_over_ulysses_groups_and_chunk_samples():
     sets = list(perm.reshape(2, -1).numpy())
     torch.manual_seed(3)
     q, k, v = torch.randn(96, 2, 8), torch.randn(96, 2, 8), torch.randn(96, 2, 8)
-    out, dq, dk, dv = simulate(q, k, v, perm, bounds, CPUFlashKernel(), index_sets=sets)
-    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    ref = reference(qr, kr, vr, bounds.tolist())
-    ref.sum().backward()
-    torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-5)
-    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_equals_reference(simulate(q, k, v, sets, bounds, CPUFlashKernel()), q, k, v, bounds.tolist())
 
 
 @pytest.mark.parametrize("n_heads,n_kv,factor", [(4, 2, 4), (4, 2, 2), (8, 2, 4), (6, 3, 2), (12, 4, 6), (4, 4, 4)])
