@@ -1,7 +1,9 @@
-"""Benchmark of issue 5's parallelism: context-parallel activation memory, FSDP2 step time.
+"""Benchmark of issue 5's parallelism (context-parallel activation memory, FSDP2 step time) and of issue 33's
+CP modes (the K/V memory of allgather, ring, ulysses and hybrid).
 
-    python bench/parallel.py            # seq 16,384 for CP, 4,096 tokens per rank for FSDP2
-    python bench/parallel.py --quick    # smaller sequences and fewer steps (smoke run, < 1 min)
+    python bench/parallel.py                 # seq 16,384 for CP, 4,096 tokens per rank for FSDP2, 32,768 for the modes
+    python bench/parallel.py --quick         # smaller sequences and fewer steps (smoke run, < 1 min a section)
+    python bench/parallel.py --only modes    # one section (repeatable): cp, fsdp, modes
 
 Everything is measured in one run, and every ratio is against a baseline measured in the same run:
 
@@ -23,9 +25,20 @@ Everything is measured in one run, and every ratio is against a baseline measure
    same batches, one step each in turn, in an order that rotates every round, so drift in the
    machine's load hits all of them. A step is forward + backward + gradient reduction + AdamW;
    its time is the slowest rank's. Target: ≤ 1.2×.
+3. The CP modes' K/V memory. One packed row of ``modes_docs`` equal documents (8 × 4096 = 32,768
+   tokens) through a stack of 4 attention layers of the built-in model (``xprep.train.model.Attention``:
+   q/k/v/o projections, RoPE, GQA; width 64, 4 heads / 2 K/V heads), a residual around each, fp32,
+   one forward + backward per step. C=1 is one plain process with the ordinary varlen attention; at
+   C=2 and 4, C gloo processes run every mode in turn (groups and ``cp_context`` as xtrain lays them
+   out; hybrid as 2 Ulysses ranks × a ring of C/2). Per rank: the peak RSS of a step above the RSS
+   just before it (as in 1.), and exact figures from a metered step (``TensorMeter``): the peak of
+   live tensor bytes, the bytes attention saves for backward, and the peak of the bytes holding K or V
+   values (K, V and every copy made of them: gathered, permuted, repeated, ring blocks in flight).
+   Goal: ring at C=4 ≤ 0.35× allgather's K/V peak at C=4; ring at C=4 against C=1 is printed too.
 
 Fairness: the machine has 2 cores and every configuration gets all of them: the single process
-runs 2 intra-op threads, each of two processes runs 1. Workers are spawned here (one plain
+runs 2 intra-op threads, each of two processes runs 1 (four processes of section 3 run 1 each: 2×
+oversubscribed). Workers are spawned here (one plain
 process, or ``torch.distributed.run --standalone``), each with a timeout; rank 0 prints one
 ``RESULT {json}`` line on stdout that this script reads. A failed or timed-out worker makes the
 benchmark exit 1. Step times are medians of the timed steps; minima and paired ratios are printed
@@ -64,6 +77,9 @@ if TYPE_CHECKING:
 RESULT = "RESULT "  # prefix of the one line a worker's rank 0 prints on stdout
 FAILED = "WORKER FAILED"  # prefix of a failed rank's traceback on stderr
 MIB = 1024 * 1024
+MODES_SIZES = (1, 2, 4)  # CP degrees of section 3 (1: no CP, the ordinary varlen attention)
+KV_GOAL = 0.35  # issue 33: ring's K/V memory per rank at C=4, over allgather's
+SECTIONS = ("cp", "fsdp", "modes")  # --only choices: 1. cp=2 vs 1, 2. FSDP2, 3. the CP modes' K/V memory
 
 
 class BenchError(Exception):
@@ -90,6 +106,14 @@ class BenchConfig:
     cores: int = 2  # total intra-op threads given to each configuration
     timeout: float = 900.0  # seconds per worker launch
     seed: int = 0
+    # 3. the K/V memory of the CP modes: a stack of attention layers over one long row
+    modes_seq: int = 32_768  # tokens of the row
+    modes_docs: int = 8  # equal documents in it
+    modes_dim: int = 64  # width of the attention stack
+    modes_heads: int = 4
+    modes_kv_heads: int = 2
+    modes_layers: int = 4
+    modes_steps: int = 3  # timed steps per mode, after one measured (exact figures) untimed step
 
     def __post_init__(self) -> None:
         for seq, docs, name in ((self.cp_seq, self.cp_docs, "cp"), (self.dp_seq, self.dp_docs, "dp")):
@@ -97,15 +121,35 @@ class BenchConfig:
                 raise BenchError(f"--{name}-seq {seq} --{name}-docs {docs}: the row must split into equal documents "
                                  "whose length is a multiple of 4 (2·cp with cp=2, so zigzag sharding adds no "
                                  f"padding); e.g. --{name}-seq {max(docs, 1) * 4 * max(1, seq // max(docs, 1) // 4)}")
+        self._check_modes()
         if self.cores % 2:
             raise BenchError(f"--cores {self.cores} must be even: two processes share them equally")
         if self.warmup < 1 or self.steps < 1 or self.rounds < 1 or self.round_steps < 1:
             raise BenchError(f"--warmup {self.warmup} --steps {self.steps} --rounds {self.rounds} --round-steps "
                              f"{self.round_steps}: each must be ≥ 1")
 
+    def _check_modes(self) -> None:
+        top = max(MODES_SIZES)
+        docs = max(self.modes_docs, 1)
+        if self.modes_docs < 1 or self.modes_seq % docs or (self.modes_seq // docs) % (2 * top):
+            raise BenchError(f"--modes-seq {self.modes_seq} --modes-docs {self.modes_docs}: the row must split into "
+                             f"equal documents whose length is a multiple of {2 * top} (2·cp at cp={top}, so zigzag "
+                             f"sharding adds no padding); e.g. --modes-seq "
+                             f"{docs * 2 * top * max(1, self.modes_seq // docs // (2 * top))}")
+        if self.modes_heads % top or self.modes_heads % self.modes_kv_heads:
+            raise BenchError(f"--modes-heads {self.modes_heads} --modes-kv-heads {self.modes_kv_heads}: the query "
+                             f"heads must be a multiple of {top} (Ulysses splits them over cp={top}) and of the K/V "
+                             "heads (grouped-query attention); e.g. --modes-heads 4 --modes-kv-heads 2")
+        if self.modes_dim % self.modes_heads or (self.modes_dim // self.modes_heads) % 2:
+            raise BenchError(f"--modes-dim {self.modes_dim}: must be --modes-heads {self.modes_heads} × an even head "
+                             f"dimension (RoPE); e.g. --modes-dim {self.modes_heads * 16}")
+        if self.modes_layers < 1 or self.modes_steps < 1:
+            raise BenchError(f"--modes-layers {self.modes_layers} --modes-steps {self.modes_steps}: each must be ≥ 1")
+
     @classmethod
     def quick(cls) -> BenchConfig:
-        return cls(cp_seq=2048, dp_seq=1024, warmup=1, steps=2, rounds=3, round_steps=1, timeout=180.0)
+        return cls(cp_seq=2048, dp_seq=1024, warmup=1, steps=2, rounds=3, round_steps=1, timeout=180.0,
+                   modes_seq=2048, modes_docs=4, modes_steps=2)
 
     def model_config(self) -> ModelConfig:
         from xprep.train.model import ModelConfig
@@ -183,6 +227,179 @@ class PeakRSS:
             self._stop.set()
             self._thread.join()
             self.peak = max(self.peak, rss_mib())
+
+
+# Data-movement ops: the storage they make holds the data of their first argument (a tensor or a list of them),
+# moved. Any other op computes new values (attention outputs, gradients...), which are never K/V.
+MOVES = frozenset({
+    "aten::cat", "aten::index_select", "aten::index", "aten::clone", "aten::_to_copy", "aten::empty_like",
+    "_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_to_all_single",
+})
+COLLECTIVE_MOVES = frozenset({"_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_to_all_single"})
+
+
+@dataclass
+class Stored:
+    """A storage made under a `TensorMeter`: weakly referenced, its bytes, and which of its elements hold K/V."""
+
+    ref: object  # torch.multiprocessing.reductions.StorageWeakRef: never keeps the storage alive
+    nbytes: int
+    kv: int = 0  # bytes holding K or V values
+    shadow: object = None  # (elements,) uint8 tensor, 1 where the element holds a K or V value; None: no K/V
+
+
+class TensorMeter:
+    """Exact tensor memory of what runs under it: the peak of live bytes, and the peak of those holding K/V values.
+
+    A TorchDispatchMode sees every op; each storage an op makes is followed through a weak reference (so it
+    is freed exactly when it would be), and whenever a storage is made the expired ones are dropped and the
+    live bytes summed: the peaks are exact at op boundaries (a kernel's scratch inside one call is not seen).
+    Only storages made under the meter count: the peaks are above the state it started in.
+
+    K/V is followed element by element: `mark_kv` flags the K and V an attention call receives, and every
+    data-movement op (MOVES) runs a second time on uint8 *shadows* of its inputs (1 = this element holds K or
+    V), collectives included (the shadows travel the same way, so a gathered or all-to-all'd buffer knows which
+    of its elements came from K or V: Ulysses sends Q, K and V in one buffer). A ring's receive buffer
+    (empty_like of the block it sends) gets the sent block's shadow: every ring block has the same layout.
+    Values computed from K/V (attention outputs, gradients) are not K/V.
+
+    `saving()` wraps the attention calls: what they save for backward (saved_tensors_hooks) is recorded by
+    storage, so a view saved twice counts once.
+    """
+
+    def __init__(self):
+        import torch
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self._torch, self._ref = torch, StorageWeakRef
+        self.stored: dict[int, Stored] = {}
+        self.live = self.live_kv = self.peak = self.peak_kv = 0
+        self.saved: dict[int, tuple[object, int, int]] = {}  # storage -> (weak ref, bytes, K/V bytes) saved
+        meter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return meter._dispatch(func, args, kwargs or {})
+
+        self.mode = Mode()
+
+    def __enter__(self) -> TensorMeter:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+    # -- bookkeeping
+    def _plain(self, t):
+        """t itself, or the tensor a wrapper subclass holds (a functional collective's AsyncCollectiveTensor)."""
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        while is_traceable_wrapper_subclass(t):
+            t = getattr(t, t.__tensor_flatten__()[0][0])
+        return t
+
+    def _key(self, t):
+        ref = self._ref(self._plain(t).untyped_storage())
+        return ref.cdata, ref
+
+    def _dispatch(self, func, args, kwargs):
+        from torch.utils._pytree import tree_flatten
+
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        shadow = self._moved_shadow(name, func, args, kwargs) if name in MOVES else None
+        made = False
+        for t in tree_flatten(out)[0]:
+            if type(t) is self._torch.Tensor:  # a wrapper subclass holds no memory of its own
+                made |= self._follow(t, shadow)
+        if made:
+            self._poll()
+        return out
+
+    def _follow(self, t, shadow) -> bool:
+        """Start following t's storage if it is new (with `shadow`, t-shaped, for t's elements); True if it was."""
+        key, ref = self._key(t)
+        if key in self.stored:
+            return False
+        entry = Stored(ref, t.untyped_storage().nbytes())
+        self.stored[key] = entry
+        self.live += entry.nbytes
+        if shadow is not None and bool(shadow.any()):
+            self._set_shadow(entry, t, shadow)
+        return True
+
+    def _set_shadow(self, entry: Stored, t, shadow) -> None:
+        """Write t's elements' K/V flags into its storage's shadow and recount the storage's K/V bytes."""
+        torch = self._torch
+        if entry.shadow is None:
+            entry.shadow = torch.zeros(entry.nbytes // t.element_size(), dtype=torch.uint8)
+        torch.as_strided(entry.shadow, t.size(), t.stride(), t.storage_offset()).copy_(shadow)
+        kv = int(entry.shadow.count_nonzero()) * t.element_size()
+        self.live_kv += kv - entry.kv
+        entry.kv = kv
+
+    def _poll(self) -> None:
+        for key in [k for k, s in self.stored.items() if s.ref.expired()]:
+            entry = self.stored.pop(key)
+            self.live -= entry.nbytes
+            self.live_kv -= entry.kv
+        self.peak, self.peak_kv = max(self.peak, self.live), max(self.peak_kv, self.live_kv)
+
+    # -- K/V shadows
+    def _shadow(self, t):
+        """t's K/V flags, shaped like t (uint8)."""
+        torch = self._torch
+        t = self._plain(t)
+        entry = self.stored.get(self._key(t)[0])
+        if entry is None or entry.shadow is None:
+            return torch.zeros(t.shape, dtype=torch.uint8)
+        return torch.as_strided(entry.shadow, t.size(), t.stride(), t.storage_offset())
+
+    def _moved_shadow(self, name, func, args, kwargs):
+        """The shadow of a data-movement op's output: the same op run on its data argument's shadows."""
+        torch = self._torch
+        data = args[0]
+        shadows = [self._shadow(t) for t in data] if isinstance(data, (list, tuple)) else self._shadow(data)
+        if name == "aten::empty_like":
+            return shadows.clone()
+        if name not in COLLECTIVE_MOVES and not any(bool(s.any()) for s in
+                                                    (shadows if isinstance(shadows, list) else [shadows])):
+            return None  # nothing to move (collectives run anyway: every rank must take part)
+        kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+        moved = func(shadows, *args[1:], **kwargs)
+        if name in COLLECTIVE_MOVES:
+            moved = torch.ops._c10d_functional.wait_tensor(moved)
+        return moved
+
+    def mark_kv(self, *tensors) -> None:
+        """Flag these tensors' elements as K/V (the K and V an attention call receives)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the flags are the meter's own tensors, not the measured ones
+            for t in tensors:
+                key, _ = self._key(t)
+                if key not in self.stored:
+                    self._follow(t, None)
+                self._set_shadow(self.stored[key], t, self._torch.ones(t.shape, dtype=self._torch.uint8))
+            self._poll()
+
+    # -- saved for backward
+    def saving(self):
+        """Context manager: record the storages saved for backward while it is active."""
+        def pack(t):
+            key, ref = self._key(t)
+            entry = self.stored.get(key)
+            kv = entry.kv if entry is not None else 0
+            self.saved.setdefault(key, (ref, self._plain(t).untyped_storage().nbytes(), kv))
+            return t
+
+        return self._torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def saved_bytes(self) -> tuple[int, int]:
+        """(bytes, K/V bytes) of the distinct storages saved so far under `saving()`."""
+        return sum(nbytes for _, nbytes, _ in self.saved.values()), sum(kv for _, _, kv in self.saved.values())
 
 
 # ------------------------------------------------------------------------------------- model, data, step
@@ -374,6 +591,161 @@ def fsdp_worker(cfg: BenchConfig) -> dict:
             "times": {m: slowest(t) for m, t in times.items()}, "losses": losses}
 
 
+# ------------------------------------------------------------------------------------- 3. the CP modes' K/V memory
+NO_CP = "none"  # C = 1: the ordinary varlen attention, no CP
+
+
+def modes_of(size: int) -> list[tuple[str, int | None]]:
+    """The (mode, Ulysses factor) measured at CP degree `size`: hybrid as 2 Ulysses ranks × a ring of size / 2."""
+    from xprep.train.cp import ALLGATHER, HYBRID, RING, ULYSSES
+
+    if size == 1:
+        return [(NO_CP, None)]
+    return [(ALLGATHER, None), (RING, None), (ULYSSES, None)] + ([(HYBRID, 2)] if size >= 4 and size % 2 == 0 else [])
+
+
+def mode_label(mode: str, size: int) -> str:
+    from xprep.train.cp import HYBRID
+
+    return f"hybrid 2×{size // 2}" if mode == HYBRID else "no CP" if mode == NO_CP else mode
+
+
+def modes_row(cfg: BenchConfig) -> dict:
+    """The packed row of section 3: `modes_docs` equal documents (position_ids restart, cu_seqlens their bounds)."""
+    import torch
+
+    length = cfg.modes_seq // cfg.modes_docs
+    return {"position_ids": torch.arange(length).repeat(cfg.modes_docs)[None],
+            "cu_seqlens": torch.arange(0, cfg.modes_seq + 1, length, dtype=torch.int32)}
+
+
+def mode_attention(row: dict, mode: str, factor: int | None, rank: int, size: int):
+    """(attend, this rank's global token indices, their positions) of one mode: its groups and `cp_context` as
+    xtrain lays them out (CP rank r at ring index r // U and Ulysses index r % U), or varlen attention at C = 1."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from xprep.train.attention import varlen_attention
+    from xprep.train.cp import CPGroups, cp_context, shard_batch, ulysses_degree
+
+    if size == 1:
+        cu, bounds = row["cu_seqlens"], row["cu_seqlens"].tolist()
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+        index = torch.arange(bounds[-1])
+        return (lambda q, k, v: varlen_attention(q, k, v, cu, longest, bounds=bounds)), index, row["position_ids"][0]
+    u = ulysses_degree(mode, size, factor)
+    mesh = init_device_mesh("cpu", (size // u, u), mesh_dim_names=("ring", "ulysses"))
+    groups = CPGroups(mesh._flatten("cp").get_group(), mesh["ring"].get_group(), mesh["ulysses"].get_group())
+    shard = shard_batch(row, rank, size)
+    cp = cp_context(shard, mode, rank, size, factor, groups)
+    return cp.attention, shard["global_index"], shard["position_ids"][0]
+
+
+def build_stack(cfg: BenchConfig):
+    """`modes_layers` of the built-in model's attention (q/k/v/o projections, RoPE, GQA); the same weights on
+    every rank and in every launch."""
+    import torch
+    from xprep.train.model import Attention
+
+    torch.manual_seed(cfg.seed)
+    return torch.nn.ModuleList(Attention(cfg.modes_dim, cfg.modes_heads, cfg.modes_kv_heads)
+                               for _ in range(cfg.modes_layers))
+
+
+@dataclass
+class ModeRun:
+    """One mode's share of the row on this rank: its attention, inputs and loss weights (T_local, dim), RoPE."""
+
+    attend: object
+    x: object
+    target: object
+    cos: object
+    sin: object
+
+
+def stack_step(layers, run: ModeRun, attend) -> float:
+    """One forward + backward of the stack (a residual around each layer); returns the local loss, whose sum
+    over the ranks is the loss of the whole row."""
+    h = run.x  # (T_local, dim)
+    for layer in layers:
+        h = h + layer(h, run.cos, run.sin, attend)
+    loss = (h * run.target).sum()
+    loss.backward()
+    layers.zero_grad(set_to_none=False)  # the weights' gradients stay allocated: part of the steady state
+    return float(loss.detach())
+
+
+def metered(attend, meter: TensorMeter):
+    """`attend` with its K and V flagged for the meter and what it saves for backward recorded."""
+    def attend_metered(q, k, v):
+        meter.mark_kv(k, v)
+        with meter.saving():
+            return attend(q, k, v)
+
+    return attend_metered
+
+
+def modes_worker(cfg: BenchConfig) -> dict:
+    """Every mode at C = world size (1: one plain process): one metered step each (the exact figures; it is also
+    the warm-up), then `modes_steps` rounds of one step per mode in rotating order, each under a peak-RSS meter."""
+    import torch
+    import torch.distributed as dist
+    from xprep.train.model import rope_cos_sin
+
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if size > 1 else 0
+    torch.set_num_threads(max(1, cfg.cores // size))
+    use_hwm = hwm_reset_works()
+    layers = build_stack(cfg)
+    g = torch.Generator().manual_seed(cfg.seed)
+    x_all, target_all = (torch.randn(cfg.modes_seq, cfg.modes_dim, generator=g) for _ in range(2))
+    row = modes_row(cfg)
+    runs: dict[str, ModeRun] = {}
+    for mode, factor in modes_of(size):
+        attend, index, positions = mode_attention(row, mode, factor, rank, size)
+        cos, sin = rope_cos_sin(positions, cfg.modes_dim // cfg.modes_heads, 10000.0)
+        runs[mode] = ModeRun(attend, x_all[index], target_all[index], cos, sin)
+    del x_all, target_all
+
+    def step(mode: str, attend) -> tuple[float, float]:
+        if size > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss = stack_step(layers, runs[mode], attend)
+        return time.perf_counter() - t0, loss
+
+    mine: dict[str, dict] = {}
+    losses: dict[str, float] = {}
+    for mode, run in runs.items():
+        meter = TensorMeter()
+        with meter:
+            _, loss = step(mode, metered(run.attend, meter))
+        saved, saved_kv = meter.saved_bytes()
+        mine[mode] = {"tensors": meter.peak, "kv_peak": meter.peak_kv, "saved": saved, "saved_kv": saved_kv,
+                      "rss": 0.0}
+        losses[mode] = global_sum(loss) if size > 1 else loss
+        del meter
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    order = list(runs)
+    for r in range(cfg.modes_steps):  # rotate the order so load drift on the machine hits every mode alike
+        for mode in order[r % len(order) :] + order[: r % len(order)]:
+            trim_heap()
+            steady = rss_mib()
+            with PeakRSS(use_hwm) as peak:
+                seconds, _ = step(mode, runs[mode].attend)
+            times[mode].append(seconds)
+            mine[mode]["rss"] = max(mine[mode]["rss"], peak.peak - steady)
+    ranks = [mine]
+    if size > 1:
+        ranks = [None] * size
+        dist.all_gather_object(ranks, mine)
+        times = {mode: slowest(t) for mode, t in times.items()}
+    return {"size": size, "threads": torch.get_num_threads(), "tokens_per_rank": len(runs[order[0]].x),
+            "hwm": use_hwm, "modes": {mode: {"ranks": [r[mode] for r in ranks], "times": times[mode],
+                                             "loss": losses[mode]} for mode in runs}}
+
+
 def worker_main(kind: str, cfg: BenchConfig) -> None:
     """Run one worker; rank 0 prints the result line. Clean gloo shutdown, then a hard exit (gloo + DeviceMesh
     aborts at interpreter exit in about one run of seven)."""
@@ -381,7 +753,7 @@ def worker_main(kind: str, cfg: BenchConfig) -> None:
 
     code = 0
     try:
-        result = {"cp": cp_worker, "fsdp": fsdp_worker}[kind](cfg)
+        result = {"cp": cp_worker, "fsdp": fsdp_worker, "modes": modes_worker}[kind](cfg)
         if int(os.environ.get("RANK", "0")) == 0:
             print(RESULT + json.dumps(result), flush=True)
     except BaseException:
@@ -429,7 +801,7 @@ def launch(cfg: BenchConfig, kind: str, nproc: int) -> dict:
     args = [script, "--worker", kind, "--config", json.dumps(asdict(cfg))]
     if nproc > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.cores // nproc), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cfg.cores // nproc)), "PYTHONPATH": str(ROOT)}
     what = f"{kind} worker ({nproc} process{'es' if nproc > 1 else ''})"
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -508,16 +880,126 @@ def report_fsdp(cfg: BenchConfig, res: dict) -> dict[str, float]:
     return {m: med[m] / med["replicated"] for m in ("fsdp", "fsdp_keep")}
 
 
+MODES_COLUMNS = """\
+   columns, per rank (the largest over the ranks), for one forward + backward of the stack:
+     RSS        peak RSS during the step minus the RSS just before it (VmHWM reset | RSS sampled), heap trimmed:
+                everything the step touches (activations of the whole stack, attention, gradients); noisy
+     tensors    exact: peak of the live bytes of the tensors the step made (RSS's scope, tensor storages only)
+     saved      exact: bytes the attention calls keep for backward, all layers (saved_tensors_hooks, per storage)
+     saved K/V  exact: the part of `saved` that holds K or V values
+     K/V peak   exact: peak of the live bytes holding K or V values: the K and V attention receives and every
+                copy made of them (concatenated, gathered, permuted, repeated, ring blocks sent and received);
+                values computed from them (outputs, gradients) are not counted
+     step       seconds of forward + backward, the slowest rank's, median and min of the timed steps"""
+
+
+def modes_rows(results: dict[int, dict]) -> list[tuple[int, str, dict, dict]]:
+    """(C, mode, the launch's result, the mode's figures as the largest over its ranks), in launch order."""
+    rows = []
+    for size, res in results.items():
+        for mode, m in res["modes"].items():
+            worst = {key: max(r[key] for r in m["ranks"]) for key in m["ranks"][0]}
+            rows.append((size, mode, res, worst))
+    return rows
+
+
+def report_modes(cfg: BenchConfig, results: dict[int, dict]) -> list[tuple[str, float, float | None]]:
+    """Print section 3; return its summary rows (name, value, target)."""
+    rows = modes_rows(results)
+    head_dim = cfg.modes_dim // cfg.modes_heads
+    layer_kv = cfg.modes_seq * 2 * cfg.modes_kv_heads * head_dim * 4 / MIB
+    hwm = all(res["hwm"] for res in results.values())
+    print(f"\n3. K/V memory of the CP modes: one row of {cfg.modes_seq:,} tokens = {cfg.modes_docs} documents × "
+          f"{cfg.modes_seq // cfg.modes_docs:,}; a stack of {cfg.modes_layers} attention layers of the built-in model "
+          f"(q/k/v/o projections, RoPE, a residual around each; width {cfg.modes_dim}, {cfg.modes_heads} heads / "
+          f"{cfg.modes_kv_heads} K/V heads of {head_dim}), fp32; gloo, C processes sharing {cfg.cores} cores; one "
+          f"metered step (also the warm-up), then {cfg.modes_steps} timed steps per mode in rotating order")
+    print(f"   one layer's K and V for the whole row: {cfg.modes_seq:,} × 2·{cfg.modes_kv_heads} × {head_dim} × 4 B = "
+          f"{layer_kv:.1f} MiB; peak RSS by {'VmHWM reset before each step' if hwm else 'RSS sampled every 5 ms'}")
+    print(MODES_COLUMNS)
+    print(f"   {'C':>2}  {'mode':<12}{'procs×thr':>10}{'tokens':>8}{'RSS':>9}{'tensors':>9}{'saved':>9}"
+          f"{'saved K/V':>11}{'K/V peak':>10}{'step':>9}{'min':>8}   (MiB, s)")
+    for size, mode, res, worst in rows:
+        times = res["modes"][mode]["times"]
+        layout = f"{size}×{res['threads']}"
+        print(f"   {size:>2}  {mode_label(mode, size):<12}{layout:>10}{res['tokens_per_rank']:>8,}"
+              f"{worst['rss']:>9.1f}{worst['tensors'] / MIB:>9.1f}{worst['saved'] / MIB:>9.1f}"
+              f"{worst['saved_kv'] / MIB:>11.1f}{worst['kv_peak'] / MIB:>10.1f}{statistics.median(times):>9.2f}"
+              f"{min(times):>8.2f}")
+    print_mode_ratios(results, rows)
+    first_size, first_mode = rows[0][0], rows[0][1]
+    reference = [results[first_size]["modes"][first_mode]["loss"]]
+    worst_loss = max(max_rel_diff([res["modes"][m]["loss"]], reference)
+                     for res in results.values() for m in res["modes"])
+    print(f"   check: every mode's loss (summed over its ranks) equals that of {mode_label(first_mode, first_size)} "
+          f"(C={first_size}) to {worst_loss:.1e} (relative)")
+    summary = modes_summary({(size, mode): worst for size, mode, _, worst in rows}, max(results))
+    if summary and summary[0][2] is not None:
+        name, value, target = summary[0]
+        print(f"   goal (issue 33): ring ≤ {target}× allgather's K/V memory at C={max(results)}, on the exact K/V "
+              f"peak: {value:.3f}× {verdict(value <= target)}; against no CP (C=1): {summary[-1][1]:.3f}×")
+    return summary
+
+
+def print_mode_ratios(results: dict[int, dict], rows: list[tuple[int, str, dict, dict]]) -> None:
+    """Each mode's figures over allgather's at the same C, and over no CP's (C=1)."""
+    from xprep.train.cp import ALLGATHER
+
+    fig = {(size, mode): worst for size, mode, _, worst in rows}
+    print("   ratios to allgather at the same C:   K/V peak  saved K/V   tensors       RSS  step median")
+    for size, mode, _, worst in rows:
+        if size == 1 or mode == ALLGATHER:
+            continue
+        base = fig[(size, ALLGATHER)]
+        t, t0 = (statistics.median(results[size]["modes"][m]["times"]) for m in (mode, ALLGATHER))
+        print(f"   C={size} {mode_label(mode, size) + ' / allgather':<29}"
+              f"{_ratio(worst['kv_peak'], base['kv_peak']):>10}{_ratio(worst['saved_kv'], base['saved_kv']):>11}"
+              f"{_ratio(worst['tensors'], base['tensors']):>10}{_ratio(worst['rss'], base['rss']):>10}{t / t0:>12.3f}×")
+    none = fig.get((1, NO_CP))
+    if none is None:
+        return
+    print("   ratios to no CP (C=1):               K/V peak  saved K/V   tensors       RSS")
+    for size, mode, _, worst in rows:
+        if size > 1:
+            print(f"   C={size} {mode_label(mode, size) + ' / no CP':<29}"
+                  f"{_ratio(worst['kv_peak'], none['kv_peak']):>10}{_ratio(worst['saved_kv'], none['saved_kv']):>11}"
+                  f"{_ratio(worst['tensors'], none['tensors']):>10}{_ratio(worst['rss'], none['rss']):>10}")
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}×" if b > 0 else "—"
+
+
+def modes_summary(fig: dict[tuple[int, str], dict], top: int) -> list[tuple[str, float, float | None]]:
+    """The summary rows of section 3: the goal is ring at the largest C ≤ 0.35× allgather's K/V peak there;
+    ring there against no CP (C=1) comes last."""
+    from xprep.train.cp import ALLGATHER, RING, ULYSSES
+
+    rows = []
+    ring, allgather = fig.get((top, RING)), fig.get((top, ALLGATHER))
+    if ring and allgather:
+        rows.append((f"K/V peak per rank, ring / allgather, C={top} (exact)", ring["kv_peak"] / allgather["kv_peak"],
+                     KV_GOAL))
+        rows.append(("  same, saved K/V (kept for backward)", ring["saved_kv"] / allgather["saved_kv"], None))
+        rows.append(("  same, ulysses / allgather", fig[(top, ULYSSES)]["kv_peak"] / allgather["kv_peak"], None))
+    if ring and (1, NO_CP) in fig:
+        rows.append((f"K/V peak per rank, ring C={top} / no CP (C=1)", ring["kv_peak"] / fig[(1, NO_CP)]["kv_peak"],
+                     None))
+    return rows
+
+
 def parse_args() -> tuple[argparse.Namespace, BenchConfig]:
     """Command line → BenchConfig: `--quick` picks the smoke-run defaults; one option per field overrides."""
     full, quick = BenchConfig(), BenchConfig.quick()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sequences and fewer steps (smoke run)")
+    ap.add_argument("--only", action="append", choices=SECTIONS,
+                    help="run only this section (repeatable): cp (1.), fsdp (2.), modes (3.); default all")
     for f in fields(BenchConfig):
         default, small = getattr(full, f.name), getattr(quick, f.name)
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(default), dest=f.name,
                         help=f"default {default}" + (f", quick {small}" if small != default else ""))
-    ap.add_argument("--worker", choices=["cp", "fsdp"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["cp", "fsdp", "modes"], help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -539,40 +1021,46 @@ def main() -> int:
         return 2
     import torch
 
+    sections = args.only or list(SECTIONS)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; each configuration gets {cfg.cores} cores in total "
           f"(1 process × {cfg.cores} threads, or 2 processes × {cfg.cores // 2} thread{'s' if cfg.cores > 2 else ''})")
-    print(f"model: {model.n_layers} layers, width {model.dim}, {model.n_heads} heads / {model.n_kv_heads} K/V heads, "
-          f"ffn {model.ffn_dim}, vocab {model.vocab_size}, {'tied' if model.tie_embeddings else 'untied'}, fp32, "
-          f"AdamW; {model.num_params() / 1e6:.2f}M parameters")
+    if "cp" in sections or "fsdp" in sections:
+        print(f"model: {model.n_layers} layers, width {model.dim}, {model.n_heads} heads / {model.n_kv_heads} K/V "
+              f"heads, ffn {model.ffn_dim}, vocab {model.vocab_size}, {'tied' if model.tie_embeddings else 'untied'}, "
+              f"fp32, AdamW; {model.num_params() / 1e6:.2f}M parameters")
     t0 = time.perf_counter()
     try:
-        one = launch(cfg, "cp", 1)
-        two = launch(cfg, "cp", 2)
-        fsdp = launch(cfg, "fsdp", 2)
+        cp = (launch(cfg, "cp", 1), launch(cfg, "cp", 2)) if "cp" in sections else None
+        fsdp = launch(cfg, "fsdp", 2) if "fsdp" in sections else None
+        modes = {size: launch(cfg, "modes", size) for size in MODES_SIZES} if "modes" in sections else None
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    act, cp_step = report_cp(cfg, one, two)
-    fsdp_ratio = report_fsdp(cfg, fsdp)
+    rows = []
+    if cp:
+        act, cp_step = report_cp(cfg, *cp)
+        rows += [("CP peak activation memory per rank, cp=2 / cp=1", act, 0.6),
+                 ("CP step time (median), cp=2 / cp=1", cp_step, None),
+                 ("CP step time (min), cp=2 / cp=1", min(cp[1]["times"]) / min(cp[0]["times"]), None)]
+    if fsdp:
+        fsdp_ratio = report_fsdp(cfg, fsdp)
+        rows += [("step time (median), FSDP2 / replicated, dp=2", fsdp_ratio["fsdp"], 1.2),
+                 ("  same, FSDP2 without reshard after forward", fsdp_ratio["fsdp_keep"], 1.2)]
+    if modes:
+        rows += report_modes(cfg, modes)
     print(f"\nsummary ({'quick' if args.quick else 'full'} run, {time.perf_counter() - t0:.0f} s; "
           f"every configuration on {cfg.cores} cores in total):")
     print(f"   {'measure':<52}{'value':>8}{'target':>9}   verdict")
-    rows = [
-        ("CP peak activation memory per rank, cp=2 / cp=1", act, 0.6),
-        ("CP step time (median), cp=2 / cp=1", cp_step, None),
-        ("CP step time (min), cp=2 / cp=1", min(two["times"]) / min(one["times"]), None),
-        ("step time (median), FSDP2 / replicated, dp=2", fsdp_ratio["fsdp"], 1.2),
-        ("  same, FSDP2 without reshard after forward", fsdp_ratio["fsdp_keep"], 1.2),
-    ]
     for name, value, target in rows:
         goal = f"≤ {target}×" if target else "—"
         print(f"   {name:<52}{value:>7.3f}×{goal:>9}   {verdict(value <= target) if target else ''}".rstrip())
     full = BenchConfig()
-    if (cfg.cp_seq, cfg.dp_seq) != (full.cp_seq, full.dp_seq):
+    if (cp and cfg.cp_seq != full.cp_seq) or (fsdp and cfg.dp_seq != full.dp_seq):
         print(f"   note: the targets are set for seq {full.cp_seq:,} (CP) and {full.dp_seq:,} tokens per rank (FSDP2); "
               "at smaller sizes the fixed costs (gradients, AdamW state, FSDP2's collectives) weigh more")
+    if modes and cfg.modes_seq != full.modes_seq:
+        print(f"   note: the K/V goal is set for a row of {full.modes_seq:,} tokens")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
