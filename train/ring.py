@@ -302,8 +302,10 @@ class Ring:
 
     @staticmethod
     def finish(requests: list) -> None:
+        """Wait for the transfers, then drop them: a finished send would otherwise keep its block alive."""
         for request in requests:
             request.wait()
+        requests.clear()
 
 
 class _RingAttention(torch.autograd.Function):
