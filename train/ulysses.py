@@ -33,12 +33,14 @@ def kv_repeat(n_kv_heads: int, factor: int) -> int:
     return factor // math.gcd(n_kv_heads, factor)
 
 
-def heads_to_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """(T_l, U, w, D) — this rank's tokens, cut into U head groups — to (U·T_l, w, D): every member's tokens
-    (member by member) for this rank's head group."""
-    factor = x.shape[1]
-    chunks = x.transpose(0, 1).reshape(factor * x.shape[0], *x.shape[2:])  # chunk j: head group j, for member j
-    return _all_to_all(chunks, group)
+def heads_to_sequence(parts: list[Tensor], factor: int, group: dist.ProcessGroup) -> Tensor:
+    """This rank's tokens of Q, K and V, (T_l, heads, D) each, to (U·T_l, w, D): every member's tokens (member
+    by member) for this rank's head group, its w = (H + 2·Hkv) / U heads being its Q heads, then K's, then V's.
+    The send buffer is written once, already in head-group order."""
+    n, d = parts[0].shape[0], parts[0].shape[-1]
+    grouped = [x.reshape(n, factor, -1, d).transpose(0, 1) for x in parts]  # (U, T_l, heads / U, D) views
+    chunks = torch.cat(grouped, dim=2)  # (U, T_l, w, D): chunk j is head group j, for member j
+    return _all_to_all(chunks.reshape(factor * n, -1, d), group)
 
 
 def sequence_to_heads(x: Tensor, factor: int, group: dist.ProcessGroup) -> Tensor:
@@ -74,13 +76,11 @@ class UlyssesContext:
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (T_l, H, D), k/v (T_l, Hkv, D) -> (T_l, H, D)."""
-        n, n_heads, d = q.shape
         repeat = kv_repeat(k.shape[1], self.factor)
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        h, hk = n_heads // self.factor, k.shape[1] // self.factor
-        parts = [x.reshape(n, self.factor, -1, d) for x in (q, k, v)]  # (T_l, U, heads / U, D)
-        whole = heads_to_sequence(torch.cat(parts, dim=2), self.group)  # (U·T_l, h + 2·hk, D)
+        h, hk = q.shape[1] // self.factor, k.shape[1] // self.factor
+        whole = heads_to_sequence([q, k, v], self.factor, self.group)  # (U·T_l, h + 2·hk, D)
         qs, ks, vs = whole.split([h, hk, hk], dim=1)
         if self.ring is None:
             qs, ks, vs = (x.index_select(0, self.to_global) for x in (qs, ks, vs))
