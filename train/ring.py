@@ -4,8 +4,8 @@ With R ranks in the ring, step s gives rank i the K/V block of rank (i − s) mo
 step 0, then the others', each received while the previous one is attended to (one send/recv pair per
 step, overlapped with the compute). Each block's partial attention output is merged into the running
 output through the log-sum-exp, so no rank ever holds more than two blocks: K/V memory O(T/R) per layer.
-The backward runs the same ring: dQ stays home, and each block's dK/dV accumulate as they travel with
-it, arriving back at their owner after R hops.
+The backward runs the same ring: dQ stays home, and each block's dK/dV accumulate as they travel one step
+behind it (each hop overlapped with the next step's compute), arriving back at their owner after R hops.
 
 What a query may see in a block is worked out once per batch, from global token indices alone
 (`token_runs`, `block_calls`): a token set is cut into *runs*, stretches consecutive both in local order
@@ -338,18 +338,27 @@ class _RingAttention(torch.autograd.Function):
         kernel, n_kv = block_kernel(q), k.shape[1]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         block = torch.cat([k, v], dim=1)
-        grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)  # the travelling block's dK, dV
+        # The block held at step s gets this rank's dK/dV share in `grads`, plus the shares of the ranks that
+        # held it before (`incoming`, sent by the previous rank at step s−1 and received during this step's
+        # compute); the sum goes on to the next rank while the next step computes. After R hops it is home.
+        incoming = grad_requests = None
         for s, calls in enumerate(steps):
             if s + 1 < len(steps):
                 arriving, requests = ring.start(block)
+            grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
             attend_block_backward(dout, q, block[:, :n_kv], block[:, n_kv:], out, lse, calls, dq,
                                   grads[:, :n_kv], grads[:, n_kv:], kernel, scale)
-            if len(steps) > 1:  # on to the next rank with its block; after R hops, home
-                grads, grad_requests = ring.start(grads)
+            if incoming is not None:
                 ring.finish(grad_requests)
+                grads += incoming
+            if len(steps) > 1:
+                incoming, grad_requests = ring.start(grads)
             if s + 1 < len(steps):
                 ring.finish(requests)
                 block = arriving
+        if incoming is not None:  # this rank's own block, back with every rank's share
+            ring.finish(grad_requests)
+            grads = incoming
         dk, dv = grads[:, :n_kv], grads[:, n_kv:]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
