@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 from xprep.prep.errors import XprepError, machine_cause, machine_error
-from xprep.prep.formats import RECORD_FORMATS
+from xprep.prep.formats import MASK_CONVENTIONS, RECORD_FORMATS, TARGET
 
 CP_MODES = ("allgather", "ring", "ulysses", "hybrid")  # xprep.train.cp.CP_MODES, named here without importing torch
 
@@ -112,6 +112,13 @@ class _ChatTemplateOption(click.Option):
               help="Which chat tokens are training targets.")
 @click.option("--category", default=None, help="Category name for every record of this invocation.")
 @click.option("--category-field", default=None, help="Record field naming its category.")
+@click.option("--mask-convention", type=click.Choice(MASK_CONVENTIONS), default=TARGET, show_default=True,
+              help="What loss_mask[t]=1 of a pre-tokenized record means: target = token t is learned (this "
+                   "project's; VERL's SFT trainers from 0.6 on); prediction = the prediction made at t, of token "
+                   "t+1, is learned (VERL's fsdp_sft_trainer up to 0.5): mask and category_ids move one place on.")
+@click.option("--category-names", default=None, metavar="FILE",
+              help="JSON {id: name} naming the numeric category_ids of pre-tokenized records (manifest, inspect, "
+                   "channel loss); ids it leaves out keep their number.")
 @click.option("--append-eod/--no-append-eod", default=None,
               help="Append the end-of-document token (default: on for text, off for chat and tokens).")
 @click.option("--workers", type=int, default=0, show_default=True,
@@ -168,7 +175,8 @@ class _ChatTemplateOption(click.Option):
                    "is safe (Linux, no other thread), else spawn; spawn = each starts fresh (slower to start).")
 @_user_errors
 def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on, category,
-             category_field, append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit,
+             category_field, mask_convention, category_names,
+             append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit,
              eod_token, bos_token, role_map, allow_empty, progress_every, ray_address, shard_size, max_retries,
              cache_dir, chat_render, worker_start):
     """Tokenize INPUT files/dirs/globs (local, or fsspec URLs such as s3://bucket/data/*.jsonl.zst) into a
@@ -182,6 +190,7 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
     config = TokenizeConfig(
         inputs=list(inputs), output=output, tokenizer=tokenizer, format=fmt, text_field=text_field,
         chat_template=chat_template, train_on=train_on, category=category, category_field=category_field,
+        mask_convention=mask_convention, category_names=category_names,
         append_eod=append_eod, workers=workers, backend=backend, dtype=dtype, num_shards=num_shards,
         shard_index=shard_index, on_error=on_error, limit=limit, eod_token=eod_token, bos_token=bos_token,
         role_map=role_map, allow_empty=allow_empty, progress_every=progress_every,

@@ -16,6 +16,13 @@ CHAT = "chat"
 TOKENS = "tokens"
 RECORD_FORMATS = (AUTO, TEXT, CHAT, TOKENS)
 
+# What a pre-tokenized record's ``loss_mask[t] = 1`` means (``xprep tokenize --mask-convention``; the reading rule is
+# xprep.prep.tokenize.records.prediction_to_target): TARGET, token t is learned (this project's streams); PREDICTION,
+# the prediction made at position t, of token t + 1, is learned (VERL's fsdp_sft_trainer up to 0.5).
+TARGET = "target"
+PREDICTION = "prediction"
+MASK_CONVENTIONS = (TARGET, PREDICTION)
+
 # The ``format`` field of what xprep writes.
 DATASET_FORMAT = "xprep-dataset"  # a token dataset's manifest.json
 PACK_FORMAT = "xprep-packed"  # a pack cache's manifest.json and each entry's pack.json

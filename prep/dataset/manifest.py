@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -58,14 +58,21 @@ def fingerprint(manifest: dict) -> str:
 class CategoryTable:
     """Category names ↔ ids. Id 0 is "uncategorized"; names get ids ≥ 1 in order of first use.
 
-    Pre-tokenized records carry numeric ids; those are kept verbatim and named by their number.
+    Pre-tokenized records carry numeric ids; those are kept verbatim and named by their number, or by
+    ``numeric_names`` (``xprep tokenize --category-names``: id → name) where it names them.
     """
 
-    def __init__(self, names: list[str | None] | None = None, max_id: int = MAX_CATEGORY):
+    def __init__(self, names: list[str | None] | None = None, max_id: int = MAX_CATEGORY,
+                 numeric_names: Mapping[int, str] | None = None):
         self.names: list[str | None] = list(names) if names else [UNCATEGORIZED]
         self.max_id = max_id  # the highest id a category stream stores
+        self.numeric_names = dict(numeric_names or {})
         self._ids = {n: i for i, n in enumerate(self.names) if n is not None}
         self._free = 1  # no id below this one is free
+
+    def numeric_name(self, cid: int) -> str:
+        """The name a numeric id of pre-tokenized data gets: ``numeric_names``', else its number."""
+        return self.numeric_names.get(cid, str(cid))
 
     def id_of(self, name: str) -> int:
         found = self._ids.get(name)
@@ -76,17 +83,17 @@ class CategoryTable:
         return self._set(self._free, name)
 
     def use_numeric(self, cid: int) -> None:
-        """Reserve a verbatim numeric id from pre-tokenized data (named ``str(cid)``; 0 stays 0)."""
+        """Reserve a verbatim numeric id from pre-tokenized data (named ``numeric_name(cid)``; 0 stays 0)."""
         if cid == 0:
             return
         if cid < len(self.names) and self.names[cid] is not None:
-            if self.names[cid] != str(cid):
+            if self.names[cid] != self.numeric_name(cid):
                 raise XprepError(
                     f"category id {cid} of pre-tokenized records is already the id of category "
                     f"{self.names[cid]!r}: tokenize named and numeric categories into separate datasets"
                 )
             return
-        self._set(cid, str(cid))
+        self._set(cid, self.numeric_name(cid))
 
     def _set(self, cid: int, name: str) -> int:
         if cid > self.max_id:
@@ -123,6 +130,13 @@ class CategoryTable:
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+def numeric_category_names(manifest: dict) -> dict[int, str]:
+    """The names a dataset's pre-tokenized numeric category ids were given (its ``options.category_names``, from
+    ``xprep tokenize --category-names``), by id; empty for a dataset made without them."""
+    names = (manifest.get("options") or {}).get("category_names") or {}
+    return {int(cid): name for cid, name in names.items()}
 
 
 def read_manifest(path: str | Path) -> dict:

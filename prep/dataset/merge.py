@@ -12,7 +12,12 @@ import json
 from pathlib import Path
 
 import numpy as np
-from xprep.prep.dataset.manifest import CategoryTable, conversation_counts, dataset_tokenizer
+from xprep.prep.dataset.manifest import (
+    CategoryTable,
+    conversation_counts,
+    dataset_tokenizer,
+    numeric_category_names,
+)
 from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import REJECTS, TOKENS_STREAM
@@ -31,10 +36,10 @@ def merge_datasets(paths: list[str], output: str) -> dict:
         for key in ("tokenizer", "special_tokens", "chat_template", "options"):
             if ds.manifest.get(key) != first.get(key):
                 raise XprepError(
-                    f"{ds.path}: its {key} differs from {datasets[0].path}'s; only datasets made with the "
-                    "same tokenizer, template and options can be merged"
+                    f"{ds.path}: its {key} differs from {datasets[0].path}'s{_difference(key, ds.manifest, first)}; "
+                    "only datasets made with the same tokenizer, template and options can be merged"
                 )
-    categories = CategoryTable()
+    categories = CategoryTable(numeric_names=numeric_category_names(first))
     dtype = np.dtype(first["streams"][TOKENS_STREAM]["dtype"])
     sources: list[dict] = []
     # a tokenizer kept inside the datasets (one path for all: checked above) is kept inside the merged one
@@ -48,6 +53,20 @@ def merge_datasets(paths: list[str], output: str) -> dict:
         manifest = {k: first[k] for k in ("tokenizer", "special_tokens", "chat_template", "options") if k in first}
         manifest["sources"] = sources
         return writer.finish(manifest, categories)
+
+
+def _difference(key: str, a: dict, b: dict) -> str:
+    """Where manifests ``a`` and ``b`` differ at ``key``, told for options: the first option that differs, with
+    both values (an option a manifest leaves out is its default); nothing for the other keys."""
+    if key != "options":
+        return ""
+    mine, theirs = a.get(key) or {}, b.get(key) or {}
+    name = next(n for n in sorted({*mine, *theirs}) if mine.get(n) != theirs.get(n))
+    return f" (at {name}: {_shown(name, mine)} here, {_shown(name, theirs)} there)"
+
+
+def _shown(name: str, options: dict) -> str:
+    return json.dumps(options[name], ensure_ascii=False) if name in options else "absent (the default)"
 
 
 def _check_shards(datasets: list[TokenDataset]) -> None:
@@ -77,9 +96,9 @@ def append_dataset(ds: TokenDataset, writer: DatasetWriter, categories: Category
 
 
 def _category_lut(ds: TokenDataset, categories: CategoryTable) -> np.ndarray:
-    """The ids of ``ds``'s categories in the merged table; a name that is its own id is a numeric id kept
-    verbatim from pre-tokenized data, and stays so."""
-    keys = [None if cid == 0 or name is None else cid if name == str(cid) else name
+    """The ids of ``ds``'s categories in the merged table; a name that is its own id (or the name
+    ``--category-names`` gave that id) is a numeric id kept verbatim from pre-tokenized data, and stays so."""
+    keys = [None if cid == 0 or name is None else cid if name == categories.numeric_name(cid) else name
             for cid, name in enumerate(ds.category_names)]
     return categories.remap(keys)
 

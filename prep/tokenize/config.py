@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xprep.prep.chat import CHAT_RENDERS
+from xprep.prep.dataset import CategoryTable
 from xprep.prep.errors import XprepError
-from xprep.prep.formats import AUTO, RECORD_FORMATS
+from xprep.prep.formats import AUTO, CHAT, MASK_CONVENTIONS, RECORD_FORMATS, TARGET, TEXT
 
 WORKER_STARTS = ("fork", "spawn")  # --worker-start: fork where it is safe (else spawn), or always spawn
 
@@ -25,6 +26,8 @@ class TokenizeConfig:
     train_on: str = "assistant"
     category: str | None = None
     category_field: str | None = None
+    mask_convention: str = TARGET  # --mask-convention: what a pre-tokenized record's loss_mask means (prep.formats)
+    category_names: str | None = None  # --category-names: a JSON file naming pre-tokenized records' category ids
     append_eod: bool | None = None
     workers: int = 0
     backend: str = "auto"
@@ -52,6 +55,13 @@ class TokenizeConfig:
             raise XprepError(f"--format {self.format}: expected one of {', '.join(RECORD_FORMATS)}")
         if self.chat_render not in CHAT_RENDERS:
             raise XprepError(f"--chat-render {self.chat_render}: expected one of {', '.join(CHAT_RENDERS)}")
+        if self.mask_convention not in MASK_CONVENTIONS:
+            raise XprepError(f"--mask-convention {self.mask_convention}: expected one of {', '.join(MASK_CONVENTIONS)}")
+        for option, given in (("--mask-convention prediction", self.mask_convention != TARGET),
+                              (f"--category-names {self.category_names}", self.category_names is not None)):
+            if given and self.format in (TEXT, CHAT):
+                raise XprepError(f"{option} is for pre-tokenized records, which --format {self.format} never reads: "
+                                 "use --format tokens (or auto), or leave the option out")
         if self.worker_start not in WORKER_STARTS:
             raise XprepError(f"--worker-start {self.worker_start}: expected one of {', '.join(WORKER_STARTS)}")
         if self.num_shards < 1:
@@ -91,12 +101,24 @@ class Options:
     eod_id: int | None
     vocab_size: int
     role_map: dict[str, str] = field(default_factory=dict)  # --role-map, on top of xprep.prep.chat's ROLES
+    mask_convention: str = TARGET  # --mask-convention
+    category_names: dict[int, str] = field(default_factory=dict)  # --category-names, read: id → name
 
     def describe(self) -> dict:
         described = {"format": self.format, "text_field": self.text_field, "train_on": self.train_on,
                      "category": self.category, "category_field": self.category_field,
                      "append_eod": self.append_eod}
-        if self.role_map:  # only when given: datasets made without it keep their fingerprints
+        # each only when given: datasets made without them keep their fingerprints (an absent one is the default)
+        if self.role_map:
             described["role_map"] = dict(sorted(self.role_map.items()))
+        if self.mask_convention != TARGET:
+            described["mask_convention"] = self.mask_convention
+        if self.category_names:
+            described["category_names"] = {str(cid): name for cid, name in sorted(self.category_names.items())}
         return described
+
+    def category_table(self) -> CategoryTable:
+        """The empty category table a run's categories are registered in: it names numeric ids as
+        ``--category-names`` does."""
+        return CategoryTable(numeric_names=self.category_names)
 

@@ -1,14 +1,16 @@
 """What a tokenize run settles before it reads a record (``prepare`` → ``Job``): inputs, tokenizer, chat template,
-options, and the head of the manifest they make, with the notes to say after the run."""
+options (the ``--category-names`` file read and checked), and the head of the manifest they make, with the notes to
+say after the run."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
-from xprep.prep.chat import END_OF_TURN, ChatTemplate, TemplateSpec, parse_role_map, resolve_template
-from xprep.prep.dataset import KEPT_TOKENIZER, count, token_dtype
+from xprep.prep.chat import END_OF_TURN, ChatTemplate, TemplateSpec, json_type, parse_role_map, resolve_template
+from xprep.prep.dataset import KEPT_TOKENIZER, MAX_CATEGORY, count, token_dtype
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import AUTO, CHAT, TEXT
 from xprep.prep.sources import ROWS, Listing, Unreadable, plan_shard, read_batches, resolve_inputs
@@ -65,9 +67,10 @@ def prepare(config: TokenizeConfig) -> Job:
     if info.eod_id is None and (append_eod or (append_eod is None and config.format in (AUTO, TEXT))):
         raise XprepError(f"{info.origin or info.path}: no end-of-document token found (eos_token); pass "
                          "--eod-token TOKEN or --no-append-eod")
+    category_names = read_category_names(config.category_names) if config.category_names is not None else {}
     options = Options(config.format, config.text_field, config.train_on, config.category,
                       config.category_field, append_eod, info.eod_id, info.vocab_size,
-                      parse_role_map(config.role_map))
+                      parse_role_map(config.role_map), config.mask_convention, category_names)
     backend, reason = choose_backend(info, config.backend)
     if template is not None and chat:  # which chat path runs: said on the final line, after the encoder's
         reason = f"{reason}; chat template: {compiled.path}"
@@ -165,3 +168,74 @@ def planned_bytes(sources, plan) -> int | None:
     if not all(sources[a.source].sized for a in plan):
         return None
     return sum(a.stop - a.start for a in plan)
+
+
+# --category-names FILE: names for the numeric category_ids of pre-tokenized records, one JSON object
+# {"3": "math", "7": "code"} (JSON keys are strings: an id is a decimal number in quotes); an id it leaves out keeps
+# its number as its name (CategoryTable.numeric_name)
+_ID = re.compile(r"[0-9]+")
+_EXAMPLE = '{"1": "math", "2": "code"}'
+
+
+class _Object(list):
+    """A JSON object as its (key, value) pairs in file order: a key given twice is seen, not overwritten."""
+
+
+def read_category_names(path: str) -> dict[int, str]:
+    """The id → name table in the JSON file at ``path``, checked; anything wrong is one XprepError naming the file,
+    the entry and the rule."""
+    where = f"--category-names {path}"
+    try:
+        with open(path, "rb") as f:
+            pairs = json.loads(f.read(), object_pairs_hook=_Object)
+    except OSError as e:
+        raise XprepError(f"{where}: cannot read it ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise XprepError(f"{where}: not valid JSON ({e}); expected an object of id → name, e.g. {_EXAMPLE}") from None
+    if not isinstance(pairs, _Object):
+        raise XprepError(f"{where}: holds {json_type(pairs)}, expected one object of id → name, e.g. {_EXAMPLE}")
+    names: dict[int, str] = {}
+    for key, name in pairs:
+        cid = _category_id(key, where)
+        if cid in names:
+            raise XprepError(f"{where}: id {cid} is named twice ({names[cid]!r} and {_shown(name)}); keep one")
+        names[cid] = _category_name(cid, name, where)
+    _check_unique(names, where)
+    return names
+
+
+def _category_id(key: str, where: str) -> int:
+    if not _ID.fullmatch(key):
+        raise XprepError(f"{where}: key {key!r} is not a category id (a whole number 1..{MAX_CATEGORY:,} in quotes, "
+                         f"as in {_EXAMPLE})")
+    cid = int(key)
+    if not 1 <= cid <= MAX_CATEGORY:
+        why = "0 is uncategorized and keeps that name" if cid == 0 else "category ids are stored as uint16"
+        raise XprepError(f"{where}: id {cid} is out of range 1..{MAX_CATEGORY:,} ({why})")
+    return cid
+
+
+def _category_name(cid: int, name, where: str) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise XprepError(f"{where}: the name of id {cid} is {_shown(name)}, expected a non-empty string")
+    if _ID.fullmatch(name) or name == "uncategorized":
+        # a number is how an unnamed numeric id is named, "uncategorized" id 0's: either would stand for two ids
+        raise XprepError(f"{where}: id {cid} cannot be named {name!r}, the name of "
+                         f"{'id ' + str(int(name)) if _ID.fullmatch(name) else 'id 0'}; choose a name with a letter")
+    return name
+
+
+def _check_unique(names: dict[int, str], where: str) -> None:
+    """Two ids with one name would be one category in the channel loss, and not in the data: refused."""
+    first: dict[str, int] = {}
+    for cid, name in names.items():
+        if name in first:
+            raise XprepError(f"{where}: ids {first[name]} and {cid} are both named {name!r}; give each id its own "
+                             "name (or map them to one id when writing the records)")
+        first[name] = cid
+
+
+def _shown(value) -> str:
+    if isinstance(value, _Object):
+        return "an object"
+    return repr(value) if isinstance(value, str) else json_type(value)

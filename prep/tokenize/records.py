@@ -22,7 +22,7 @@ from xprep.prep.chat import (
     normalize_messages,
 )
 from xprep.prep.chat import columns as chat_columns
-from xprep.prep.formats import AUTO, CHAT, TEXT, TOKENS
+from xprep.prep.formats import AUTO, CHAT, PREDICTION, TEXT, TOKENS
 from xprep.prep.sources import LINES, TEXT_FILE, RawBatch
 from xprep.prep.tokenize.config import Options
 
@@ -165,7 +165,36 @@ class RecordParser:
                 raise BadRecord(f"{name} must hold {n} integers in [0, {hi}]", f"bad {name}")
         if "length" in record and record["length"] != n:
             raise BadRecord(f"length {record['length']!r} != len(input_ids) {n}", "bad length")
+        if self.options.mask_convention == PREDICTION:
+            mask, cats = prediction_to_target(mask, cats)
         return {"input_ids": ids, "loss_mask": mask, "category_ids": cats}
+
+
+def prediction_to_target(mask: np.ndarray | None, cats: np.ndarray | None) -> tuple:
+    """A pre-tokenized record's ``loss_mask`` and ``category_ids`` (None: absent) in VERL's prediction convention,
+    moved to this project's target convention (``--mask-convention prediction``).
+
+    VERL's fsdp_sft_trainer up to 0.5 takes ``labels = input_ids[:, 1:]`` against the logits of positions ``:-1``
+    and weighs that cross entropy with ``loss_mask[:, :-1]``: ``loss_mask[t] = 1`` trains the prediction made at
+    position t, of token t + 1, and ``loss_mask[T-1]`` (the last position, which predicts nothing) is never read.
+    Here ``loss_mask[t] = 1`` means token t is a target (predicted at t - 1), so the rule is ``ours[t + 1] =
+    verl[t]`` for t < T - 1 and ``ours[0] = 0``: for ``input_ids [100..104]`` and ``loss_mask [0,0,1,1,1]`` VERL
+    trains 103 and 104, and so does this once the mask is read as ``[0,0,0,1,1]``. ``category_ids`` move with the
+    mask, so a target keeps the category VERL gave its prediction; the first token (never a target) keeps its own.
+    An absent mask stays absent: every token but the first is a target, as an all-ones mask trains in VERL.
+    (From 0.6 on VERL's fsdp_sft_trainer reads ``loss_mask[:, 1:]`` and its model-engine SFT loss weighs position t
+    with ``torch.roll(loss_mask, -1)[t] = loss_mask[t + 1]``: the target convention, read as it is.)
+    """
+    return (None if mask is None else _moved_on(mask, 0),
+            None if cats is None else _moved_on(cats, cats[0]))
+
+
+def _moved_on(values: np.ndarray, first: int) -> np.ndarray:
+    """``values`` one place later, ``first`` at position 0, the last value dropped (same length)."""
+    moved = np.empty_like(values)
+    moved[0] = first
+    moved[1:] = values[:-1]
+    return moved
 
 
 

@@ -101,7 +101,7 @@ def _tokenize_here(config: TokenizeConfig, job: Job, out: str) -> tuple[dict, st
     manifest = dict(job.head)
     with DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer) as writer:
         pipeline = Pipeline(job.processor_args, workers, scratch=writer.scratch(), worker_start=config.worker_start)
-        categories = write_all(config, sources, plan, writer, pipeline)
+        categories = write_all(config, sources, plan, writer, pipeline, categories=job.options.category_table())
         manifest["sources"] = [sources[p.source].describe() for p in plan]
         if config.num_shards > 1:
             manifest["shard"] = {"index": config.shard_index, "count": config.num_shards}

@@ -16,11 +16,13 @@ from xprep.prep.tokenize.records import Rejected
 
 
 def write_all(config: TokenizeConfig, sources, plan, writer: DatasetWriter, pipeline: Pipeline,
-               lines_read: list[int] | None = None, progress: Progress | None = None) -> CategoryTable:
+              lines_read: list[int] | None = None, progress: Progress | None = None,
+              categories: CategoryTable | None = None) -> CategoryTable:
     """Feed every batch of the shard through ``pipeline`` and append the results in input order.
 
-    ``lines_read`` gets the lines each assignment read (see ``read_batches``)."""
-    categories = CategoryTable()
+    ``lines_read`` gets the lines each assignment read (see ``read_batches``); ``categories``, the table to register
+    the categories in (``Options.category_table``; default: one naming numeric ids by their number)."""
+    categories = categories if categories is not None else CategoryTable()
     if progress is None:
         progress = Progress("tokenize", total_bytes=planned_bytes(sources, plan), interval=config.progress_every)
     ok = False

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xprep.prep.dataset import CategoryTable, DatasetWriter, TokenDataset, append_dataset, bin_path
+from xprep.prep.dataset import DatasetWriter, TokenDataset, append_dataset, bin_path
 from xprep.prep.errors import XprepError
 from xprep.prep.fs import is_url
 from xprep.prep.progress import Progress
@@ -66,7 +66,8 @@ def tokenize_shard(config: TokenizeConfig, job: Job, shard: Shard, key: str, roo
         with DatasetWriter(out, job.info.vocab_size, job.dtype, durable=False) as writer:  # see ray/staging.py
             pipeline = _pipeline(job)
             quiet = Progress("shard", interval=0, stream=open(os.devnull, "w"))
-            categories = write_all(config, job.sources, list(shard.pieces), writer, pipeline, lines_read, quiet)
+            categories = write_all(config, job.sources, list(shard.pieces), writer, pipeline, lines_read, quiet,
+                                   job.options.category_table())
             manifest = {**job.head, "sources": [job.sources[p.source].describe() for p in shard.pieces]}
             manifest = writer.finish(manifest, categories)
         nbytes = sum(p.stop - p.start for p in shard.pieces)
@@ -256,7 +257,7 @@ class Merge:
     def __init__(self, job, shards, keys, results, staging, writer: DatasetWriter, tmp: str):
         self.job, self.shards, self.keys, self.results = job, shards, keys, results
         self.staging, self.writer, self.tmp = staging, writer, tmp
-        self.categories = CategoryTable()
+        self.categories = job.options.category_table()
         self.next = 0  # the first shard not appended yet
         self.seconds = 0.0
 
