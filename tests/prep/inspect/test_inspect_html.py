@@ -138,16 +138,24 @@ def chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def browsed(demo, chromium) -> dict:
+def browser(chromium) -> Chromium:
+    """One headless Chromium for the module's tests: each loads its pages in its tab, what the tab saw before
+    forgotten (``events`` cleared), so that a browser starts once."""
+    with Chromium(chromium, timeout=BROWSER_TIMEOUT) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def browsed(demo, browser) -> dict:
     """What Chromium saw of the page: problems, requests, pixels, the tagged values, charts and colours, and the
-    outcome of clicking a legend key and hovering a chart (all in one browser, every wait bounded)."""
-    with Chromium(chromium, timeout=BROWSER_TIMEOUT) as browser:
-        seconds = browser.open(file_url(demo["page"]), width=1280, height=900)
-        page = browser.evaluate(READ_PAGE)
-        interaction = browser.evaluate(TRY_LEGEND_AND_HOVER, await_promise=True)
-        png = browser.screenshot(full_page=True)
-        problems, requests = browser.problems(), browser.requests()
-        pixels = pixel_summary(browser, png)
+    outcome of clicking a legend key and hovering a chart (every wait bounded)."""
+    browser.events.clear()
+    seconds = browser.open(file_url(demo["page"]), width=1280, height=900)
+    page = browser.evaluate(READ_PAGE)
+    interaction = browser.evaluate(TRY_LEGEND_AND_HOVER, await_promise=True)
+    png = browser.screenshot(full_page=True)
+    problems, requests = browser.problems(), browser.requests()
+    pixels = pixel_summary(browser, png)
     (demo["root"] / "report.png").write_bytes(png)  # kept beside the page for a look by eye
     return {"seconds": seconds, "problems": problems, "requests": requests, "pixels": pixels,
             "interaction": interaction, **page}
@@ -279,20 +287,20 @@ def scaled_up(value):
     return value
 
 
-def test_a_stat_card_shows_its_number_on_one_line(demo, chromium, tmp_path):
+def test_a_stat_card_shows_its_number_on_one_line(demo, browser, tmp_path):
     """Cards hold the key figures; a number is never broken over two lines nor wider than its card, however many
     digits it has (98,765,432,109 tokens), on a wide window or a phone's."""
     from xprep.prep.inspect.html import write_page
 
     page = tmp_path / "big.html"
     write_page([scaled_up(r) for r in demo["reports"]], page)
-    with Chromium(chromium, timeout=BROWSER_TIMEOUT) as browser:
-        for width in (1280, 390):
-            browser.open(file_url(page), width=width, height=900)
-            cards = browser.evaluate(CARD_NUMBERS)
-            assert len(cards) > 30 and max(len(c["text"]) for c in cards) >= 14, cards
-            assert [c for c in cards if c["lines"] != 1 or not c["inside"]] == [], width
-            assert browser.problems() == []
+    browser.events.clear()
+    for width in (1280, 390):
+        browser.open(file_url(page), width=width, height=900)
+        cards = browser.evaluate(CARD_NUMBERS)
+        assert len(cards) > 30 and max(len(c["text"]) for c in cards) >= 14, cards
+        assert [c for c in cards if c["lines"] != 1 or not c["inside"]] == [], width
+        assert browser.problems() == []
 
 
 # ------------------------------------------------------------------------------------- without a browser
