@@ -26,12 +26,13 @@ import pytest
 from _train_fault_worker import KILL_AFTER_STEP_ENV, SIGNAL_ENV, SIGNAL_IN_SAVE_ENV
 from trainkit import cp_pack, side_by_side, user_error
 from xprep.train.attempts import config_digest
+from xprep.train.data import PackedDataset
 from xprep.train.dist import ParallelDims
 from xprep.train.preempt import StopControl, stop_status
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTY = [sys.executable, str(ROOT / "tests" / "_train_fault_worker.py"), "run"]
-STEPS = 10
+STEPS = 7  # of 2 bins, over 13 (``packed``): the last step crosses the random sampler's epoch boundary
 COMMON = ["--steps", str(STEPS), "--micro-batch-size", "1", "--global-batch-size", "2", "--sampler", "random",
           "--seed", "5", "--lr", "2e-3", "--warmup", "2", "--log-every", "100"]
 TWO_RANKS_CP = ["--nproc-per-node", "2", "--cp", "2"]
@@ -59,7 +60,9 @@ def attempt_ends(run: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
-    return cp_pack(tmp_path_factory.mktemp("data"))
+    packed = cp_pack(tmp_path_factory.mktemp("data"))
+    assert STEPS * 2 > len(PackedDataset(packed)), "the runs must go past one epoch (a resume into the next one)"
+    return packed
 
 
 @dataclass
