@@ -22,6 +22,7 @@ import subprocess
 import sys
 import zipfile
 from fnmatch import fnmatch
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import REPO_ROOT
 from prepkit import chat_records, text_records, write_jsonl
+from trainkit import side_by_side
 from xprep.cli import xprep, xtrain
 
 try:
@@ -280,8 +282,8 @@ def trained(installed, tiny_tokenizer) -> Installed:
     work = installed.work
     write_jsonl(work / "chat.jsonl", chat_records(24))
     write_jsonl(work / "text.jsonl", text_records(60))
-    for name in ("chat", "text"):
-        installed.run("xprep", "tokenize", f"{name}.jsonl", "-o", name, "--tokenizer", tiny_tokenizer)
+    side_by_side([partial(installed.run, "xprep", "tokenize", f"{name}.jsonl", "-o", name, "--tokenizer",
+                          tiny_tokenizer) for name in ("chat", "text")])
     installed.run("xprep", "pack", "chat", "text", "-o", "packed", "--method", "multipack", "--seq-len", "128",
                   "--overlong", "split")
     installed.run("xtrain", "run", "packed", "--model", "tiny", "--steps", "2", "--output", "run",
@@ -301,10 +303,11 @@ def test_the_installed_wheel_runs_every_command(trained):
     assert all(Path(p).is_relative_to(site) for p in where), where  # the installed copy, not the sources
     assert Path(where[-1]).is_file()  # schemas/train.schema.json installed: configs are validated
     assert pytest_spec == "None"  # a test dependency, not a runtime one
-    for path in ("chat", "packed", "run"):
-        here.run("xprep", "inspect", path, "--html", f"{path}.html")
+    pages = ("chat", "packed", "run")
+    side_by_side([*(partial(here.run, "xprep", "inspect", path, "--html", f"{path}.html") for path in pages),
+                  partial(here.run, "xtrain", "export", "run", "-o", "hf")])  # each checks its exit status
+    for path in pages:
         assert "<html" in (here.work / f"{path}.html").read_text(encoding="utf-8")[:500].lower()
-    here.run("xtrain", "export", "run", "-o", "hf")
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in (here.work / "hf").iterdir()}
 
@@ -348,9 +351,9 @@ def test_a_missing_extra_is_one_line_naming_it(trained, tiny_tokenizer):
     absent = json.loads(here.python(f"import importlib.util as u, json; print(json.dumps([m for m in {list(cases)!r}"
                                     " if u.find_spec(m) is None]))"))
     assert "transformers" in absent and "matplotlib" in absent, absent
-    for module in absent:
-        (program, *args), hint = cases[module]
-        lines = here.run(program, *args, expect=2).stderr.strip().splitlines()
+    refused = side_by_side([partial(here.run, *cases[module][0], expect=2) for module in absent])
+    for module, proc in zip(absent, refused, strict=True):
+        lines, hint = proc.stderr.strip().splitlines(), cases[module][1]
         assert len(lines) == 1 and lines[0].startswith("error: ") and hint in lines[0], (module, lines)
 
 

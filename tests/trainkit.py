@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -270,3 +273,11 @@ def user_error(*args: str) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     return lines[0]
+
+
+def side_by_side(calls: list[Callable[[], object]]) -> list:
+    """Each of ``calls`` (one that starts a process and waits for it), as many at a time as this process may use
+    cores, in threads; their results, in order. For single-process ``xtrain run``s: each computes on one thread
+    (OMP_NUM_THREADS=1) and spends most of its time importing torch, so that two cores take two at once."""
+    with ThreadPoolExecutor(max(1, min(len(calls), len(os.sched_getaffinity(0))))) as pool:
+        return list(pool.map(lambda call: call(), calls))

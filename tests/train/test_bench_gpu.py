@@ -4,7 +4,8 @@ The subprocess run is the command a GPU machine runs (`python -m bench.gpu`), pi
 run swaps in a varlen kernel that aligns its causal mask top-left (SDPA's own `is_causal`, flash-attn < 2.1):
 right for whole documents, wrong for context parallelism's pieces, so the bench cannot pass vacuously.
 The resilience part runs apart, in this process (its four `xtrain run`s are child processes: 25-45 s on two
-shared cores); its checks are shown to fail on a broken resume and a bad step left unskipped.
+shared cores), with the subprocess run beside it; its checks are shown to fail on a broken resume and a bad step
+left unskipped.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 import xprep.train.attention as attention
@@ -75,26 +77,6 @@ def verdicts(output: str) -> dict[tuple[str, str], str]:
     return found
 
 
-def test_every_part_runs_and_passes_on_the_cpu():
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu", *IN_ONE_RUN], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    found = verdicts(proc.stdout)
-    assert not [check for check, verdict in found.items() if verdict == "FAIL"], proc.stdout
-    for check in EXPECTED_PASS:
-        assert found.get(check) == "PASS", (check, proc.stdout)
-    for check in EXPECTED_SKIP:
-        assert found.get(check) == "SKIP", (check, proc.stdout)
-    lines = proc.stdout.splitlines()
-    for part in IN_ONE_RUN:  # every part ran to its end
-        assert any(line.startswith(part) and " time " in line for line in lines), part
-    for variant in ("eager", "compiled", "eager, AC", "compiled, AC"):  # the four throughput runs
-        assert any(line.startswith("throughput") and line[11:57].strip() == variant and "tokens/s" in line
-                   for line in lines), variant
-    assert lines[-1].split() == ["total", "failures", "0"]
-
-
 def top_left_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     """The varlen contract but with SDPA's own causal mask, aligned top-left: a query sequence shorter than its
     keys (a context-parallel piece) sees the first keys instead of the last."""
@@ -151,6 +133,7 @@ def run_parts(parts: list[str]) -> tuple[int, dict[tuple[str, str], str], str]:
     return failures, verdicts(out.getvalue()), out.getvalue()
 
 
+@pytest.mark.usefixtures("cpu_run")  # started now: the command below runs beside this part (see cpu_run)
 def test_the_resilience_part_passes_on_the_cpu(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # its runs, two side by side
     failures, found, output = run_parts(["resilience"])
@@ -207,3 +190,42 @@ def test_the_resilience_checks_fail_on_a_broken_resume_and_an_unskipped_bad_step
                                     "resumed = uninterrupted: losses", "non-finite gradient at step 3: skipped"]
                                    ), out.getvalue()
     assert report.failures == 4
+
+
+# ---------------------------------------------------------------------------------- the command a GPU machine runs
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """`python -m bench.gpu --device cpu` with every part but resilience, started when a test first asks and left
+    running (one thread, its output in files): the resilience test asks for it, so that it runs beside that part,
+    on the core its runs leave idle; the test below waits for it. Killed if still running when the module ends."""
+    out = tmp_path_factory.mktemp("cpu_run")
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.gpu", "--device", "cpu", *IN_ONE_RUN], cwd=ROOT,
+                                stdout=stdout, stderr=stderr, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    try:
+        yield proc, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_every_part_runs_and_passes_on_the_cpu(cpu_run):
+    proc, out = cpu_run
+    returncode = proc.wait(timeout=600)
+    stdout, stderr = (out / "stdout").read_text(), (out / "stderr").read_text()
+    assert returncode == 0, stdout + stderr[-4000:]
+    found = verdicts(stdout)
+    assert not [check for check, verdict in found.items() if verdict == "FAIL"], stdout
+    for check in EXPECTED_PASS:
+        assert found.get(check) == "PASS", (check, stdout)
+    for check in EXPECTED_SKIP:
+        assert found.get(check) == "SKIP", (check, stdout)
+    lines = stdout.splitlines()
+    for part in IN_ONE_RUN:  # every part ran to its end
+        assert any(line.startswith(part) and " time " in line for line in lines), part
+    for variant in ("eager", "compiled", "eager, AC", "compiled, AC"):  # the four throughput runs
+        assert any(line.startswith("throughput") and line[11:57].strip() == variant and "tokens/s" in line
+                   for line in lines), variant
+    assert lines[-1].split() == ["total", "failures", "0"]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from _train_fault_worker import KILL_AFTER_STEP_ENV
 from click.testing import CliRunner
 from prepkit import random_dataset as make
+from trainkit import side_by_side
 from xprep.cli import xprep
 from xprep.prep.pack.cache import PackConfig, pack
 from xprep.train.data import PackedDataset
@@ -36,9 +38,10 @@ def runs(tmp_path_factory):
     make(root / "code", 6, 2)
     pack([root / "web", root / "code"], root / "P", PackConfig(method="multipack", seq_len=64), weights=[0.6, 0.4],
          mix=None)
-    whole = xtrain(str(root / "P"), *COMMON, "--output", str(root / "whole"))
+    whole, killed = side_by_side([  # two single-process runs at once
+        partial(xtrain, str(root / "P"), *COMMON, "--output", str(root / "whole")),
+        partial(xtrain, str(root / "P"), *COMMON, "--output", str(root / "killed"), env={KILL_AFTER_STEP_ENV: "5"})])
     assert whole.returncode == 0, whole.stderr
-    killed = xtrain(str(root / "P"), *COMMON, "--output", str(root / "killed"), env={KILL_AFTER_STEP_ENV: "5"})
     assert killed.returncode != 0  # SIGKILLed after step 5, its last checkpoint at step 3
     resumed = xtrain(str(root / "P"), *COMMON, "--output", str(root / "killed"))
     assert resumed.returncode == 0 and "resuming at step 3" in resumed.stderr, resumed.stderr

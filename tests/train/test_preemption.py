@@ -4,7 +4,8 @@ the two attempts together equal an uninterrupted run's step for step. Ranks die 
 
 The signals are real: the fault worker (tests/_train_fault_worker.py) sends them from the trainer's step-end hook,
 to the process itself, to one rank only, or to the launcher of `--nproc-per-node`, at a step drawn at random
-(seeded); or from inside DCP's write (a second signal during the save).
+(seeded); or from inside DCP's write (a second signal during the save). The single-process runs are made once for
+the module, two at a time (``one_process``), and each test checks what its runs left.
 """
 
 from __future__ import annotations
@@ -17,18 +18,21 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 from _train_fault_worker import KILL_AFTER_STEP_ENV, SIGNAL_ENV, SIGNAL_IN_SAVE_ENV
-from trainkit import cp_pack
+from trainkit import cp_pack, side_by_side, user_error
 from xprep.train.attempts import config_digest
+from xprep.train.data import PackedDataset
 from xprep.train.dist import ParallelDims
 from xprep.train.preempt import StopControl, stop_status
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTY = [sys.executable, str(ROOT / "tests" / "_train_fault_worker.py"), "run"]
-STEPS = 10
+STEPS = 7  # of 2 bins, over 13 (``packed``): the last step crosses the random sampler's epoch boundary
 COMMON = ["--steps", str(STEPS), "--micro-batch-size", "1", "--global-batch-size", "2", "--sampler", "random",
           "--seed", "5", "--lr", "2e-3", "--warmup", "2", "--log-every", "100"]
 TWO_RANKS_CP = ["--nproc-per-node", "2", "--cp", "2"]
@@ -56,39 +60,89 @@ def attempt_ends(run: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
-    return cp_pack(tmp_path_factory.mktemp("data"))
+    packed = cp_pack(tmp_path_factory.mktemp("data"))
+    assert STEPS * 2 > len(PackedDataset(packed)), "the runs must go past one epoch (a resume into the next one)"
+    return packed
+
+
+@dataclass
+class Attempt:
+    """One attempt of a run: what the process gave, and the run's checkpoints just after it."""
+
+    proc: subprocess.CompletedProcess
+    reached: int | None  # the last step logged by then
+    latest: str | None
+    temporaries: list[str]  # temporary checkpoint directories left
+
+
+def attempt(run: Path, args: list[str], env: dict | None = None) -> Attempt:
+    proc = xtrain(*args, "--output", str(run), env=env)
+    rows = losses(run) if (run / "metrics.jsonl").is_file() else []
+    checkpoints = run / "checkpoints"
+    return Attempt(proc, rows[-1][0] if rows else None, latest(run) if (checkpoints / "latest").is_file() else None,
+                   sorted(p.name for p in checkpoints.glob(".step-*")))
+
+
+ONE_PROCESS_STOPS = {"TERM": ([], 143), "USR1": (["--async-save", "--save-every", "3"], 0)}  # extra flags, exit
+
+
+def one_process_runs(packed: Path) -> dict[str, tuple[list[str], dict, list[str] | None]]:
+    """The module's single-process runs by name: the first attempt's arguments and fault (the fault worker's
+    environment), and the arguments of the attempt that resumes (None: none does). A stopped run resumes with the
+    same command."""
+    common = [str(packed), *COMMON]
+    runs: dict = {"reference": (common, {}, None)}  # the uninterrupted run
+    for sig, (extra, _) in ONE_PROCESS_STOPS.items():
+        runs[sig] = ([*common, *extra], {SIGNAL_ENV: f"{sig},{STEP},self"}, [*common, *extra])
+    runs["second signal"] = (common, {SIGNAL_ENV: f"TERM,{STEP},self", SIGNAL_IN_SAVE_ENV: "INT"}, None)
+    runs["minutes"] = ([*common, "--steps", "4", "--save-every-minutes", "1e-6", "--keep", "10"], {}, None)
+    runs["killed"] = ([*common, "--save-every", "2"], {KILL_AFTER_STEP_ENV: "3"}, ["--lr", "1e-3"])  # the run's
+    return runs  # config gives the rest
 
 
 @pytest.fixture(scope="module")
-def reference(packed, tmp_path_factory) -> list[tuple[int, float]]:
-    """The uninterrupted single-process run."""
-    run = tmp_path_factory.mktemp("ref") / "run"
-    done = xtrain(str(packed), *COMMON, "--output", str(run))
-    assert done.returncode == 0, done.stderr
+def one_process(packed, tmp_path_factory) -> dict[str, tuple[Path, list[Attempt]]]:
+    """Every single-process run of the module (``one_process_runs``), by name: its directory and attempts. The
+    first attempts run side by side, then the resuming ones (each run is one process on one thread)."""
+    root, runs = tmp_path_factory.mktemp("one_process"), one_process_runs(packed)
+    found: dict = {name: (root / name, []) for name in runs}
+
+    def first(name: str) -> None:
+        args, env, _ = runs[name]
+        found[name][1].append(attempt(root / name, args, env))
+
+    def resume(name: str) -> None:
+        found[name][1].append(attempt(root / name, runs[name][2]))
+
+    side_by_side([partial(first, name) for name in runs])
+    side_by_side([partial(resume, name) for name, (*_, again) in runs.items() if again is not None])
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(one_process) -> list[tuple[int, float]]:
+    """The uninterrupted single-process run's losses."""
+    run, (done,) = one_process["reference"]
+    assert done.proc.returncode == 0, done.proc.stderr
     return losses(run)
 
 
-def stop_and_resume(packed: Path, run: Path, extra: list[str], env: dict, code: int) -> str:
-    """Run until the signal ``env`` sends stops it (exit ``code``); check the checkpoint is of the step reached;
-    resume with the same command; return what the stopped attempt printed."""
-    stopped = xtrain(str(packed), *COMMON, *extra, "--output", str(run), env=env)
-    assert stopped.returncode == code, stopped.stderr
-    reached = losses(run)[-1][0]
-    assert latest(run) == f"step-{reached}" and reached < STEPS, (reached, stopped.stderr)
-    assert not list((run / "checkpoints").glob(".step-*")), "a temporary checkpoint directory was left"
-    resumed = xtrain(str(packed), *COMMON, *extra, "--output", str(run))  # the same command
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming at step {reached}" in resumed.stderr
-    return stopped.stderr
+def check_stop_and_resume(run: Path, stopped: Attempt, resumed: Attempt, code: int) -> str:
+    """The signal stopped the run (exit ``code``) with a checkpoint of the step reached and no temporary left; the
+    same command resumed it; returns what the stopped attempt printed."""
+    assert stopped.proc.returncode == code, stopped.proc.stderr
+    assert stopped.latest == f"step-{stopped.reached}" and stopped.reached < STEPS, (stopped, stopped.proc.stderr)
+    assert not stopped.temporaries, "a temporary checkpoint directory was left"
+    assert resumed.proc.returncode == 0, resumed.proc.stderr
+    assert f"resuming at step {stopped.reached}" in resumed.proc.stderr
+    return stopped.proc.stderr
 
 
-@pytest.mark.parametrize(("sig", "extra", "code"), [
-    ("TERM", [], 143),
-    ("USR1", ["--async-save", "--save-every", "3"], 0),
-])
-def test_one_process_stops_with_a_checkpoint_and_resumes_exactly(packed, reference, tmp_path, sig, extra, code):
-    run = tmp_path / "run"
-    said = stop_and_resume(packed, run, extra, {SIGNAL_ENV: f"{sig},{STEP},self"}, code)
+@pytest.mark.parametrize("sig", list(ONE_PROCESS_STOPS))
+def test_one_process_stops_with_a_checkpoint_and_resumes_exactly(one_process, reference, sig):
+    code = ONE_PROCESS_STOPS[sig][1]
+    run, (stopped, resumed) = one_process[sig]
+    said = check_stop_and_resume(run, stopped, resumed, code)
     assert f"stopped by SIG{sig} after step {STEP}/{STEPS}" in said.strip().splitlines()[-1]
     assert losses(run) == reference  # exact, each step once
     ends = attempt_ends(run)
@@ -110,20 +164,19 @@ def reference_cp(packed, tmp_path_factory) -> list[tuple[int, float]]:
     ("USR1", "rank-1", [], 0),  # seen by one rank only: both stop at the same step
 ])
 def test_two_ranks_stop_together_and_resume_exactly(packed, reference_cp, tmp_path, sig, to, extra, code):
-    run = tmp_path / "run"
-    said = stop_and_resume(packed, run, [*TWO_RANKS_CP, *extra], {SIGNAL_ENV: f"{sig},{STEP},{to}"}, code)
+    run, args = tmp_path / "run", [str(packed), *COMMON, *TWO_RANKS_CP, *extra]
+    stopped = attempt(run, args, {SIGNAL_ENV: f"{sig},{STEP},{to}"})
+    said = check_stop_and_resume(run, stopped, attempt(run, args), code)  # resumed by the same command
     assert said.count(f"stopped by SIG{sig} after step") == 1  # rank 0 says it; nothing else after it
     assert said.strip().splitlines()[-1].startswith(f"stopped by SIG{sig} after step")
     state = json.loads((run / "checkpoints" / latest(run) / "trainer.json").read_text())
     assert losses(run) == reference_cp and state["step"] == int(latest(run)[5:])
 
 
-def test_a_second_signal_during_the_save_waits_for_it(packed, tmp_path):
+def test_a_second_signal_during_the_save_waits_for_it(one_process):
     """Every DCP write sends SIGINT to the process midway: the first save (at the stop) completes anyway."""
-    run = tmp_path / "run"
-    env = {SIGNAL_ENV: f"TERM,{STEP},self", SIGNAL_IN_SAVE_ENV: "INT"}
-    stopped = xtrain(str(packed), *COMMON, "--output", str(run), env=env)
-    assert stopped.returncode == 143, stopped.stderr  # the first signal's status
+    run, (stopped,) = one_process["second signal"]
+    assert stopped.proc.returncode == 143, stopped.proc.stderr  # the first signal's status
     assert latest(run) == f"step-{STEP}" and (run / "checkpoints" / f"step-{STEP}" / ".metadata").is_file()
 
 
@@ -155,7 +208,8 @@ def ranks_of(run: Path) -> list[int]:
 
 
 def test_a_live_rank_of_an_earlier_run_keeps_a_new_run_out(packed, tmp_path):
-    """What the ranks lock is for: a process that still holds it (an orphan rank) refuses the run, in one line."""
+    """What the ranks lock is for: a process that still holds it (an orphan rank) refuses the run, in one line
+    (the run is refused in this process: before anything it would launch)."""
     run = tmp_path / "run"
     run.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
@@ -163,11 +217,9 @@ def test_a_live_rank_of_an_earlier_run_keeps_a_new_run_out(packed, tmp_path):
                                str(run / "ranks.lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        refused = xtrain(str(packed), *COMMON, "--output", str(run))
-        assert refused.returncode == 2
-        assert refused.stderr.strip().splitlines() == [
+        assert user_error(str(packed), *COMMON, "--output", str(run)) == (  # exit 2, this one line
             f"error: --output {run}: ranks of an earlier run are still alive (they hold {run / 'ranks.lock'}; "
-            f"`fuser {run / 'ranks.lock'}` lists them): stop them, or choose another --output"]
+            f"`fuser {run / 'ranks.lock'}` lists them): stop them, or choose another --output")
     finally:
         holder.kill()
         holder.wait()
@@ -175,12 +227,10 @@ def test_a_live_rank_of_an_earlier_run_keeps_a_new_run_out(packed, tmp_path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def test_save_every_minutes(packed, tmp_path):
+def test_save_every_minutes(one_process):
     """A time-based save at every step boundary (an interval shorter than a step), and the clock restarts."""
-    run = tmp_path / "run"
-    done = xtrain(str(packed), *COMMON, "--steps", "4", "--save-every-minutes", "1e-6", "--keep", "10",
-                  "--output", str(run))
-    assert done.returncode == 0, done.stderr
+    run, (done,) = one_process["minutes"]
+    assert done.proc.returncode == 0, done.proc.stderr
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-1", "step-2", "step-3", "step-4"]
     ticks = iter([0.0, 30.0, 61.0, 62.0, 100.0, 122.5])
     control = StopControl(ParallelDims.for_world(1), None, save_every_minutes=1, clock=lambda: next(ticks))
@@ -193,14 +243,12 @@ def test_stop_statuses():
     assert [stop_status(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)] == [143, 130, 0]
 
 
-def test_attempt_logs(packed, tmp_path):
+def test_attempt_logs(one_process):
     """One log per attempt: what ran (command, code, config hash), what the flags changed from the run's config,
     where it resumed, how it ended. SIGKILL leaves no end line (nothing can write it); the next attempt says so."""
-    run = tmp_path / "run"
-    killed = xtrain(str(packed), *COMMON, "--save-every", "2", "--output", str(run), env={KILL_AFTER_STEP_ENV: "3"})
-    assert killed.returncode == -signal.SIGKILL
-    resumed = xtrain("--output", str(run), "--lr", "1e-3")  # the run's config gives the rest
-    assert resumed.returncode == 0, resumed.stderr
+    run, (killed, resumed) = one_process["killed"]
+    assert killed.proc.returncode == -signal.SIGKILL
+    assert resumed.proc.returncode == 0, resumed.proc.stderr  # `--output RUN --lr 1e-3`: the config gives the rest
     first, second = ((run / "logs" / f"attempt-{n}.log").read_text().splitlines() for n in (1, 2))
     assert first[1].startswith("command   ") and "--save-every 2" in first[1]
     assert first[3].startswith("code      git ") or first[3].startswith("code      xprep ")
