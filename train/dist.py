@@ -233,8 +233,9 @@ def configure_device(device_type: str, tf32: bool = True) -> None:
 def collective_timeout(seconds: float | None = None) -> timedelta:
     """How long a collective of the default process group waits for a peer: ``seconds`` (``--dist-timeout``), else
     ``$XTRAIN_DIST_TIMEOUT``, else 600 s. Every step all-reduces over that group, so a rank that hangs ends the job
-    instead of blocking it for gloo's default 30 min (which the DeviceMesh groups of FSDP2 and CP keep); a rank
-    that dies is noticed sooner by the launcher, which stops the others."""
+    instead of blocking it for gloo's default 30 min. The DeviceMesh groups of FSDP2 and CP inherit it (torch 2.13:
+    a mesh's sub-groups take the default group's timeout); a rank that dies is noticed sooner by the launcher,
+    which stops the others."""
     return timeout_from(seconds, "--dist-timeout", TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV), DEFAULT_TIMEOUT_S)
 
 
