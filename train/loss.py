@@ -4,7 +4,8 @@ The loss of a step is Σ CE(target tokens) / N where N counts the target tokens 
 micro-batch on *every* rank, known before the forward. Each micro-batch backpropagates
 ``sum_ce / N``; the data-parallel reduction then *sums* gradients. The gradient is thus the same
 for any split of the batch into ranks and micro-batches (a per-micro-batch mean would weight a
-token by the size of the micro-batch it landed in).
+token by the size of the micro-batch it landed in). With loss weights (train/loss_weights.py) it is
+Σ w·CE / Σ w, Σ w counted and reduced the same way; ``LossSums.weighted`` then holds both sums.
 
 Channel loss keeps the same sums per id of a per-token id stream of the batch, aligned with the
 labels: ``category_ids`` (category 0, "uncategorized", left out) and ``source_ids`` (the blend
