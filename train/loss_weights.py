@@ -27,8 +27,8 @@ FLAGS = {"category": "--category-weight", "source": "--source-weight"}
 
 def parse_weights(value, flag: str) -> dict[str, float] | None:
     """A weight option as ``{name: weight}``: from a mapping (a config file), or from ``NAME=W`` strings (the
-    repeated flag, or a list in a config file); None or empty: none given. Refuses a malformed item and a weight
-    that is negative or not finite."""
+    repeated flag, or a list in a config file); None or empty: none given. Refuses a malformed item, a name given
+    twice and a weight that is negative or not finite."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -41,6 +41,8 @@ def parse_weights(value, flag: str) -> dict[str, float] | None:
         raise XprepError(f"{flag}: {value!r} is neither NAME=W items nor a {{name: weight}} object")
     out: dict[str, float] = {}
     for name, weight in items:
+        if name in out:
+            raise XprepError(f"{flag} {name} given twice ({out[name]:g} and {weight}): keep one")
         out[name] = _weight(name, weight, flag)
     return out or None
 

@@ -104,6 +104,7 @@ def test_a_weighted_run_on_real_chat_categories(chat_pack, tmp_path):
     (["--source-weight", "hero=inf"], "--source-weight hero=inf: a weight must be a finite number ≥ 0"),
     (["--category-weight", "hero=nan"], "--category-weight hero=nan: a weight must be a finite number ≥ 0"),
     (["--category-weight", "hero"], "--category-weight 'hero' is not NAME=W"),
+    (["--source-weight", "hero=2", "--source-weight", "hero=3"], "--source-weight hero given twice (2 and 3)"),
     (["--category-weight", "hero=0", "--category-weight", "smell=0", "--category-weight", "uncategorized=0"],
      "--category-weight: every category of the pack (uncategorized, hero, smell) has weight 0"),
 ])

@@ -68,7 +68,7 @@ def direct_weighted_step(packed: Path, weights: dict[str, float]) -> dict:
     kept = (labels != IGNORE) & (w > 0)
     loss = (w[kept] * F.cross_entropy(logits[kept], labels[kept], reduction="none")).sum() / w[kept].sum()
     loss.backward()
-    return {"loss": float(loss), "grads": {name: p.grad for name, p in model.named_parameters()}}
+    return {"loss": float(loss.detach()), "grads": {name: p.grad for name, p in model.named_parameters()}}
 
 
 def run_layouts(packed: Path, nproc: int, layouts: list[str], tmp_path: Path) -> dict:
