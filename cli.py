@@ -449,6 +449,15 @@ def xtrain():
                    "of a pack made with --balance-dp].")
 @click.option("--sampler", type=click.Choice(["sequential", "random"]), default=None,
               help="Bin order: Megatron sequential, or a permutation per epoch [default: sequential].")
+@click.option("--category-weight", multiple=True, metavar="NAME=W", callback=lambda _c, _p, v: v or None,
+              help="Weight of category NAME's target tokens in the training loss, repeatable [default: 1 each]. The "
+                   "loss is Σ w·CE / Σ w over each step's global batch, a token's w its category's weight × its "
+                   "source's; 0 keeps the tokens in the forward and in the per-category losses but out of the "
+                   "gradient. metrics.jsonl's loss is then the weighted one, token_loss the plain token mean; the "
+                   "validation loss stays unweighted.")
+@click.option("--source-weight", multiple=True, metavar="NAME=W", callback=lambda _c, _p, v: v or None,
+              help="Weight of blend source NAME's target tokens in the training loss (times their category's), "
+                   "repeatable [default: 1 each].")
 @click.option("--seed", type=int, default=None, help="Init and sampler seed [default: 0].")
 @click.option("--lr", type=float, default=None, help="Peak learning rate [default: 3e-4].")
 @click.option("--min-lr", type=float, default=None,

@@ -1,16 +1,17 @@
 """Run under torchrun by test_parallel_equivalence.py: one global batch on several (dp, cp, accum) layouts.
 
 argv: PACKED OUT GLOBAL_BATCH LAYOUT... where a layout is ``dp,cp,accum[,ac][,nofsdp][,keep][,bf16][,once]
-[,chunk][,compile][,MODE][,uN]`` (ac = activation checkpointing; FSDP2 is on unless nofsdp; keep = no reshard after
-forward; bf16 = --precision bf16; once = --reduce-once-per-step (reduce-scatter after the step's last
-micro-batch only, not after every one); chunk = --loss-chunk 16; compile = torch.compile each block; MODE = a
---cp-mode, the default one when left out; uN = --ulysses N).
+[,chunk][,compile][,weighted][,MODE][,uN]`` (ac = activation checkpointing; FSDP2 is on unless nofsdp; keep = no
+reshard after forward; bf16 = --precision bf16; once = --reduce-once-per-step (reduce-scatter after the step's last
+micro-batch only, not after every one); chunk = --loss-chunk 16; compile = torch.compile each block; weighted =
+--category-weight trainkit.CATEGORY_WEIGHTS; MODE = a --cp-mode, the default one when left out; uN = --ulysses N).
 For each layout every rank builds the tiny model (on the meta device, then sharded and initialized)
 and a Trainer over its share, gathers the whole initial weights, runs ``accumulate_gradients`` once,
 and gathers the whole gradients; rank 0 saves {layout: {"loss": float, "init": {name: tensor},
-"grads": {name: tensor}, "reduce_scatters": int, "held_grad_bytes": int}} to OUT (the number of FSDP2
-gradient reduce-scatters during that step; the most bytes of unsharded gradients FSDP2 held on rank 0
-between two micro-batches, read off its parameters' accumulators, torch-internal state).
+"grads": {name: tensor}, "reduce_scatters": int, "held_grad_bytes": int, "weighted_loss": float | None}} to OUT
+(the number of FSDP2 gradient reduce-scatters during that step; the most bytes of unsharded gradients FSDP2 held on
+rank 0 between two micro-batches, read off its parameters' accumulators, torch-internal state; Σ w·CE / Σ w of a
+weighted layout, else None).
 """
 
 import sys
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
-from trainkit import grads, make_trainer, params  # noqa: E402
+from trainkit import CATEGORY_WEIGHTS, grads, make_trainer, params  # noqa: E402
 from xprep.train.cp import CP_MODES, DEFAULT_CP_MODE  # noqa: E402
 from xprep.train.dist import ParallelDims, all_reduce_sum, init_distributed, shutdown  # noqa: E402
 from xprep.train.loss import LossSums, step_losses  # noqa: E402
@@ -77,16 +78,19 @@ for layout in layouts:
                            activation_checkpointing="ac" in flags, reshard_after_forward="keep" not in flags,
                            precision="bf16" if "bf16" in flags else "fp32",
                            reduce_every_micro_batch="once" not in flags,
-                           loss_chunk=16 if "chunk" in flags else 0, compile="compile" in flags)
+                           loss_chunk=16 if "chunk" in flags else 0, compile="compile" in flags,
+                           category_weight=CATEGORY_WEIGHTS if "weighted" in flags else None)
     init = params(trainer.model)
     reduce_scatters[0] = 0
     held = []
     trainer.forward_backward = measuring_held_gradients(trainer, held)
     sums, _, _ = trainer.accumulate_gradients()
     n_reduce_scatters = reduce_scatters[0]
-    loss, _ = step_losses(LossSums.from_flat(all_reduce_sum(sums.flat(), dims)), trainer.category_names)
+    total = LossSums.from_flat(all_reduce_sum(sums.flat(), dims), weighted="weighted" in flags)
+    loss, _ = step_losses(total, trainer.category_names)
     results[layout] = {"loss": loss, "init": init, "grads": grads(trainer.model), "reduce_scatters": n_reduce_scatters,
-                       "held_grad_bytes": max(held[:-1], default=0)}  # between micro-batches: not after the last
+                       "held_grad_bytes": max(held[:-1], default=0),  # between micro-batches: not after the last
+                       "weighted_loss": total.weighted_loss}
 if dims.is_main:
     torch.save(results, out)
 shutdown(dims, 0)

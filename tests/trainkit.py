@@ -25,6 +25,7 @@ from xprep.train.config import ModelSection, OptimizerSection, ParallelSection
 from xprep.train.cp import CPContext
 from xprep.train.data import PackedDataset, collate
 from xprep.train.dist import ParallelDims, full_tensor, param_dtype_for, plain_name
+from xprep.train.loss_weights import LossWeights
 from xprep.train.model import Transformer, load_model_config
 from xprep.train.samplers import build_sampler
 from xprep.train.trainer import Trainer, autocast_for, build_model
@@ -104,12 +105,18 @@ def category_pack(root: Path, n_docs: int = 40, capacity: int = 64, seed: int = 
     return write_pack(root / "p", [root / "ds"], sequential_bins([len(d) for d in docs], capacity), capacity)
 
 
+# --category-weight of the ``weighted`` layouts (tests/_train_parallel_worker.py) over the categories of
+# ``category_pack`` and ``cp_pack``: one down, one up, one out of the gradient, and the uncategorized targets at 0.5
+CATEGORY_WEIGHTS = {"uncategorized": 0.5, "a": 0.25, "b": 0.0, "c": 3.0}
+
+
 def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str = "sequential", seed: int = 0,
                  lr: float = 1e-3, activation_checkpointing: bool = False, reshard_after_forward: bool = True,
                  precision: str = "fp32", loss_chunk: int = 0, reduce_every_micro_batch: bool = True,
-                 compile: bool = False, warmup: int = 0):
+                 compile: bool = False, warmup: int = 0, category_weight: dict | None = None,
+                 source_weight: dict | None = None):
     """A Trainer over the tiny model (built on the meta device, sharded, then initialized, as ``xtrain run``
-    does), without a TrainConfig."""
+    does), without a TrainConfig; the weights by name as --category-weight and --source-weight give them."""
     dims = dims or ParallelDims()
     device = torch.device("cpu")
     ds = PackedDataset(packed, cp_size=dims.cp)
@@ -119,9 +126,10 @@ def make_trainer(packed: Path, micro: int, accum: int, dims=None, sampler: str =
     model, _ = build_model(section, parallel, ds.vocab_size, seed, dims, device)
     opt, sched = OptimizerSection(lr=lr, warmup=warmup).build(model, 100)
     smp = build_sampler(sampler, len(ds), micro, dims.dp_rank, dims.dp, seed)
+    weights = LossWeights.build(category_weight, source_weight, ds.category_names, ds.source_names)
     return Trainer(model, opt, sched, ds, smp, dims, accum, device, grad_clip=1.0,
                    autocast=autocast_for(param_dtype_for(precision, "cpu"), device, dims), loss_chunk=loss_chunk,
-                   reduce_every_micro_batch=reduce_every_micro_batch)
+                   reduce_every_micro_batch=reduce_every_micro_batch, loss_weights=weights)
 
 
 def grads(model) -> dict:

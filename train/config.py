@@ -3,6 +3,7 @@
 ```
 TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the run itself)
   data        packed, micro_batch_size, global_batch_size, sampler, verify_data   → PackedDataset
+              category_weight, source_weight                                      → LossWeights (or None)
   model       name (--model), precision, tf32, loss_chunk, compile, init_from     → model (+ its config)
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
               max_bad_steps, inject_nonfinite (tests only)                        → Trainer's bad-step rule
@@ -65,6 +66,7 @@ from xprep.train.hf import build_hf_fallback, hf_builtin_config
 from xprep.train.hf_weights import read_hf_weights
 from xprep.train.loggers import parse_backends
 from xprep.train.loss import Channels, auto_loss_chunk
+from xprep.train.loss_weights import LossWeights, parse_weights
 from xprep.train.model import ModelConfig, Transformer, initial_value, load_model_config
 from xprep.train.optim import SCHEDULES, WSD_SCHEDULES, LRSchedule, build_optimizer, build_scheduler
 
@@ -76,7 +78,7 @@ NONFINITE_KINDS = ("loss", "grad")  # what ``inject_nonfinite`` (a test hook) ma
 
 @dataclass
 class DataSection:
-    """Which pack, and how its bins become micro-batches."""
+    """Which pack, how its bins become micro-batches, and what its categories and sources weigh in the loss."""
 
     SECTION: ClassVar[str] = "data"
     packed: str
@@ -84,8 +86,12 @@ class DataSection:
     global_batch_size: int | None = None  # None: micro_batch_size × DP ranks (or the pack's DP step)
     sampler: str = "sequential"
     verify_data: bool = False
+    category_weight: dict[str, float] | None = None  # by category name; None: all 1 (xprep.train.loss_weights)
+    source_weight: dict[str, float] | None = None  # by blend source name; None: all 1
 
     def __post_init__(self):
+        for name in ("category_weight", "source_weight"):  # NAME=W items (the flags) or {name: weight} (a file)
+            setattr(self, name, parse_weights(getattr(self, name), _flag(self, name)))
         _check_types(self)
         _check_at_least(self, 1, "micro_batch_size", "global_batch_size")
         _check_choice(self, "sampler", SAMPLERS)
@@ -98,6 +104,11 @@ class DataSection:
         current entry, or ``entry`` of it (a resume pinned to its checkpoint's entry)."""
         verify = self.verify_data if verify_data is None else verify_data
         return PackedDataset(entry or self.packed, verify_data=verify, cp_size=cp_size)
+
+    def loss_weights(self, dataset: PackedDataset) -> LossWeights | None:
+        """The weights of ``dataset``'s categories and sources in the loss; None: unweighted (all 1)."""
+        return LossWeights.build(self.category_weight, self.source_weight, dataset.category_names,
+                                 dataset.source_names)
 
 
 @dataclass
@@ -655,7 +666,7 @@ def _check_choice(obj, name: str, choices: tuple[str, ...]) -> None:
         raise XprepError(f"{_flag(obj, name)} {value!r} is not one of {', '.join(choices)}")
 
 
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "dict[str, float]": (dict,)}
 
 
 def _check_types(obj, names: tuple[str, ...] | None = None) -> None:

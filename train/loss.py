@@ -4,7 +4,8 @@ The loss of a step is Σ CE(target tokens) / N where N counts the target tokens 
 micro-batch on *every* rank, known before the forward. Each micro-batch backpropagates
 ``sum_ce / N``; the data-parallel reduction then *sums* gradients. The gradient is thus the same
 for any split of the batch into ranks and micro-batches (a per-micro-batch mean would weight a
-token by the size of the micro-batch it landed in).
+token by the size of the micro-batch it landed in). With loss weights (train/loss_weights.py) it is
+Σ w·CE / Σ w, Σ w counted and reduced the same way; ``LossSums.weighted`` then holds both sums.
 
 Channel loss keeps the same sums per id of a per-token id stream of the batch, aligned with the
 labels: ``category_ids`` (category 0, "uncategorized", left out) and ``source_ids`` (the blend
@@ -115,17 +116,24 @@ class _ChunkedHeadCE(torch.autograd.Function):
 @dataclass
 class LossSums:
     """Sums of one step on this rank: CE total and target count, and both per channel id (all channels'
-    ids end to end, as ``Channels`` lays them out)."""
+    ids end to end, as ``Channels`` lays them out); in a weighted run also Σ w·CE and Σ w
+    (train/loss_weights.py)."""
 
     ce: torch.Tensor  # () float64
     targets: torch.Tensor  # () float64, Σ target tokens
     channel_ce: torch.Tensor  # (K,) float64
     channel_targets: torch.Tensor  # (K,) float64
+    weighted: torch.Tensor | None = None  # (2,) float64: Σ w·CE, Σ w over the targets; None: an unweighted run
 
     @classmethod
-    def zeros(cls, num_ids: int, device: torch.device | str = "cpu") -> LossSums:
+    def zeros(cls, num_ids: int, device: torch.device | str = "cpu", weighted: bool = False) -> LossSums:
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)
-        return cls(z(()), z(()), z(num_ids), z(num_ids))
+        return cls(z(()), z(()), z(num_ids), z(num_ids), z(2) if weighted else None)
+
+    def add_weighted(self, ce: torch.Tensor, weights: torch.Tensor) -> None:
+        """Accumulate a micro-batch's Σ w·CE and Σ w (``weights``: per token, 0 where no target)."""
+        w = weights.reshape(-1).double()
+        self.weighted += torch.stack([(ce.detach().double() * w).sum(), w.sum()])
 
     def add(self, ce: torch.Tensor, labels: torch.Tensor, *ids: torch.Tensor) -> None:
         """Accumulate a micro-batch's per-token CE (detached); ``ids``: per channel, each token's id in the
@@ -140,19 +148,28 @@ class LossSums:
             self.channel_targets.index_add_(0, at, target)
 
     def flat(self) -> torch.Tensor:
-        """One vector, so that a single all-reduce sums everything over ranks."""
-        return torch.cat([self.ce.reshape(1), self.targets.reshape(1), self.channel_ce, self.channel_targets])
+        """One vector, so that a single all-reduce sums everything over ranks (the weighted sums last)."""
+        extra = [] if self.weighted is None else [self.weighted]
+        return torch.cat([self.ce.reshape(1), self.targets.reshape(1), self.channel_ce, self.channel_targets, *extra])
 
     @classmethod
-    def from_flat(cls, v: torch.Tensor) -> LossSums:
+    def from_flat(cls, v: torch.Tensor, weighted: bool = False) -> LossSums:
+        v, w = (v[:-2], v[-2:]) if weighted else (v, None)
         c = (len(v) - 2) // 2
-        return cls(v[0], v[1], v[2 : 2 + c], v[2 + c :])
+        return cls(v[0], v[1], v[2 : 2 + c], v[2 + c :], w)
 
     @property
     def loss(self) -> float | None:
         """Σ CE / Σ targets; None without targets: a step (or an evaluation) with no target token has no loss,
         and a 0 would pass for the best one."""
         return float(self.ce / self.targets) if float(self.targets) > 0 else None
+
+    @property
+    def weighted_loss(self) -> float | None:
+        """Σ w·CE / Σ w; None in an unweighted run, or when no target has weight (a step with nothing to learn)."""
+        if self.weighted is None or not float(self.weighted[1]) > 0:
+            return None
+        return float(self.weighted[0] / self.weighted[1])
 
 
 @dataclass(frozen=True)
@@ -188,8 +205,8 @@ class Channels:
     def size(self) -> int:
         return self.offsets[-1]
 
-    def zeros(self, device: torch.device | str = "cpu") -> LossSums:
-        return LossSums.zeros(self.size, device)
+    def zeros(self, device: torch.device | str = "cpu", weighted: bool = False) -> LossSums:
+        return LossSums.zeros(self.size, device, weighted)
 
     def ids(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Each channel's ids of a batch, moved into the joint id space; a missing key is id 0 everywhere

@@ -17,6 +17,11 @@ process's peak RSS), both the maximum over ranks (train/memory.py). The console 
 (``MFU 38.2% (6N 47.5%)``) and the peak memory of its interval. Extra backends (TensorBoard, W&B:
 train/loggers.py) get the same numbers as metrics.jsonl, as flat scalars.
 
+A run with loss weights (train/loss_weights.py) logs as ``loss`` the weighted loss it trains on, Σ w·CE / Σ w,
+and the plain token mean as ``token_loss``; ``weightless`` marks a step whose targets all weigh 0 (no loss, no
+update). An unweighted run's records have neither key, and its ``loss`` is the token mean as ever. The channel
+losses and the validation loss are never weighted.
+
 A bad step (non-finite loss or gradient norm; its update skipped: train/trainer.py) has ``skipped`` true and
 ``bad_steps``, the bad steps in a row up to it (0 on a good step); its non-finite values are null (JSON has
 no NaN), and the console says it on a line of its own, whatever ``log_every`` says.
@@ -82,6 +87,9 @@ class StepMetrics:
     mfu_6n: float | None = None  # MFU in the 6N + 12·L·H·D·T convention (PaLM, torchtitan); None when unknown
     skipped: bool = False  # a bad step: non-finite loss or gradient norm, no update applied
     bad_steps: int = 0  # bad steps in a row up to this one (0: this step was good)
+    weighted: bool = False  # --category-weight / --source-weight: ``loss`` is Σ w·CE / Σ w
+    token_loss: float | None = None  # a weighted run's plain token mean (Σ CE / Σ targets)
+    weightless: bool = False  # weighted, with targets that all weigh 0: no loss, no update applied
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -96,6 +104,7 @@ class StepMetrics:
                 "mfu": self.mfu, "mfu_6n": self.mfu_6n, "peak_mem_bytes": self.peak_mem_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes,
                 "step_seconds": self.seconds, "consumed_samples": self.consumed_samples,
+                **({"token_loss": finite(self.token_loss), "weightless": self.weightless} if self.weighted else {}),
                 **(self.eval.record() if self.eval is not None else {})}
 
 
@@ -138,6 +147,9 @@ class MetricsLog:
         self._interval.add(m)
         if m.skipped:
             self._console_skipped(m)
+        if m.weightless:
+            self.stream.write(("\r" if self.tty else "") + f"step {m.step}/{self.total}: every target token of the "
+                              "step weighs 0 (--category-weight, --source-weight): no loss, no update applied\n")
         interval = m.step % self.every == 0 or m.step == self.total
         if interval or self.tty:
             self._console(m, interval)
@@ -149,7 +161,8 @@ class MetricsLog:
         elapsed = time.perf_counter() - self._t0
         done = m.step - self._first_step
         eta = elapsed / done * (self.total - m.step) if done else 0.0
-        line = (f"step {m.step}/{self.total}  loss {loss_text(m.loss)}  lr {m.lr:.2e}  grad {m.grad_norm:.3f}  "
+        tokens = f" (token mean {loss_text(m.token_loss)})" if m.weighted else ""
+        line = (f"step {m.step}/{self.total}  loss {loss_text(m.loss)}{tokens}  lr {m.lr:.2e}  grad {m.grad_norm:.3f}  "
                 f"{self._interval.rate:,.0f} tok/s{self._interval.perf()}  ETA {clock(eta)}")
         self.stream.write(("\r" if self.tty else "") + line + ("\n" if interval else " "))
         self.stream.flush()

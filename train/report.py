@@ -3,6 +3,10 @@ run (first, last, best, trend), and the same of the validation loss when the run
 (median tokens/s, TFLOPS and both MFUs, peak memory); the parallel layout it ran on; no torch;
 ``xprep.prep.inspect.text`` makes the text.
 
+A weighted run (train/loss_weights.py) has ``loss_weights`` (from run.json: every category's and source's weight)
+and, beside its weighted ``loss``, the summary of the plain token mean as ``token_loss``; steps whose targets all
+weighed 0 are counted as ``weightless_steps``.
+
 A step without target tokens has a null loss (train/metrics.py): it is left out of the loss summary
 (first, last, best, trend), a gap in the curves, and counted as ``steps_without_targets`` (evaluations
 without targets as ``evaluations_without_targets``). A bad step (skipped: non-finite loss or gradient
@@ -81,6 +85,7 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
     records = read_metrics(path)
     report = {"kind": "run", "path": str(path), "config": config, "settings": settings(config),
               "layout": run_layout(info), "pack": info.get("pack"), "validation": info.get("validation"),
+              "loss_weights": info.get("loss_weights"),
               "plan": info.get("plan"), "steps": len(records),
               "last_step": records[-1]["step"] if records else 0,
               "checkpoints": _checkpoints(path), "replayed": replayed(path), "plot": None}
@@ -89,7 +94,13 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
     if records:
         losses = [r for r in records if _number(r.get("loss"))]
         report["skipped_steps"] = sum(1 for r in records if r.get("skipped"))
-        report["steps_without_targets"] = sum(1 for r in records if r.get("loss") is None and not r.get("skipped"))
+        report["steps_without_targets"] = sum(1 for r in records if r.get("loss") is None and not r.get("skipped")
+                                              and not r.get("weightless"))
+        if any("weightless" in r for r in records):  # a weighted run: its plain token mean beside its loss
+            report["weightless_steps"] = sum(1 for r in records if r.get("weightless"))
+            tokens = [r for r in records if _number(r.get("token_loss"))]
+            if tokens:
+                report["token_loss"] = curve_summary([r["step"] for r in tokens], [r["token_loss"] for r in tokens])
         if losses:
             report["loss"] = curve_summary([r["step"] for r in losses], [r["loss"] for r in losses])
         report["tokens"] = sum(r.get("tokens", 0) for r in records)

@@ -67,6 +67,7 @@ from xprep.train.flops import ModelFlops, Throughput, bin_attention_pairs, resol
 from xprep.train.lifeline import PARENT_ENV, die_with_parent
 from xprep.train.loggers import build_loggers, check_backends
 from xprep.train.loss import AUTO_CHUNK_ABOVE, Channels, LossSums, logits_bytes, token_ce
+from xprep.train.loss_weights import WEIGHTS, LossWeights, weight_changes
 from xprep.train.memory import peak_memory, reset_peak_memory
 from xprep.train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from xprep.train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
@@ -119,7 +120,8 @@ class Trainer:
                  device: torch.device, grad_clip: float = 0.0, autocast=contextlib.nullcontext, category_names=None,
                  model_config: dict | None = None, hparams: dict | None = None, loss_chunk: int = 0,
                  reduce_every_micro_batch: bool = False, throughput: Throughput | None = None,
-                 init: dict | None = None, nonfinite: dict[str, frozenset[int]] | None = None):
+                 init: dict | None = None, nonfinite: dict[str, frozenset[int]] | None = None,
+                 loss_weights: LossWeights | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.dataset, self.sampler, self.dims = dataset, sampler, dims
         self.grad_accum, self.device, self.grad_clip, self.autocast = grad_accum, device, grad_clip, autocast
@@ -127,6 +129,8 @@ class Trainer:
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self.category_names = category_names if category_names is not None else dataset.category_names
         self.channels = Channels.of(self.category_names, dataset.source_names)
+        self.loss_weights = loss_weights  # None: the loss is the plain token mean (nothing multiplied)
+        self._rank_weight = 0.0  # Σ w over this rank's targets of the next step (weighted runs)
         self.model_config, self.hparams = model_config, hparams  # recorded in checkpoints, compared on resume
         self.init = init  # where the run's initial weights came from (xprep.train.weights.init_record), carried on
         self.settings = optimizer_settings(optimizer, scheduler)  # this run's, put back after a checkpoint loads
@@ -149,7 +153,7 @@ class Trainer:
         all-reduce over dp×cp adds them up. Targets are counted on the CPU, before the batch moves (no device
         sync in the step).
         """
-        batches, tokens, targets, pairs = [], 0, 0, 0
+        batches, tokens, targets, pairs, weight = [], 0, 0, 0, 0.0
         for _ in range(self.grad_accum):
             bins = self.sampler.next_micro_batch()
             if self.dims.cp_rank == 0:  # the CP ranks of a DP rank read the same bins: count them once
@@ -157,8 +161,11 @@ class Trainer:
                 pairs += bin_attention_pairs(self.dataset, bins)
             batch = micro_batch(self.dataset, bins, self.dims.cp_rank, self.dims.cp)
             targets += count_targets(batch)
+            if self.loss_weights is not None:  # each token's weight, and their sum, known before the forward too
+                batch[WEIGHTS] = self.loss_weights.token_weights(batch)
+                weight += float(batch[WEIGHTS].double().sum())
             batches.append(self.to_device(batch))
-        self._rank_pairs = pairs
+        self._rank_pairs, self._rank_weight = pairs, weight
         return batches, tokens, targets
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -195,21 +202,25 @@ class Trainer:
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf))
         total, bad = self.reduce_step(sums, grad_norm)
         self.bad_steps = self.bad_steps + 1 if bad else 0
+        weightless = total.weighted is not None and total.weighted_loss is None and n_targets > 0
         if not bad:
-            self.optimizer.step()
+            if not weightless:  # every target weighs 0: no update (AdamW would still move by its momentum)
+                self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         channel = self.channels.losses(total)
-        self.loss, self.eval_loss = total.loss, None
+        loss = total.loss if total.weighted is None else total.weighted_loss
+        self.loss, self.eval_loss = loss, None
         grad_norm = float(grad_norm)  # waits for the device: the step is done
         seconds = time.perf_counter() - t0
         rates = self.throughput.measure(n_tokens, self.attention_pairs, seconds)
         peak_mem, peak_rss = peak_memory(self.device, self.dims)  # max over ranks
-        return StepMetrics(self.step, total.loss, channel["category"], grad_norm, lr, n_tokens, n_targets, seconds,
+        return StepMetrics(self.step, loss, channel["category"], grad_norm, lr, n_tokens, n_targets, seconds,
                            self.sampler.consumed_samples, channel["source"], tflops=rates.tflops, mfu=rates.mfu,
                            mfu_6n=rates.mfu_6n, peak_mem_bytes=peak_mem, peak_rss_bytes=peak_rss,
-                           skipped=bad, bad_steps=self.bad_steps)
+                           skipped=bad, bad_steps=self.bad_steps, weighted=total.weighted is not None,
+                           token_loss=total.loss, weightless=weightless)
 
     def reduce_step(self, sums: LossSums, grad_norm: torch.Tensor) -> tuple[LossSums, bool]:
         """The step's loss sums over all ranks, and whether the step is bad, from one all-reduce (the loss's).
@@ -221,7 +232,7 @@ class Trainer:
         """
         flag = (~torch.isfinite(grad_norm)).reshape(1).to(sums.ce)
         flat = all_reduce_sum(torch.cat([sums.flat(), flag]), self.dims)
-        total = LossSums.from_flat(flat[:-1])
+        total = LossSums.from_flat(flat[:-1], weighted=sums.weighted is not None)
         return total, bool(flat[-1] > 0) or not math.isfinite(float(total.ce))
 
     def accumulate_gradients(self) -> tuple[LossSums, int, int]:
@@ -230,14 +241,16 @@ class Trainer:
         Returns this rank's loss sums and the step's global token and target counts.
         """
         batches, tokens, targets = self.next_micro_batches()
-        counts = torch.tensor([targets, tokens, self._rank_pairs], dtype=torch.float64, device=self.device)
-        n_targets, n_tokens, n_pairs = all_reduce_sum(counts, self.dims).tolist()  # before any forward
+        weighted = self.loss_weights is not None
+        counts = [targets, tokens, self._rank_pairs] + ([self._rank_weight] if weighted else [])
+        counts = torch.tensor(counts, dtype=torch.float64, device=self.device)
+        n_targets, n_tokens, n_pairs, *weight = all_reduce_sum(counts, self.dims).tolist()  # before any forward
         self.attention_pairs = int(n_pairs)  # for MFU
-        sums = self.channels.zeros(self.device)
+        sums = self.channels.zeros(self.device, weighted)
         for i, batch in enumerate(batches):
             if self.dims.fsdp:  # FSDP2 reduce-scatters after the step's last backward (or after each)
                 self.model.set_requires_gradient_sync(self.reduce_every_micro_batch or i == len(batches) - 1)
-            self.forward_backward(batch, n_targets, sums)
+            self.forward_backward(batch, weight[0] if weighted else n_targets, sums)
         reduce_gradients(self.model, self.dims)
         if self.step + 1 in self.nonfinite.get("grad", ()):  # test hook: this rank's reduced gradients
             for p in self.model.parameters():
@@ -246,11 +259,20 @@ class Trainer:
         return sums, int(n_tokens), int(n_targets)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], n_targets: float, sums: LossSums) -> None:
-        """Backpropagate Σ CE / (targets of the whole step); accumulate the channel sums."""
+        """Backpropagate Σ CE / (targets of the whole step), or in a weighted run Σ w·CE / (Σ w of the whole
+        step: ``n_targets`` is then that); accumulate the channel sums (unweighted) and the weighted ones.
+
+        The weights scale each token's CE, so they reach the chunked loss's backward as its per-token
+        gradient (``xprep.train.loss._ChunkedHeadCE``)."""
         ce = self.token_losses(batch)
         if self.step + 1 in self.nonfinite.get("loss", ()):  # test hook: NaN loss, hence NaN gradients
             ce = ce * math.nan
-        (ce.sum() / max(n_targets, 1)).backward()
+        weights = batch.get(WEIGHTS)
+        if weights is None:
+            (ce.sum() / max(n_targets, 1)).backward()
+        else:  # Σ w may be below 1; 0 only when every weight is 0, and then so is the gradient
+            ((ce * weights.reshape(-1)).sum() / (n_targets if n_targets > 0 else 1.0)).backward()
+            sums.add_weighted(ce, weights)
         sums.add(ce, batch["labels"], *self.channels.ids(batch))
 
     def token_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -306,7 +328,8 @@ class Trainer:
                 "eval_loss": self.eval_loss,
                 "global_batch_size": self.grad_accum * self.sampler.micro_batch_times_dp,
                 "micro_batch_size": self.sampler.micro_batch_size, "model": self.model_config,
-                "hparams": self.hparams, "schedule": self.scheduler.lr_lambdas[0].settings(), "init": self.init}
+                "hparams": self.hparams, "schedule": self.scheduler.lr_lambdas[0].settings(), "init": self.init,
+                "loss_weights": self.loss_weights.record() if self.loss_weights is not None else None}
 
     def load_state_dict(self, state: dict) -> list[str]:
         """Continue from ``state`` (once the checkpoint's model and optimizer are loaded).
@@ -327,7 +350,7 @@ class Trainer:
         apply_settings(self.optimizer, self.scheduler, self.settings)
         schedule = schedule_change(self.scheduler.lr_lambdas[0], state.get("schedule"), self.scheduler.last_epoch,
                                    self.scheduler.base_lrs[0])
-        return changed + ([schedule] if schedule else [])
+        return changed + weight_changes(state.get("loss_weights"), self.loss_weights) + ([schedule] if schedule else [])
 
 
 # ---------------------------------------------------------------------------------------- run
@@ -347,6 +370,7 @@ class RunSetup:
     attention_note: str = ""  # why it is not the fastest kernel, when the model's head dim is refused by one
     init: InitFrom | None = None  # --init-from, when this run takes it (xprep.train.weights.plan_init)
     init_note: str = ""  # why --init-from is not used (the run resumes)
+    loss_weights: LossWeights | None = None  # --category-weight / --source-weight for this pack; None: unweighted
 
 
 def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None = None) -> RunSetup:
@@ -388,7 +412,7 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     check_exportable(cfg.checkpoint.save_hf, model_config, cfg.model.name)
     init, init_note = plan_init(cfg.model.init_from, model_config, cfg.model.name, resume_from, cfg.checkpoint.resume)
     return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation, pinned, loss_chunk, attention,
-                    attention_note, init, init_note)
+                    attention_note, init, init_note, cfg.data.loss_weights(dataset))
 
 
 def attention_plan(cfg: TrainConfig, dims: ParallelDims, model_config: dict | None) -> tuple[str, str]:
@@ -501,7 +525,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                       reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
                       throughput=Throughput(ModelFlops.from_dict(model_config), peak, dims.world_size,
                                             dataset.capacity), init=init_record(init, model_config, cfg.seed),
-                      nonfinite=cfg.optimizer.nonfinite_at(dims.rank))
+                      nonfinite=cfg.optimizer.nonfinite_at(dims.rank), loss_weights=setup.loss_weights)
     out = stream or sys.stderr
     if setup.resume_from is not None:
         _resume(setup, trainer, dims.is_main, out)
@@ -511,7 +535,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_run_config(run_dir, cfg, plan, model_config, dataset, dims, setup.validation, setup.loss_chunk,
-                          trainer.init)
+                          trainer.init, setup.loss_weights)
     loggers = build_loggers(cfg.log, run_dir, cfg.to_dict(), trainer.step) if dims.is_main else []
     log = MetricsLog(run_dir, plan.steps, cfg.log_every, dims.is_main, stream, loggers=loggers)
     log.open(trainer.step)
@@ -525,6 +549,9 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
         out.write(_start_line(cfg, trainer, plan, setup.attention) + f" → {run_dir}\n")
         if setup.attention_note:
             out.write(setup.attention_note + "\n")
+        if setup.loss_weights is not None:
+            out.write(f"loss weighted ({setup.loss_weights.text()}; others 1): Σ w·CE / Σ w over each step's targets; "
+                      "the validation loss stays unweighted\n")
         out.write(peak_note + "\n")
         if cfg.model.loss_chunk is None and setup.loss_chunk:
             out.write(_loss_chunk_line(setup.loss_chunk, micro_batch_tokens(dataset, plan, dims), dataset.vocab_size)
@@ -701,7 +728,7 @@ def _precision(cfg: TrainConfig, dims: ParallelDims) -> str:
 
 def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_config: dict,
                       dataset: PackedDataset, dims: ParallelDims, validation: Validation | None = None,
-                      loss_chunk: int = 0, init: dict | None = None) -> None:
+                      loss_chunk: int = 0, init: dict | None = None, loss_weights: LossWeights | None = None) -> None:
     """config.json is the resolved TrainConfig (nested, schema-checked); run.json what it resolved to."""
     val = None
     if validation is not None:
@@ -718,4 +745,5 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
         "precision": _precision(cfg, dims), "loss_chunk": loss_chunk,
         "code": attempts.code_version(), "config_sha256": attempts.config_digest(cfg.to_dict()),
         "model": model_config, "init": init,
+        "loss_weights": loss_weights.record() if loss_weights is not None else None,
     })

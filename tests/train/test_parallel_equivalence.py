@@ -9,6 +9,8 @@ under FSDP2 × CP the same loss and gradients; bf16 (FSDP2's MixedPrecisionPolic
 FSDP2) agrees within bf16 tolerance; the meta-device init gives every layout the 1-process weights
 exactly. Issue 33: every --cp-mode (ring, the default, in every CP layout without a mode; ulysses and allgather at
 C = 2; ring, ulysses, hybrid 2 × 2 and allgather at C = 4, with and without FSDP2 and activation checkpointing).
+Issue 36: with --category-weight (one category at 0), FSDP2 × accumulation and CP × accumulation with the chunked
+loss give the gradients of Σ w·CE / Σ w computed directly in plain torch on one whole model.
 Also the data side of CP: bins of a pack made with --cp-size fill exactly their capacity once sharded, and packs
 without room for the padding are refused.
 """
@@ -22,12 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
-from trainkit import category_pack, cp_pack, grads, make_trainer, max_rel_diff, tiny_model
+from trainkit import CATEGORY_WEIGHTS, category_pack, cp_pack, grads, make_trainer, max_rel_diff, tiny_model
 from xprep.cli import xtrain
 from xprep.prep.errors import XprepError
 from xprep.train.cp import padded_length, shard_batch
-from xprep.train.data import IGNORE, PackedDataset
+from xprep.train.data import IGNORE, PackedDataset, collate
 from xprep.train.dist import ParallelDims, all_reduce_sum
 from xprep.train.loss import LossSums, step_losses
 
@@ -43,11 +46,29 @@ def packed(tmp_path_factory) -> Path:
     return cp_pack(tmp_path_factory.mktemp("cp"))
 
 
-def one_process(packed: Path, accum: int, precision: str = "fp32") -> dict:
-    trainer = make_trainer(packed, micro=GLOBAL_BATCH // accum, accum=accum, precision=precision)
+def one_process(packed: Path, accum: int, precision: str = "fp32", category_weight: dict | None = None) -> dict:
+    trainer = make_trainer(packed, micro=GLOBAL_BATCH // accum, accum=accum, precision=precision,
+                           category_weight=category_weight)
     sums, _, _ = trainer.accumulate_gradients()
-    loss, _ = step_losses(LossSums.from_flat(all_reduce_sum(sums.flat(), trainer.dims)), trainer.category_names)
-    return {"loss": loss, "grads": grads(trainer.model)}
+    total = LossSums.from_flat(all_reduce_sum(sums.flat(), trainer.dims), weighted=category_weight is not None)
+    loss, categories = step_losses(total, trainer.category_names)
+    return {"loss": loss, "grads": grads(trainer.model), "weighted_loss": total.weighted_loss,
+            "categories": categories}
+
+
+def direct_weighted_step(packed: Path, weights: dict[str, float]) -> dict:
+    """Σ w·CE / Σ w over the first global batch in plain torch, on one whole model (the tiny preset's initial
+    weights): w by each target's category, the tokens of weight 0 left out of both sums altogether."""
+    ds = PackedDataset(packed)
+    model = tiny_model(ds.vocab_size)
+    batch = collate([ds[b] for b in range(GLOBAL_BATCH)])
+    logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])[0]  # (T, V)
+    labels = batch["labels"][0]
+    w = torch.tensor([weights.get(name, 1.0) for name in ds.category_names])[batch["category_ids"][0]]
+    kept = (labels != IGNORE) & (w > 0)
+    loss = (w[kept] * F.cross_entropy(logits[kept], labels[kept], reduction="none")).sum() / w[kept].sum()
+    loss.backward()
+    return {"loss": float(loss.detach()), "grads": {name: p.grad for name, p in model.named_parameters()}}
 
 
 def run_layouts(packed: Path, nproc: int, layouts: list[str], tmp_path: Path) -> dict:
@@ -65,8 +86,10 @@ def run_layouts(packed: Path, nproc: int, layouts: list[str], tmp_path: Path) ->
 def test_loss_and_gradients_agree_across_layouts(packed, tmp_path):
     layouts = ["2,1,1", "1,2,1", "2,1,2,once", "1,2,2,ac,once", "1,2,1,nofsdp", "2,1,2,keep,once", "2,1,2",
                "1,2,2,chunk,once", "2,1,2,bf16,once", "1,2,1,ac,bf16,chunk", "2,1,1,nofsdp,bf16",
-               "1,2,2,ulysses,ac,once", "1,2,1,ulysses,nofsdp", "1,2,1,allgather"]
+               "1,2,2,ulysses,ac,once", "1,2,1,ulysses,nofsdp", "1,2,1,allgather", "2,1,2,weighted",
+               "1,2,2,weighted,chunk"]
     results = run_layouts(packed, 2, layouts, tmp_path)
+    weighted = {layout: results.pop(layout) for layout in layouts if "weighted" in layout}
     results["1,1,1"] = ref = one_process(packed, accum=1)
     results["1,1,2"] = one_process(packed, accum=2)
     results["1,1,2,bf16"] = one_process(packed, accum=2, precision="bf16")
@@ -93,6 +116,19 @@ def test_loss_and_gradients_agree_across_layouts(packed, tmp_path):
     assert results["1,2,2,chunk,once"]["reduce_scatters"] == results["2,1,2,bf16,once"]["reduce_scatters"] == once
     whole_model_fp32 = 4 * sum(p.numel() for p in init.parameters())
     assert results["2,1,2,once"]["held_grad_bytes"] == results["2,1,2,bf16,once"]["held_grad_bytes"] == whole_model_fp32
+    # --category-weight: every split of the batch gives Σ w·CE / Σ w of one process, computed directly (category b,
+    # weight 0, left out of it: its tokens add nothing to the gradient); the token mean and the channel losses
+    # stay unweighted, b's included
+    weighted["1,1,2"] = one_process(packed, accum=2, category_weight=CATEGORY_WEIGHTS)
+    direct = direct_weighted_step(packed, CATEGORY_WEIGHTS)
+    assert max_rel_diff(direct["grads"], ref["grads"]) > 0.05  # the weights do change the gradients
+    for layout, got in weighted.items():
+        assert abs(got["weighted_loss"] - direct["loss"]) <= TOL * direct["loss"], layout
+        assert max_rel_diff(got["grads"], direct["grads"]) <= TOL, layout
+        assert abs(got["loss"] - ref["loss"]) <= TOL * ref["loss"], layout
+    unweighted = one_process(packed, accum=2)
+    assert "b" in weighted["1,1,2"]["categories"]
+    assert weighted["1,1,2"]["categories"] == pytest.approx(unweighted["categories"], rel=TOL)
 
 
 def test_every_cp_mode_on_four_ranks_equals_one_process(tmp_path):

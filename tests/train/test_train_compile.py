@@ -1,5 +1,5 @@
 """``--compile`` (issue 13): each block compiled by torch.compile (inductor) gives the eager losses and gradients,
-with activation checkpointing, and under FSDP2 on 2 gloo ranks.
+with activation checkpointing (and loss weights, issue 36), and under FSDP2 on 2 gloo ranks.
 
 Slow: inductor compiles C++ on the CPU (about a minute per process on the shared 2 cores, less once its
 on-disk cache is warm).
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from trainkit import category_pack, cp_pack, grads, make_trainer, max_rel_diff
+from trainkit import CATEGORY_WEIGHTS, category_pack, cp_pack, grads, make_trainer, max_rel_diff
 from xprep.train.loss import LossSums
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,9 +26,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_compiled_blocks_match_eager(tmp_path):
+    """With --category-weight too: the weighted loss is taken outside the compiled blocks, its weights reach them
+    through the backward."""
     packed = category_pack(tmp_path)
-    eager = make_trainer(packed, micro=1, accum=2, activation_checkpointing=True)
-    compiled = make_trainer(packed, micro=1, accum=2, activation_checkpointing=True, compile=True)
+    eager = make_trainer(packed, micro=1, accum=2, activation_checkpointing=True, category_weight=CATEGORY_WEIGHTS)
+    compiled = make_trainer(packed, micro=1, accum=2, activation_checkpointing=True, compile=True,
+                            category_weight=CATEGORY_WEIGHTS)
     assert all(hasattr(block._checkpoint_wrapped_module.forward, "_torchdynamo_orig_callable")
                for block in compiled.model.layers)
     counters.clear()
