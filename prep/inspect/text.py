@@ -462,6 +462,13 @@ def warning_lines(o: dict) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- run
+def _loss_weights(weights: dict) -> str:
+    """``--category-weight``/``--source-weight`` of a weighted run, as given (every other name weighs 1)."""
+    given = [f"{kind} {name} {w:g}" for kind in ("category", "source")
+             for name, w in (weights.get(kind) or {}).items() if w != 1]
+    return (", ".join(given) or "all 1") + " (others 1): loss Σ w·CE / Σ w; validation loss unweighted"
+
+
 def render_run(r: dict) -> str:
     cfg = r.get("settings") or {}
     lines = [f"run {r['path']}"]
@@ -478,6 +485,8 @@ def render_run(r: dict) -> str:
                                 f"({cfg.get('schedule')}, warm-up {cfg.get('warmup')})")
     if r.get("layout"):
         lines += field("layout", r["layout"])
+    if r.get("loss_weights"):
+        lines += field("loss weights", _loss_weights(r["loss_weights"]))
     total = (r.get("plan") or {}).get("steps")
     lines.append(f"  steps logged  {r['steps']:,}" + (f" / {total:,}" if total else "")
                  + (f"   tokens {r['tokens']:,}" if "tokens" in r else ""))

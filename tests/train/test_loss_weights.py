@@ -87,6 +87,8 @@ def test_a_weighted_run_on_real_chat_categories(chat_pack, tmp_path):
     report = json.loads(invoke(xprep, "inspect", run, "--json").output)
     assert report["loss_weights"] == recorded and report["token_loss"]["points"] == 2
     assert report["weightless_steps"] == 0
+    text = " ".join(invoke(xprep, "inspect", run).output.split())
+    assert "loss weights category smell 0, source hero 2 (others 1)" in text
 
     resumed = invoke(xtrain, "run", "-o", run, "--steps", "3", "--category-weight", "smell=0.5")
     assert "resuming with other hyperparameters than the checkpoint's: --category-weight smell 0 → 0.5" \
