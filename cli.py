@@ -305,10 +305,12 @@ def _overlong_defaults(methods) -> str:
 @click.option("--epochs", type=float, default=None, cls=_MethodsHelp, methods_help=lambda ms: (
     f"Size in epochs instead: of the stream for {_named(ms, lambda m: m.fixed_length_samples)}, of the largest "
     "share for a blend."))
-@click.option("--split", default=None, metavar="TRAIN,VALID",
-              help="Hold out documents for validation, e.g. 99,1: whether a document is held out follows from a "
-                   "hash of its dataset's content and its index alone (no seed, no pack option), so it stays on the "
-                   "same side however the data is re-packed; the validation part is its own entry.")
+@click.option("--split", default=None, metavar="TRAIN,VALID[,TEST]",
+              help="Hold out documents for validation (and test), e.g. 99,1 or Megatron's 969,30,1 (shares, "
+                   "normalized; decimals too): which documents are held out follows from a hash of their dataset's "
+                   "content and index alone (no seed, no pack option), so they stay on the same side however the "
+                   "data is re-packed; with three shares each part has Megatron's document count. The validation "
+                   "and test parts are their own entries; a zero share means no such part.")
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="Where datasets given as URLs (s3://…) are copied before packing, by fingerprint "
                    "[default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")

@@ -467,18 +467,18 @@ def pack_category_table(r: dict, colours: Colours, root: tuple = ()) -> str:
 
 
 def entries_table(r: dict) -> str:
-    """Every entry of the cache: ``*`` the current one, ``v`` its validation entry."""
+    """Every entry of the cache: ``*`` the current one, ``v`` its validation entry, ``t`` its test entry."""
     entries = r.get("entries") or []
     rows = []
     for k, e in enumerate(entries):
-        mark = "*" if e["current"] else "v" if e.get("validation") else ""
+        mark = "*" if e["current"] else "v" if e.get("validation") else "t" if e.get("test") else ""
         if e["status"] != "ok":
             rows.append([text_td(mark), text_td(e["name"]), f'<td colspan="4">{escape(e["problem"])}</td>'])
             continue
         rows.append([text_td(mark), text_td(e["name"]), td(r, "entries", k, "bins"),
                      td(r, "entries", k, "fill", fmt=share), td(r, "entries", k, "created", fmt=str, cls="code"),
                      options_td(r, "entries", k, "options")])
-    html = table("Entries of the cache (* current, v its validation entry)",
+    html = table("Entries of the cache (* current, v its validation entry, t its test entry)",
                  ["", "entry", "bins", "fill", "created", "options"], rows, "entries")
     return f'<details><summary>Entries of the cache ({len(entries)})</summary>{html}</details>' if html else ""
 

@@ -189,7 +189,8 @@ def render_entries(r: dict) -> list[str]:
             [_mark(e), e["name"], e["bins"], f"{e['fill']:.2%}", f"{e['documents_kept']:,}/{e['documents_in']:,}",
              _utc(e["created"])] for e in entries]
     legend = "* = current, the one `xtrain run` trains on" + (
-        "; v = its --split validation entry" if any(e.get("validation") for e in entries) else "")
+        "; v = its --split validation entry" if any(e.get("validation") for e in entries) else "") + (
+        "; t = its --split test entry" if any(e.get("test") for e in entries) else "")
     lines = [f"pack cache {Path(r['path']).parent}: {count(len(entries), 'entry', 'entries')}, oldest first",
              *wrap(f"{legend}; under each entry, the `xprep pack` options that made it: run them again to make it "
                    "current", "  "), ""]
@@ -214,8 +215,8 @@ def _utc(created: str | None) -> str:
 
 
 def _mark(e: dict) -> str:
-    """``*`` the current entry, ``v`` its --split validation entry."""
-    return "*" if e["current"] else "v" if e.get("validation") else ""
+    """``*`` the current entry, ``v`` its --split validation entry, ``t`` its test entry."""
+    return "*" if e["current"] else "v" if e.get("validation") else "t" if e.get("test") else ""
 
 
 # ------------------------------------------------------------------------------------------ render
@@ -383,10 +384,9 @@ def _sources_packed(sources: list[dict]) -> str:
 
 
 def _validation_lines(o: dict) -> list[str]:
-    v = o.get("validation")
-    if not v:
-        return []
-    return [f"  validation (--split): {_docs(v['documents'])} held out, {count(v['bins'], 'bin')} → {v['path']}"]
+    """The --split held-out entries: validation, and test with a third share."""
+    return [f"  {part} (--split): {_docs(v['documents'])} held out, {count(v['bins'], 'bin')} → {v['path']}"
+            for part, v in ((p, o.get(p)) for p in ("validation", "test")) if v]
 
 
 def chunk_line(s: dict) -> str:
