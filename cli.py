@@ -514,6 +514,14 @@ def xtrain():
 @click.option("--eval-bins", default=None, metavar="M|all",
               help="Evaluate on M validation bins evenly spaced over the entry, or all of them [default: 256, or all "
                    "when fewer]. A long evaluation shows its progress.")
+@click.option("--eval", multiple=True, metavar="NAME=PACKED_OR_ENTRY",
+              callback=lambda _ctx, _param, value: list(value) or None,
+              help="Also evaluate this named set (a pack cache's current entry, or an entry) whenever validation "
+                   "runs, logged as eval/NAME/... (the pack's validation entry is the set named valid); repeatable. "
+                   "Its tokenizer and capacity must be the run's.")
+@click.option("--test", default=None, metavar="NAME=PACKED_OR_ENTRY",
+              help="Evaluate this set once, after the last step (logged as test/NAME/..., kept in run.json) "
+                   "[default: the pack's --split test entry, named test, when it has one].")
 @click.option("--log-every", type=int, default=None, help="Console line every N steps [default: 10].")
 @click.option("--log", default=None, metavar="tensorboard,wandb",
               help="Also log every step's metrics to TensorBoard (RUN/tensorboard/) and/or Weights & Biases "

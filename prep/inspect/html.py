@@ -637,9 +637,26 @@ def run_block(i: int, r: dict, colours: Colours) -> str:
     if r.get("eval"):
         losses.append(loss_table(r, ("eval", "loss"), ("eval", "categories"), ("eval", "sources"), "Validation loss",
                                  colours))
+    for name in r.get("eval_sets") or {}:  # --eval's named sets (the validation entry is the set named valid)
+        at = ("eval_sets", name)
+        losses.append(loss_table(r, (*at, "loss"), (*at, "categories"), (*at, "sources"), f"eval/{name} loss",
+                                 colours))
+    losses += [test_table(r, name, colours) for name in r.get("test") or {}]
     facts_html = "".join(f"<li>{escape(f)}</li>" for f in facts if f)
     return (f'<div class="run" data-report="{i}"><h3><code>{escape(r["path"])}</code></h3>'
             f'<ul class="facts">{facts_html}</ul>{cards(r, items)}{tables(*losses)}</div>')
+
+
+def test_table(r: dict, name: str, colours: Colours) -> str:
+    """The test pass of set ``name`` (once, after the last step): its loss, per category and per source."""
+    at = ("test", name)
+    loss = lambda v: "none" if v is None else f"{v:.4f}"  # None: no target tokens
+    rows = [[text_td("all targets"), td(r, *at, "loss", fmt=loss)]]
+    rows += [[text_td(c, colours(c), c), td(r, *at, "category_loss", c, fmt=loss)]
+             for c in dig(r, *at, "category_loss")]
+    if len(dig(r, *at, "source_loss")) > 1:
+        rows += [[text_td(f"source {c}"), td(r, *at, "source_loss", c, fmt=loss)] for c in dig(r, *at, "source_loss")]
+    return table(f"test/{name} loss (once, after step {dig(r, *at, 'step'):,})", ["", "loss"], rows)
 
 
 def loss_table(r: dict, overall: tuple, categories: tuple, sources: tuple, caption: str, colours: Colours) -> str:

@@ -507,12 +507,32 @@ def render_run(r: dict) -> str:
         lines += _loss_table(f"validation loss ({count(e['bins'], 'bin')}, {e['target_tokens']:,} targets)", e["loss"],
                              e["categories"], e["sources"])
         lines.append("")
+    for name, e in (r.get("eval_sets") or {}).items():  # --eval's named sets (the validation entry is valid)
+        lines += _loss_table(f"eval/{name} loss ({count(e['bins'], 'bin')}, {e['target_tokens']:,} targets)",
+                             e["loss"], e["categories"], e["sources"])
+        lines.append("")
+    lines += _test_lines(r.get("test"))
     lines.append(f"loss curves: drawn into {r['plot']}" if r.get("plot") else
                  "loss curves: not drawn; add --plot FILE to draw them (needs matplotlib)")
     return "\n".join(lines)
 
 
 _BEST_BY = {"eval_loss": "validation loss", "loss": "training loss"}
+
+
+def _test_lines(test: dict | None) -> list[str]:
+    """The test pass (once, after the last step: run.json's ``test``): the loss of each set, then by category and
+    by source (more than one)."""
+    lines = []
+    for name, t in (test or {}).items():
+        loss = "none (no target tokens)" if t.get("loss") is None else f"{t['loss']:.4f}"
+        lines.append(f"test/{name} after step {t['step']:,}: loss {loss} ({count(t['bins'], 'bin')}, "
+                     f"{t['target_tokens']:,} targets)")
+        rows = [[k, f"{v:.4f}"] for k, v in (t.get("category_loss") or {}).items()]
+        if len(t.get("source_loss") or {}) > 1:
+            rows += [[f"source {k}", f"{v:.4f}"] for k, v in t["source_loss"].items()]
+        lines += [*table(["", "loss"], rows), ""] if rows else [""]
+    return lines
 
 
 def _without_targets(r: dict) -> list[str]:
