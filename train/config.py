@@ -374,7 +374,7 @@ class EvalSection:
         path = validation_entry(data.packed, entry)
         if path is None:
             asked = [f"{_flag(self, n)} {getattr(self, n)}" for n in ("every", "bins") if getattr(self, n) is not None]
-            if asked:
+            if asked and not self.sets:  # (with --eval sets, they apply to those)
                 raise XprepError(f"{' and '.join(asked)}: {data.packed} has no validation entry (no \"validation\" "
                                  f"in {Path(data.packed) / 'manifest.json'}); hold documents out with `xprep pack "
                                  f"... --split 99,1` and give the pack cache directory, or leave the option out")

@@ -30,6 +30,7 @@ that, with progress (``EvalProgress``).
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -195,7 +196,7 @@ def open_validation(path: Path, train: PackedDataset, cp_size: int, verify_data:
 def parse_named_set(text: str, flag: str) -> tuple[str, str]:
     """``NAME=PACKED_OR_ENTRY`` → (NAME, path): NAME of letters, digits, ``_.-`` (it is a metrics key)."""
     name, sep, path = text.partition("=")
-    if not sep or not path or not name or not all(c.isalnum() or c in "_.-" for c in name):
+    if not sep or not path or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise XprepError(f"{flag} {text!r}: expected NAME=PACKED_OR_ENTRY, NAME of letters, digits, '_', '.' or "
                          f"'-', e.g. {flag} wiki=packed/wiki")
     return name, path

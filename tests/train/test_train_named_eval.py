@@ -131,3 +131,14 @@ def test_tensorboard_and_wandb_get_each_set_by_name():
     assert got["eval/valid/loss"] == got["eval_loss"] == 1.5 and got["eval/wiki/loss"] == 2.5
     assert got["eval/wiki/category_loss/code"] == 3.5 and got["eval/wiki/source_loss/books"] == 5.5
     assert got["test/held/loss"] == 3.5 and got["test/held/target_tokens"] == 10 and got["eval/wiki/bins"] == 3
+
+
+def test_named_sets_alone_on_a_pack_without_a_split(data, tmp_path):
+    run = tmp_path / "run"
+    result = CliRunner().invoke(xtrain, ["run", str(data / "O"), "--steps", "2", "--eval-every", "1", "--eval-bins",
+                                         "2", "--eval", f"p={data / 'P'}", "--output", str(run)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    rows = records(run)
+    assert [r["step"] for r in rows if "eval/p/loss" in r] == [1, 2]
+    assert not any("eval_loss" in r or "test/test/loss" in r for r in rows)  # no validation or test entry of its own
+    assert "eval/p step 1/2" in result.stderr
