@@ -12,12 +12,11 @@ import json
 import os
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from trainkit import make_dataset, random_docs, side_by_side, user_error
+from trainkit import make_dataset, random_docs, user_error
 from xprep.cli import xprep, xtrain
 from xprep.prep.pack.cache import PackConfig, pack
 from xprep.train.loggers import scalars
@@ -26,7 +25,7 @@ from xprep.train.metrics import EvalMetrics, StepMetrics
 ROOT = Path(__file__).resolve().parents[2]
 KILL_AFTER_STEP_ENV = "XTRAIN_TEST_KILL_AFTER_STEP"  # tests/_train_fault_worker.py: SIGKILL itself after that step
 COMMON = ["--steps", "5", "--micro-batch-size", "2", "--eval-every", "2", "--eval-bins", "3", "--log-every", "100",
-          "--lr", "1e-2", "--schedule", "constant"]
+          "--lr", "1e-2", "--schedule", "constant", "--save-every", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +59,21 @@ def xtrain_run(*args: str, env: dict | None = None) -> subprocess.CompletedProce
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def test_named_sets_are_logged_apart_and_the_test_part_once(data, tmp_path):
-    run = tmp_path / "run"
-    args = ["run", str(data / "P"), *COMMON, "--eval", f"other={data / 'O'}", "--output", str(run)]
-    result = CliRunner().invoke(xtrain, args)
+def run_args(data: Path, run: Path) -> list[str]:
+    return [str(data / "P"), *COMMON, "--eval", f"other={data / 'O'}", "--output", str(run)]
+
+
+@pytest.fixture(scope="module")
+def whole(data):
+    """An uninterrupted run on P with one more named set, in this process: (run directory, its result)."""
+    run = data / "whole"
+    result = CliRunner().invoke(xtrain, ["run", *run_args(data, run)])
     assert result.exit_code == 0, (result.output, result.exception)
+    return run, result
+
+
+def test_named_sets_are_logged_apart_and_the_test_part_once(data, whole, tmp_path):
+    run, result = whole
     rows = records(run)
     evaluated = {name: [r["step"] for r in rows if f"eval/{name}/loss" in r] for name in ("valid", "other")}
     assert evaluated == {"valid": [2, 4, 5], "other": [2, 4, 5]}
@@ -78,7 +87,7 @@ def test_named_sets_are_logged_apart_and_the_test_part_once(data, tmp_path):
     info = json.loads((run / "run.json").read_text())
     assert info["test"]["test"]["loss"] == tested[0]["test/test/loss"] and info["test"]["test"]["step"] == 5
     assert [s["name"] for s in info["eval_sets"]] == ["other"] and info["test_set"]["name"] == "test"
-    again = CliRunner().invoke(xtrain, args)  # a finished run: nothing to do, no second test pass
+    again = CliRunner().invoke(xtrain, ["run", *run_args(data, run)])  # finished: nothing to do, no second test
     assert again.exit_code == 0 and "nothing to do" in again.stderr, again.output
     assert len([r for r in records(run) if "test/test/loss" in r]) == 1
     assert json.loads((run / "run.json").read_text())["test"] == info["test"]
@@ -90,20 +99,17 @@ def test_named_sets_are_logged_apart_and_the_test_part_once(data, tmp_path):
     assert "test/test" in html.read_text() and "eval/other" in html.read_text()
 
 
-def test_sigkill_and_resume_keep_the_eval_history(data, tmp_path):
-    args = [str(data / "P"), *COMMON, "--eval", f"other={data / 'O'}", "--test", f"held={data / 'O'}",
-            "--save-every", "2"]
-    whole, killed = side_by_side([
-        partial(xtrain_run, *args, "--output", str(tmp_path / "whole")),
-        partial(xtrain_run, *args, "--output", str(tmp_path / "killed"), env={KILL_AFTER_STEP_ENV: "3"})])
-    assert whole.returncode == 0, whole.stderr
-    assert killed.returncode != 0  # SIGKILLed after step 3 (its last checkpoint: step 2)
-    resumed = xtrain_run(*args, "--output", str(tmp_path / "killed"))
-    assert resumed.returncode == 0 and "resuming at step 2" in resumed.stderr, resumed.stderr
-    a, b = history(tmp_path / "whole"), history(tmp_path / "killed")
+def test_sigkill_and_resume_keep_the_eval_history(data, whole, tmp_path):
+    run = tmp_path / "killed"
+    killed = xtrain_run(*run_args(data, run), env={KILL_AFTER_STEP_ENV: "3"})  # a real process, a real SIGKILL
+    assert killed.returncode == -9, killed.stderr  # after step 3; its last checkpoint: step 2
+    assert [s for s, *_ in history(run)] == [2, 2]
+    resumed = CliRunner().invoke(xtrain, ["run", *run_args(data, run)])
+    assert resumed.exit_code == 0 and "resuming at step 2" in resumed.stderr, resumed.output
+    a, b = history(whole[0]), history(run)
     assert [(s, n) for s, n, _ in a] == [(s, n) for s, n, _ in b] == [
         (2, "eval/other"), (2, "eval/valid"), (4, "eval/other"), (4, "eval/valid"), (5, "eval/other"),
-        (5, "eval/valid"), (5, "test/held")]
+        (5, "eval/valid"), (5, "test/test")]
     assert [loss for *_, loss in a] == pytest.approx([loss for *_, loss in b], rel=1e-6)
 
 
@@ -136,9 +142,26 @@ def test_tensorboard_and_wandb_get_each_set_by_name():
 def test_named_sets_alone_on_a_pack_without_a_split(data, tmp_path):
     run = tmp_path / "run"
     result = CliRunner().invoke(xtrain, ["run", str(data / "O"), "--steps", "2", "--eval-every", "1", "--eval-bins",
-                                         "2", "--eval", f"p={data / 'P'}", "--output", str(run)])
+                                         "2", "--eval", f"p={data / 'P'}", "--test", f"held={data / 'P'}",
+                                         "--output", str(run)])
     assert result.exit_code == 0, (result.output, result.exception)
     rows = records(run)
     assert [r["step"] for r in rows if "eval/p/loss" in r] == [1, 2]
-    assert not any("eval_loss" in r or "test/test/loss" in r for r in rows)  # no validation or test entry of its own
+    assert not any("eval_loss" in r for r in rows)  # no validation entry of its own
+    assert [r["step"] for r in rows if "test/held/loss" in r] == [2] and "test/held step 2/2" in result.stderr
+    assert rows[-1]["test/held/loss"] == rows[-1]["eval/p/loss"]  # the same set, the same weights
+    assert json.loads((run / "run.json").read_text())["test"]["held"]["loss"] == rows[-1]["test/held/loss"]
     assert "eval/p step 1/2" in result.stderr
+
+
+def test_a_resume_pinned_to_an_older_entry_finds_its_own_test_part(tmp_path):
+    """Once another --split pack is current, a run resumed on its checkpoint's entry tests on that entry's part."""
+    from xprep.train.evaluate import validation_entry
+
+    make_dataset(tmp_path / "ds", random_docs(60, 3, 20, vocab=128, seed=4), vocab_size=128)
+    first = pack([tmp_path / "ds"], tmp_path / "P", PackConfig(method="multipack", seq_len=64, split=(80, 10, 10)))
+    later = pack([tmp_path / "ds"], tmp_path / "P", PackConfig(method="multipack", seq_len=64, split=(60, 20, 20)))
+    assert validation_entry(tmp_path / "P", None, "test") == later.test.path
+    assert validation_entry(tmp_path / "P", first.entry.path, "test") == first.test.path
+    assert validation_entry(tmp_path / "P", first.entry.path) == first.validation.path
+    assert validation_entry(first.entry.path, None, "test") == first.test.path  # PACKED given as the entry
