@@ -305,10 +305,12 @@ def _overlong_defaults(methods) -> str:
 @click.option("--epochs", type=float, default=None, cls=_MethodsHelp, methods_help=lambda ms: (
     f"Size in epochs instead: of the stream for {_named(ms, lambda m: m.fixed_length_samples)}, of the largest "
     "share for a blend."))
-@click.option("--split", default=None, metavar="TRAIN,VALID",
-              help="Hold out documents for validation, e.g. 99,1: whether a document is held out follows from a "
-                   "hash of its dataset's content and its index alone (no seed, no pack option), so it stays on the "
-                   "same side however the data is re-packed; the validation part is its own entry.")
+@click.option("--split", default=None, metavar="TRAIN,VALID[,TEST]",
+              help="Hold out documents for validation (and test), e.g. 99,1 or Megatron's 969,30,1 (shares, "
+                   "normalized; decimals too): which documents are held out follows from a hash of their dataset's "
+                   "content and index alone (no seed, no pack option), so they stay on the same side however the "
+                   "data is re-packed; with three shares each part has Megatron's document count. The validation "
+                   "and test parts are their own entries; a zero share means no such part.")
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="Where datasets given as URLs (s3://…) are copied before packing, by fingerprint "
                    "[default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
@@ -521,6 +523,14 @@ def xtrain():
 @click.option("--eval-bins", default=None, metavar="M|all",
               help="Evaluate on M validation bins evenly spaced over the entry, or all of them [default: 256, or all "
                    "when fewer]. A long evaluation shows its progress.")
+@click.option("--eval", multiple=True, metavar="NAME=PACKED_OR_ENTRY",
+              callback=lambda _ctx, _param, value: list(value) or None,
+              help="Also evaluate this named set (a pack cache's current entry, or an entry) whenever validation "
+                   "runs, logged as eval/NAME/... (the pack's validation entry is the set named valid); repeatable. "
+                   "Its tokenizer and capacity must be the run's.")
+@click.option("--test", default=None, metavar="NAME=PACKED_OR_ENTRY",
+              help="Evaluate this set once, after the last step (logged as test/NAME/..., kept in run.json) "
+                   "[default: the pack's --split test entry, named test, when it has one].")
 @click.option("--log-every", type=int, default=None, help="Console line every N steps [default: 10].")
 @click.option("--log", default=None, metavar="tensorboard,wandb",
               help="Also log every step's metrics to TensorBoard (RUN/tensorboard/) and/or Weights & Biases "

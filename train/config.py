@@ -11,7 +11,8 @@ TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the ru
               activation_checkpointing, reduce_every_micro_batch, dist_timeout    → ParallelDims
   checkpoint  save_every, save_every_minutes, keep, resume, async_save, no_save,  → CheckpointManager
               save_hf, save_hf_every, checkpoint_timeout
-  eval        every (--eval-every), bins (--eval-bins)                            → Validation (or None)
+  eval        every (--eval-every), bins (--eval-bins), sets (--eval), test (--test) → Validation (or None),
+              the named sets and the test set
 ```
 Precedence: dataclass defaults < the run directory's own ``config.json`` (when ``--output`` names a run
 that has one: resuming needs no flag repeated, ``xtrain run --output RUN`` alone continues it) <
@@ -55,9 +56,14 @@ from xprep.train.data import PackedDataset
 from xprep.train.dist import DEVICES, ParallelDims, collective_timeout, materialize
 from xprep.train.evaluate import (
     DEFAULT_EVAL_BINS,
+    DEFAULT_SET,
+    DEFAULT_TEST,
+    TEST_KEY,
     Validation,
     eval_rounds,
+    open_named_set,
     open_validation,
+    parse_named_set,
     spaced_bins,
     validation_entry,
 )
@@ -345,10 +351,21 @@ class EvalSection:
     SECTION: ClassVar[str] = "eval"
     every: int | None = None  # steps; None or 0: only after the last step
     bins: int | str | None = None  # N bins evenly spaced over the entry, or "all"; None: DEFAULT_EVAL_BINS (or all)
+    sets: list | None = None  # --eval NAME=PACKED_OR_ENTRY ...: more sets, evaluated with the validation entry
+    test: str | None = None  # --test NAME=PACKED_OR_ENTRY: evaluated once after the last step (else the pack's)
 
     def __post_init__(self):
         _check_types(self)
         _check_at_least(self, 0, "every")
+        if any(not isinstance(t, str) for t in self.sets or ()):
+            raise XprepError(f"config key 'eval': {self.sets!r} is not a list of NAME=PACKED_OR_ENTRY strings")
+        names = [parse_named_set(t, _flag(self, "sets"))[0] for t in self.sets or ()]  # malformed: refused here
+        if self.test is not None:
+            parse_named_set(self.test, _flag(self, "test"))
+        twice = sorted({n for n in names if names.count(n) > 1} | ({DEFAULT_SET} & set(names)))
+        if twice:
+            raise XprepError(f"{_flag(self, 'sets')} {twice[0]}=...: the name {twice[0]!r} is given twice, or is "
+                             f"the pack's own validation entry's ({DEFAULT_SET!r}); give each set its own name")
         if isinstance(self.bins, str):  # from the command line (always a string) or a config file
             if self.bins != "all":
                 try:
@@ -368,7 +385,7 @@ class EvalSection:
         path = validation_entry(data.packed, entry)
         if path is None:
             asked = [f"{_flag(self, n)} {getattr(self, n)}" for n in ("every", "bins") if getattr(self, n) is not None]
-            if asked:
+            if asked and not self.sets:  # (with --eval sets, they apply to those)
                 raise XprepError(f"{' and '.join(asked)}: {data.packed} has no validation entry (no \"validation\" "
                                  f"in {Path(data.packed) / 'manifest.json'}); hold documents out with `xprep pack "
                                  f"... --split 99,1` and give the pack cache directory, or leave the option out")
@@ -385,9 +402,42 @@ class EvalSection:
                 return None
             raise XprepError(f"validation entry {path}: has no bins; re-run `xprep pack ... --split` with a larger "
                              "validation share")
+        return self._validation(dataset, dims, micro_batch_size, n_bins, DEFAULT_SET)
+
+    def _validation(self, dataset: PackedDataset, dims: ParallelDims, micro_batch_size: int, n_bins: int,
+                    name: str) -> Validation:
         channels = Channels.of(dataset.category_names, dataset.source_names)
         rounds = eval_rounds(spaced_bins(len(dataset), n_bins), dims.dp_rank, dims.dp, micro_batch_size)
-        return Validation(dataset, channels, rounds, n_bins, self.every)
+        return Validation(dataset, channels, rounds, n_bins, self.every, name)
+
+    def _named(self, text: str, option: str, train: PackedDataset, dims: ParallelDims, micro_batch_size: int,
+               verify: bool) -> Validation:
+        name, path = parse_named_set(text, _flag(self, option))
+        dataset = open_named_set(name, path, _flag(self, option), train, dims.cp, verify)
+        n_bins = len(dataset) if self.bins == "all" else min(self.bins or DEFAULT_EVAL_BINS, len(dataset))
+        if n_bins == 0:
+            raise XprepError(f"{_flag(self, option)} {text}: its pack has no bins; give a pack with bins")
+        return self._validation(dataset, dims, micro_batch_size, n_bins, name)
+
+    def build_sets(self, data: DataSection, train: PackedDataset, dims: ParallelDims, micro_batch_size: int,
+                   verify_data: bool | None = None) -> list[Validation]:
+        """The named sets of ``--eval``, in the order given (each checked against the training pack)."""
+        verify = data.verify_data if verify_data is None else verify_data
+        return [self._named(t, "sets", train, dims, micro_batch_size, verify) for t in self.sets or ()]
+
+    def build_test(self, data: DataSection, train: PackedDataset, dims: ParallelDims, micro_batch_size: int,
+                   verify_data: bool | None = None, entry: Path | None = None) -> Validation | None:
+        """The set evaluated once after the last step: ``--test``'s, else the pack's --split test entry (named
+        ``test``; of ``entry`` when the run is pinned to it), else None."""
+        verify = data.verify_data if verify_data is None else verify_data
+        if self.test is not None:
+            return self._named(self.test, "test", train, dims, micro_batch_size, verify)
+        path = validation_entry(data.packed, entry, TEST_KEY)
+        if path is None:
+            return None
+        dataset = open_validation(path, train, dims.cp, verify)
+        n_bins = len(dataset) if self.bins == "all" else min(self.bins or DEFAULT_EVAL_BINS, len(dataset))
+        return self._validation(dataset, dims, micro_batch_size, n_bins, DEFAULT_TEST) if n_bins else None
 
 
 SECTIONS = {"data": DataSection, "model": ModelSection, "optimizer": OptimizerSection, "parallel": ParallelSection,
@@ -446,7 +496,8 @@ class TrainConfig:
 
 RUN_FIELDS = tuple(f.name for f in fields(TrainConfig) if f.name not in SECTIONS)
 # (section, field) whose flat key is not the field's name
-_FLAT_NAMES = {("model", "name"): "model", ("eval", "every"): "eval_every", ("eval", "bins"): "eval_bins"}
+_FLAT_NAMES = {("model", "name"): "model", ("eval", "every"): "eval_every", ("eval", "bins"): "eval_bins",
+               ("eval", "sets"): "eval"}
 FLAT_KEYS: dict[str, tuple[str | None, str]] = {  # flat key (= flag with underscores) → (section or None, field)
     **{name: (None, name) for name in RUN_FIELDS},
     **{_FLAT_NAMES.get((s, f.name), f.name): (s, f.name) for s, cls_ in SECTIONS.items() for f in fields(cls_)},
@@ -666,7 +717,8 @@ def _check_choice(obj, name: str, choices: tuple[str, ...]) -> None:
         raise XprepError(f"{_flag(obj, name)} {value!r} is not one of {', '.join(choices)}")
 
 
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "dict[str, float]": (dict,)}
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "dict[str, float]": (dict,),
+          "list": (list,)}
 
 
 def _check_types(obj, names: tuple[str, ...] | None = None) -> None:

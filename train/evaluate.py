@@ -12,6 +12,13 @@ loss is then exact for any dp × cp. Every rank runs the same number of forwards
 parameters in each, CP gathers keys and values): a rank whose share has run out runs a filler
 micro-batch whose sums it does not count.
 
+Named sets: ``xtrain run --eval NAME=PACKED_OR_ENTRY`` (repeatable) adds evaluation sets beside the pack's own
+validation entry, which is the set named ``valid`` (``DEFAULT_SET``); each is evaluated when validation is due
+and logged under ``eval/NAME/...`` (train/metrics.py). The pack's ``--split`` test entry (``xprep pack --split
+TRAIN,VALID,TEST``), or ``--test NAME=PACKED_OR_ENTRY``, is evaluated once, after the last step. Every set is read
+as the validation entry is (same bins rule, same rounds), and must have the training pack's tokenizer and
+capacity (``check_matches``).
+
 Why 256 bins by default: the validation loss is a mean over bins, whose standard error over 256 of
 them (spread over the entry, so nearly independent) is 1/16 of the standard deviation of the per-bin
 losses: enough to compare checkpoints and see over-fitting, for the forwards of about
@@ -23,6 +30,7 @@ that, with progress (``EvalProgress``).
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -36,16 +44,19 @@ from xprep.train.data import PackedDataset
 from xprep.train.loss import Channels
 
 VALIDATION_KEY = "validation"  # of PACKED/manifest.json: the name of the validation entry
+TEST_KEY = "test"  # and of the test entry (a three-share --split)
+DEFAULT_SET = "valid"  # the name the pack's own validation entry is evaluated and logged under
+DEFAULT_TEST = "test"  # the name the pack's own test entry is evaluated under
 DEFAULT_EVAL_BINS = 256  # bins an evaluation reads unless --eval-bins says otherwise (see the module docstring)
 PROGRESS_EVERY = 30.0  # seconds between progress lines of a long evaluation off a terminal (as xprep's default)
 
 
-def validation_entry(packed: str | Path, entry: str | Path | None = None) -> Path | None:
+def validation_entry(packed: str | Path, entry: str | Path | None = None, part: str = VALIDATION_KEY) -> Path | None:
     """The validation entry of the training entry a run reads: of the cache's current entry, the one
     PACKED/manifest.json names as ``"validation"``; of another entry of the cache — PACKED given as
     ``PACKED/ENTRY``, or ``entry`` (a resume pinned to the entry its checkpoint names) — the one recorded for
     that entry (``recorded_validation``), never the current one's. None when there is none, or when the
-    entry given is not inside a pack cache."""
+    entry given is not inside a pack cache. ``part``: ``TEST_KEY`` for the test entry instead."""
     packed = Path(packed)
     if entry is None and any((packed / f).is_file() for f in (PACK_JSON, BLEND_JSON)):  # PACKED is an entry
         packed, entry = packed.parent, packed
@@ -55,34 +66,35 @@ def validation_entry(packed: str | Path, entry: str | Path | None = None) -> Pat
     if not isinstance(manifest, dict):
         return None
     if entry is None or Path(entry).name == manifest.get("current"):
-        name = manifest.get(VALIDATION_KEY)
+        name = manifest.get(part)
     else:
-        name = recorded_validation(packed, Path(entry).name, manifest)
+        name = recorded_validation(packed, Path(entry).name, manifest, part)
     if name is None:
         return None
     if not isinstance(name, str) or not any((packed / name / f).is_file() for f in (PACK_JSON, BLEND_JSON)):
-        raise XprepError(f"{packed / MANIFEST}: names validation entry {name!r}, which is missing; re-run the "
+        raise XprepError(f"{packed / MANIFEST}: names {part} entry {name!r}, which is missing; re-run the "
                          "`xprep pack ... --split` that wrote it")
     return packed / name
 
 
-def recorded_validation(packed: Path, name: str, manifest: dict) -> str | None:
+def recorded_validation(packed: Path, name: str, manifest: dict, part: str = VALIDATION_KEY) -> str | None:
     """The validation entry written with entry ``name`` of the cache ``packed`` (its ``--split`` part).
 
     Its manifest row's ``"validation"`` when the cache records it there; else, for a plain entry, the one
     its pack.json's ``split`` names; for a blend, the blend (of the held-out parts, each bin once) whose
-    sources are the validation parts of the blend's own sources. None when the entry was not split.
+    sources are the validation parts of the blend's own sources. None when the entry was not split. ``part``:
+    the same of the test entry (``TEST_KEY``).
     """
     row = (manifest.get("entries") or {}).get(name)
-    if isinstance(row, dict) and isinstance(row.get(VALIDATION_KEY), str):
-        return row[VALIDATION_KEY]
+    if isinstance(row, dict) and isinstance(row.get(part), str):
+        return row[part]
     meta = _entry_meta(packed / name)
     if meta.get("kind") != "blend":
         split = meta.get("split") or {}
-        if split.get("part") == VALIDATION_KEY:
-            return None  # a validation part has none of its own
-        return (split.get("entries") or {}).get(VALIDATION_KEY)
-    held = [recorded_validation(packed, row.get("entry", ""), manifest) for row in meta.get("sources") or []]
+        if split.get("part") in (VALIDATION_KEY, TEST_KEY):
+            return None  # a held-out part has none of its own
+        return (split.get("entries") or {}).get(part)
+    held = [recorded_validation(packed, row.get("entry", ""), manifest, part) for row in meta.get("sources") or []]
     if not held or None in held:
         return None
     for candidate in sorted(packed.glob(f"*/{BLEND_JSON}")):
@@ -124,6 +136,7 @@ class Validation:
     rounds: list[list[int]]  # this rank's micro-batches (eval_rounds)
     bins: int  # evaluated by all ranks together
     every: int | None  # steps; None or 0: at the end only
+    name: str = DEFAULT_SET  # logged as eval/NAME/... (the test set: test/NAME/...)
 
     def due(self, step: int, last_step: int) -> bool:
         """Evaluate after ``step``: every ``every`` steps, and after the last one."""
@@ -178,3 +191,39 @@ def open_validation(path: Path, train: PackedDataset, cp_size: int, verify_data:
         raise XprepError(f"validation entry {path}: its datasets have vocabulary size {dataset.vocab_size}, the "
                          f"training pack's {train.vocab_size}; pack both from data of the same tokenizer")
     return dataset
+
+
+def parse_named_set(text: str, flag: str) -> tuple[str, str]:
+    """``NAME=PACKED_OR_ENTRY`` → (NAME, path): NAME of letters, digits, ``_.-`` (it is a metrics key)."""
+    name, sep, path = text.partition("=")
+    if not sep or not path or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise XprepError(f"{flag} {text!r}: expected NAME=PACKED_OR_ENTRY, NAME of letters, digits, '_', '.' or "
+                         f"'-', e.g. {flag} wiki=packed/wiki")
+    return name, path
+
+
+def open_named_set(name: str, path: str, flag: str, train: PackedDataset, cp_size: int,
+                   verify_data: bool) -> PackedDataset:
+    """Evaluation set ``name``: a pack cache (its current entry) or an entry, opened for ``cp_size`` CP ranks, and
+    refused unless it was tokenized as the training pack was and packed at its capacity."""
+    if not Path(path).exists():
+        raise XprepError(f"{flag} {name}={path}: no such pack cache or entry; pack it with `xprep pack` first")
+    dataset = PackedDataset(path, verify_data=verify_data, cp_size=cp_size)
+    check_matches(name, flag, dataset, train)
+    return dataset
+
+
+def _tokenizers(dataset: PackedDataset) -> set:
+    return {(ds.manifest.get("tokenizer") or {}).get("sha256") for ds in dataset.datasets}
+
+
+def check_matches(name: str, flag: str, dataset: PackedDataset, train: PackedDataset) -> None:
+    """An evaluation set must hold token ids of the run's tokenizer, in bins of the run's capacity."""
+    where = f"{flag} {name}={dataset.packed}"
+    if _tokenizers(dataset) != _tokenizers(train) or dataset.vocab_size != train.vocab_size:
+        raise XprepError(f"{where}: tokenized with another tokenizer than the training pack {train.packed} (tokenizer."
+                         "json sha256 or vocabulary size differ); tokenize it with the run's tokenizer and pack it")
+    if dataset.capacity != train.capacity:
+        raise XprepError(f"{where}: bins of {dataset.capacity:,} tokens, the training pack's of {train.capacity:,}; "
+                         f"pack it at the run's capacity ({train.entry.config.get('method')} pack, "
+                         f"{train.capacity:,} tokens)")

@@ -4,7 +4,9 @@
 ``'xprep[wandb]'``). ``MetricsLog`` (train/metrics.py), rank 0 only, hands each of them every step's
 metrics.jsonl record as flat scalars (``scalars``): ``loss``, ``category_loss/<name>``,
 ``source_loss/<name>``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu``, ``mfu_6n``, ``peak_mem_bytes``, ...,
-``eval_loss`` and ``eval_category_loss/<name>`` on the steps that evaluated; nulls are left out.
+``eval_loss`` and ``eval_category_loss/<name>`` on the steps that evaluated, and each named set's
+``eval/NAME/loss``, ``eval/NAME/category_loss/<name>``, ... (``test/NAME/...`` after the last step); nulls are
+left out.
 
 - TensorBoard: event files in ``RUN/tensorboard/``; a resumed run purges the events after its
   checkpoint's step (a fresh one, all earlier events), as metrics.jsonl moves its lines aside

@@ -6,7 +6,11 @@ report counts such steps apart (train/report.py); an evaluation without targets 
 
 A step that evaluated on the validation bins carries its ``EvalMetrics``: they go on the same
 metrics.jsonl record (``eval_loss``, ``eval_category_loss``, ``eval_source_loss``, ``eval_target_tokens``,
-``eval_bins``) and on a console line of their own, whatever ``log_every`` says.
+``eval_bins``) and on a console line of their own, whatever ``log_every`` says. Every evaluation set (the
+validation entry is the set named ``valid``; ``xtrain run --eval NAME=...`` adds others) also goes on the record
+under ``eval/NAME/`` + ``loss``, ``category_loss``, ``source_loss``, ``target_tokens``, ``bins``; the test set,
+evaluated once after the last step, under ``test/NAME/`` on the last step's record. The ``eval_*`` keys stay the
+``valid`` set's (what "best" checkpoints follow, and what runs logged before named sets existed hold).
 
 Throughput and memory ride on every record: ``tokens_per_s`` (all ranks' real tokens / step time),
 ``tflops`` (model TFLOPS achieved per GPU) and ``mfu`` (its fraction of the GPU's peak; null when the
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xprep.prep.io import fsync_dir
+from xprep.train.evaluate import DEFAULT_SET
 from xprep.train.loggers import Logger, scalars
 
 
@@ -64,6 +69,12 @@ class EvalMetrics:
         return {"eval_loss": self.loss, "eval_category_loss": self.category_loss,
                 "eval_source_loss": self.source_loss, "eval_target_tokens": self.targets, "eval_bins": self.bins}
 
+    def named_record(self, prefix: str) -> dict:
+        """The same under ``prefix/`` (``eval/NAME`` or ``test/NAME``), flat keys as TensorBoard and W&B show them."""
+        return {f"{prefix}/loss": finite(self.loss), f"{prefix}/category_loss": finite_values(self.category_loss),
+                f"{prefix}/source_loss": finite_values(self.source_loss), f"{prefix}/target_tokens": self.targets,
+                f"{prefix}/bins": self.bins}
+
 
 @dataclass
 class StepMetrics:
@@ -79,7 +90,9 @@ class StepMetrics:
     seconds: float
     consumed_samples: int
     source_loss: dict[str, float] = field(default_factory=dict)
-    eval: EvalMetrics | None = None
+    eval: EvalMetrics | None = None  # of the set named valid (the pack's validation entry)
+    evals: dict[str, EvalMetrics] = field(default_factory=dict)  # every set evaluated after this step, by name
+    tests: dict[str, EvalMetrics] = field(default_factory=dict)  # the test set, after the last step only
     tflops: float | None = None  # model TFLOPS achieved per GPU (xprep.train.flops.Throughput)
     mfu: float | None = None  # tflops / the GPU's peak; None when either is unknown
     peak_mem_bytes: int | None = None  # CUDA max allocated during the step, max over ranks; None off CUDA
@@ -105,7 +118,9 @@ class StepMetrics:
                 "peak_rss_bytes": self.peak_rss_bytes,
                 "step_seconds": self.seconds, "consumed_samples": self.consumed_samples,
                 **({"token_loss": finite(self.token_loss), "weightless": self.weightless} if self.weighted else {}),
-                **(self.eval.record() if self.eval is not None else {})}
+                **(self.eval.record() if self.eval is not None else {}),
+                **{k: v for name, e in self.evals.items() for k, v in e.named_record(f"eval/{name}").items()},
+                **{k: v for name, e in self.tests.items() for k, v in e.named_record(f"test/{name}").items()}}
 
 
 class MetricsLog:
@@ -153,8 +168,12 @@ class MetricsLog:
         interval = m.step % self.every == 0 or m.step == self.total
         if interval or self.tty:
             self._console(m, interval)
-        if m.eval is not None:
+        if m.eval is not None and not m.evals:
             self._console_eval(m.step, m.eval)
+        for name, e in m.evals.items():
+            self._console_eval(m.step, e, "eval" if list(m.evals) == [DEFAULT_SET] else f"eval/{name}")
+        for name, e in m.tests.items():
+            self._console_eval(m.step, e, f"test/{name}")
 
     def _console(self, m: StepMetrics, interval: bool) -> None:
         """A line per interval (tokens/s averaged over it); on a terminal also a live line every step."""
@@ -178,9 +197,10 @@ class MetricsLog:
                           f"{'s' * (m.bad_steps > 1)} in a row\n")
         self.stream.flush()
 
-    def _console_eval(self, step: int, e: EvalMetrics) -> None:
-        """One line per evaluation: the loss, then per category and per source (more than one source)."""
-        parts = [f"eval step {step}/{self.total}  loss {loss_text(e.loss)}"]
+    def _console_eval(self, step: int, e: EvalMetrics, what: str = "eval") -> None:
+        """One line per evaluation: the loss, then per category and per source (more than one source); ``what``:
+        ``eval``, or ``eval/NAME`` / ``test/NAME`` when the run has more than one set."""
+        parts = [f"{what} step {step}/{self.total}  loss {loss_text(e.loss)}"]
         if e.category_loss:
             parts.append("categories " + ", ".join(f"{k} {v:.4f}" for k, v in e.category_loss.items()))
         if len(e.source_loss) > 1:

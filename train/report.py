@@ -1,5 +1,6 @@
 """The report on a run directory (``xprep inspect runs/NAME``): loss by category and by source over the
-run (first, last, best, trend), and the same of the validation loss when the run evaluated; throughput
+run (first, last, best, trend), and the same of the validation loss when the run evaluated (and of every named
+set of ``--eval``, from its ``eval/NAME/...`` keys; the test pass from run.json's ``test``); throughput
 (median tokens/s, TFLOPS and both MFUs, peak memory); the parallel layout it ran on; no torch;
 ``xprep.prep.inspect.text`` makes the text.
 
@@ -116,11 +117,30 @@ def run_report(path: str | Path, plot: str | Path | None = None) -> dict:
                               "categories": channel_summaries(evals, "eval_category_loss"),
                               "sources": channel_summaries(evals, "eval_source_loss"),
                               "bins": evals[-1].get("eval_bins"), "target_tokens": evals[-1].get("eval_target_tokens")}
+        report["eval_sets"] = named_sets(records)
+        report["test"] = info.get("test") or None
         report["perf"] = perf_summary(records)
         report["curves"] = curves(records)
         if target is not None:
             report["plot"] = draw_plot(target, records, names)
     return report
+
+
+def named_sets(records: list[dict]) -> dict:
+    """Each ``--eval`` set but ``valid`` (which is ``eval``, from the keys runs have always logged): its loss
+    over the run (``curve_summary``), per category and per source, and its last evaluation's size."""
+    names = sorted({k[len("eval/"):-len("/loss")] for r in records for k in r
+                    if k.startswith("eval/") and k.endswith("/loss")} - {"valid"})
+    out = {}
+    for name in names:
+        key = f"eval/{name}"
+        rows = [r for r in records if _number(r.get(f"{key}/loss"))]
+        if rows:
+            out[name] = {"loss": curve_summary([r["step"] for r in rows], [r[f"{key}/loss"] for r in rows]),
+                         "categories": channel_summaries(rows, f"{key}/category_loss"),
+                         "sources": channel_summaries(rows, f"{key}/source_loss"),
+                         "bins": rows[-1].get(f"{key}/bins"), "target_tokens": rows[-1].get(f"{key}/target_tokens")}
+    return out
 
 
 CURVE_POINTS = 2000  # points per series at most in ``curves``: enough for a page, small for any run length

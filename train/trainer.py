@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.optim.lr_scheduler import LambdaLR
 from xprep.prep.dataset import check_token_ids
 from xprep.prep.errors import XprepError, machine_cause, machine_error
-from xprep.prep.io import check_output_dir, write_json_atomic
+from xprep.prep.io import check_output_dir, read_json, write_json_atomic
 from xprep.prep.pack import MANIFEST
 from xprep.train import attempts
 from xprep.train.attention import attention_path, check_head_dim
@@ -62,7 +62,7 @@ from xprep.train.dist import (
     reduce_gradients,
     shutdown,
 )
-from xprep.train.evaluate import EvalProgress, Validation
+from xprep.train.evaluate import DEFAULT_SET, EvalProgress, Validation
 from xprep.train.flops import ModelFlops, Throughput, bin_attention_pairs, resolve_peak_tflops
 from xprep.train.lifeline import PARENT_ENV, die_with_parent
 from xprep.train.loggers import build_loggers, check_backends
@@ -364,6 +364,8 @@ class RunSetup:
     ckpt: CheckpointManager
     resume_from: Path | None
     validation: Validation | None = None
+    evals: list[Validation] = field(default_factory=list)  # --eval's named sets (validation is the one named valid)
+    test: Validation | None = None  # evaluated once, after the last step (--test, or the pack's test entry)
     pinned: Path | None = None  # the entry resumed on, when it is not the one PACKED names (pinned_entry)
     loss_chunk: int = 0  # --loss-chunk as given, or as chosen for this pack, model and layout
     attention: str = ""  # the attention path the built-in model's forward takes here (xprep.train.attention)
@@ -390,6 +392,8 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     plan = plan_batches(len(dataset), dataset.entry.config, dims.dp, cfg.data.micro_batch_size,
                         cfg.data.global_batch_size, cfg.steps, cfg.epochs, saved.get("global_batch_size"))
     validation = cfg.eval.build(cfg.data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)
+    evals = cfg.eval.build_sets(cfg.data, dataset, dims, plan.micro_batch_size, verify_data)
+    test = cfg.eval.build_test(cfg.data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)
     sampler = build_sampler(cfg.data.sampler, len(dataset), plan.micro_batch_size, dims.dp_rank, dims.dp, cfg.seed,
                             plan.group)
     if not dataset.vocab_size:
@@ -397,8 +401,8 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     model_config = cfg.model.check(dataset.vocab_size)
     # (hf:DIR run as a transformers module: its vocabulary is at least the data's, checked when it is built)
     vocab = model_config["vocab_size"] if model_config is not None else dataset.vocab_size
-    check_token_ids([*dataset.datasets, *(validation.dataset.datasets if validation else [])], vocab,
-                    f"--model {cfg.model.name}")
+    check_token_ids([*dataset.datasets, *(ds for v in (validation, *evals, test) if v for ds in v.dataset.datasets)],
+                    vocab, f"--model {cfg.model.name}")
     if resume_from is not None and model_config is not None:
         check_same_model(saved, resume_from, model_config)
     if dims.cp_enabled and model_config is None:  # hf:DIR running as a transformers module
@@ -411,8 +415,8 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     attention, attention_note = attention_plan(cfg, dims, model_config)
     check_exportable(cfg.checkpoint.save_hf, model_config, cfg.model.name)
     init, init_note = plan_init(cfg.model.init_from, model_config, cfg.model.name, resume_from, cfg.checkpoint.resume)
-    return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation, pinned, loss_chunk, attention,
-                    attention_note, init, init_note, cfg.data.loss_weights(dataset))
+    return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation, evals, test, pinned, loss_chunk,
+                    attention, attention_note, init, init_note, cfg.data.loss_weights(dataset))
 
 
 def attention_plan(cfg: TrainConfig, dims: ParallelDims, model_config: dict | None) -> tuple[str, str]:
@@ -535,7 +539,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_run_config(run_dir, cfg, plan, model_config, dataset, dims, setup.validation, setup.loss_chunk,
-                          trainer.init, setup.loss_weights)
+                          trainer.init, setup)
     loggers = build_loggers(cfg.log, run_dir, cfg.to_dict(), trainer.step) if dims.is_main else []
     log = MetricsLog(run_dir, plan.steps, cfg.log_every, dims.is_main, stream, loggers=loggers)
     log.open(trainer.step)
@@ -546,6 +550,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
                 out.write(line + "\n")
         if setup.validation is not None:
             out.write(_validation_line(setup.validation) + "\n")
+        for named in (*setup.evals, *([setup.test] if setup.test else [])):
+            out.write(_named_set_line(named, named is setup.test) + "\n")
         out.write(_start_line(cfg, trainer, plan, setup.attention) + f" → {run_dir}\n")
         if setup.attention_note:
             out.write(setup.attention_note + "\n")
@@ -559,7 +565,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     if trainer.step >= plan.steps and dims.is_main:
         out.write(f"{run_dir}: already at step {trainer.step}/{plan.steps}, nothing to do "
                   "(raise --steps to continue)\n")
-    save_every, validation = cfg.checkpoint.save_every, setup.validation
+    save_every = cfg.checkpoint.save_every
     hf = HFSaver(run_dir, cfg.checkpoint.save_hf_every, model_config, ckpt, dims, out) if cfg.checkpoint.save_hf \
         else None
     control = StopControl(dims, device, cfg.checkpoint.save_every_minutes)
@@ -573,11 +579,10 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
             if save_due and saved_at != trainer.step and not trainer.last_step_bad:
                 saved_at = _save(ckpt, trainer, control)
             metrics = trainer.train_step()
-            if validation is not None and validation.due(trainer.step, plan.steps):
-                progress = EvalProgress(trainer.step, len(validation.rounds), validation.bins, out) \
-                    if dims.is_main else None
-                metrics.eval = trainer.evaluate(validation, progress)  # before the save: "best" follows it
+            _evaluate_due(trainer, metrics, setup, plan.steps, out)  # before the save: "best" follows valid's
             log.write(metrics)
+            if metrics.tests and dims.is_main:
+                _record_test(run_dir, metrics)
             if trainer.last_step_bad:  # no save (nor weights out) from a state reached through a bad step
                 _after_bad_step(trainer, cfg.optimizer.max_bad_steps, plan.steps, ckpt, out)
             else:
@@ -594,6 +599,33 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     finally:
         control.disarm()
         log.close()
+
+
+def _evaluate_due(trainer: Trainer, metrics: StepMetrics, setup: RunSetup, last_step: int, out) -> None:
+    """Evaluate the sets due after this step into ``metrics``: the validation entry (``valid``) and ``--eval``'s
+    sets when validation is due, the test set after the last step only. The loss "best" checkpoints follow stays
+    the ``valid`` set's."""
+    eval_loss = trainer.eval_loss
+    for v in (setup.validation, *setup.evals):
+        if v is not None and v.due(trainer.step, last_step):
+            metrics.evals[v.name] = trainer.evaluate(v, _progress(trainer, v, out))
+    test = setup.test
+    if test is not None and trainer.step == last_step:
+        metrics.tests[test.name] = trainer.evaluate(test, _progress(trainer, test, out))
+    metrics.eval = metrics.evals.get(DEFAULT_SET)
+    trainer.eval_loss = metrics.eval.loss if metrics.eval is not None else eval_loss
+
+
+def _progress(trainer: Trainer, v: Validation, out) -> EvalProgress | None:
+    return EvalProgress(trainer.step, len(v.rounds), v.bins, out) if trainer.dims.is_main else None
+
+
+def _record_test(run_dir: Path, metrics: StepMetrics) -> None:
+    """The test pass's result in run.json (``test``, by set name, with the step it followed), atomically."""
+    info = read_json(run_dir / "run.json", "run.json", "re-run the same command")
+    info["test"] = {name: {**{k.rsplit("/", 1)[1]: v for k, v in e.named_record(f"test/{name}").items()},
+                           "step": metrics.step} for name, e in metrics.tests.items()}
+    write_json_atomic(run_dir / "run.json", info)
 
 
 def _save(ckpt: CheckpointManager, trainer: Trainer, control: StopControl | None = None) -> int:
@@ -699,6 +731,15 @@ def _validation_line(validation: Validation) -> str:
     return f"validating on {entry} (entry {entry.name}, the validation entry of the one trained on): {bins}, {when}"
 
 
+def _named_set_line(v: Validation, test: bool) -> str:
+    """Which entry a named evaluation set (or the test set) reads, on how many bins, and when."""
+    entry = v.dataset.entry.path
+    when = "once after the last step" if test else (
+        f"every {v.every:,} steps and after the last step" if v.every else "after the last step")
+    return (f"{'testing' if test else 'evaluating'} {v.name!r} on {entry} (entry {entry.name}): {v.bins:,} of "
+            f"{len(v.dataset):,} bins, {when}")
+
+
 def _start_line(cfg: TrainConfig, trainer: Trainer, plan: BatchPlan, attention: str = "") -> str:
     """The model, the data, the batch arithmetic and the layout of the run about to start."""
     dims, dataset = trainer.dims, trainer.dataset
@@ -728,8 +769,9 @@ def _precision(cfg: TrainConfig, dims: ParallelDims) -> str:
 
 def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_config: dict,
                       dataset: PackedDataset, dims: ParallelDims, validation: Validation | None = None,
-                      loss_chunk: int = 0, init: dict | None = None, loss_weights: LossWeights | None = None) -> None:
-    """config.json is the resolved TrainConfig (nested, schema-checked); run.json what it resolved to."""
+                      loss_chunk: int = 0, init: dict | None = None, setup: RunSetup | None = None) -> None:
+    """config.json is the resolved TrainConfig (nested, schema-checked); run.json what it resolved to (with the
+    named evaluation sets, and the test result of an earlier attempt that reached the last step, kept)."""
     val = None
     if validation is not None:
         entry = validation.dataset.entry
@@ -745,5 +787,25 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
         "precision": _precision(cfg, dims), "loss_chunk": loss_chunk,
         "code": attempts.code_version(), "config_sha256": attempts.config_digest(cfg.to_dict()),
         "model": model_config, "init": init,
-        "loss_weights": loss_weights.record() if loss_weights is not None else None,
+        "loss_weights": setup.loss_weights.record() if setup and setup.loss_weights else None,
+        **_eval_sets(run_dir, setup),
     })
+
+
+def _eval_sets(run_dir: Path, setup: RunSetup | None) -> dict:
+    """run.json's ``eval_sets`` (--eval's named sets), ``test_set`` and an earlier attempt's ``test`` result."""
+    def described(v: Validation) -> dict:
+        entry = v.dataset.entry
+        return {"name": v.name, "path": str(Path(entry.path).resolve()), "entry": entry.path.name, "key": entry.key,
+                "bins": len(v.dataset), "eval_bins": v.bins}
+
+    if setup is None:
+        return {}
+    out = {"eval_sets": [described(v) for v in setup.evals], "test_set": setup.test and described(setup.test)}
+    earlier = run_dir / "run.json"
+    if earlier.is_file():
+        with contextlib.suppress(XprepError):
+            before = read_json(earlier, "run.json", "")
+            if isinstance(before, dict) and before.get("test"):
+                out["test"] = before["test"]
+    return out

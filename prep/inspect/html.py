@@ -467,18 +467,18 @@ def pack_category_table(r: dict, colours: Colours, root: tuple = ()) -> str:
 
 
 def entries_table(r: dict) -> str:
-    """Every entry of the cache: ``*`` the current one, ``v`` its validation entry."""
+    """Every entry of the cache: ``*`` the current one, ``v`` its validation entry, ``t`` its test entry."""
     entries = r.get("entries") or []
     rows = []
     for k, e in enumerate(entries):
-        mark = "*" if e["current"] else "v" if e.get("validation") else ""
+        mark = "*" if e["current"] else "v" if e.get("validation") else "t" if e.get("test") else ""
         if e["status"] != "ok":
             rows.append([text_td(mark), text_td(e["name"]), f'<td colspan="4">{escape(e["problem"])}</td>'])
             continue
         rows.append([text_td(mark), text_td(e["name"]), td(r, "entries", k, "bins"),
                      td(r, "entries", k, "fill", fmt=share), td(r, "entries", k, "created", fmt=str, cls="code"),
                      options_td(r, "entries", k, "options")])
-    html = table("Entries of the cache (* current, v its validation entry)",
+    html = table("Entries of the cache (* current, v its validation entry, t its test entry)",
                  ["", "entry", "bins", "fill", "created", "options"], rows, "entries")
     return f'<details><summary>Entries of the cache ({len(entries)})</summary>{html}</details>' if html else ""
 
@@ -637,9 +637,26 @@ def run_block(i: int, r: dict, colours: Colours) -> str:
     if r.get("eval"):
         losses.append(loss_table(r, ("eval", "loss"), ("eval", "categories"), ("eval", "sources"), "Validation loss",
                                  colours))
+    for name in r.get("eval_sets") or {}:  # --eval's named sets (the validation entry is the set named valid)
+        at = ("eval_sets", name)
+        losses.append(loss_table(r, (*at, "loss"), (*at, "categories"), (*at, "sources"), f"eval/{name} loss",
+                                 colours))
+    losses += [test_table(r, name, colours) for name in r.get("test") or {}]
     facts_html = "".join(f"<li>{escape(f)}</li>" for f in facts if f)
     return (f'<div class="run" data-report="{i}"><h3><code>{escape(r["path"])}</code></h3>'
             f'<ul class="facts">{facts_html}</ul>{cards(r, items)}{tables(*losses)}</div>')
+
+
+def test_table(r: dict, name: str, colours: Colours) -> str:
+    """The test pass of set ``name`` (once, after the last step): its loss, per category and per source."""
+    at = ("test", name)
+    loss = lambda v: "none" if v is None else f"{v:.4f}"  # None: no target tokens
+    rows = [[text_td("all targets"), td(r, *at, "loss", fmt=loss)]]
+    rows += [[text_td(c, colours(c), c), td(r, *at, "category_loss", c, fmt=loss)]
+             for c in dig(r, *at, "category_loss")]
+    if len(dig(r, *at, "source_loss")) > 1:
+        rows += [[text_td(f"source {c}"), td(r, *at, "source_loss", c, fmt=loss)] for c in dig(r, *at, "source_loss")]
+    return table(f"test/{name} loss (once, after step {dig(r, *at, 'step'):,})", ["", "loss"], rows)
 
 
 def loss_table(r: dict, overall: tuple, categories: tuple, sources: tuple, caption: str, colours: Colours) -> str:

@@ -194,25 +194,25 @@ def _named_counts(ds) -> list[tuple[str | None, int]]:
 # ----------------------------------------------------------------------------------------- entries
 def cache_entries(root: Path) -> list[dict] | None:
     """Every entry of a pack cache (those in manifest.json and those on disk), oldest first, from their
-    pack.json alone; ``current`` marks the one ``xtrain run`` trains on, ``validation`` its ``--split``
-    validation entry (manifest.json's ``"validation"``). ``None`` if ``root`` is no cache."""
+    pack.json alone; ``current`` marks the one ``xtrain run`` trains on, ``validation`` and ``test`` its ``--split``
+    held-out entries (manifest.json's ``"validation"``, ``"test"``). ``None`` if ``root`` is no cache."""
     manifest_path = root / MANIFEST
     if (root / PACK_JSON).is_file() or not manifest_path.is_file():
         return None
     try:
         manifest = json.loads(manifest_path.read_text())
         current, listed = manifest.get("current"), manifest.get("entries") or {}
-        validation = manifest.get("validation")
+        validation, test = manifest.get("validation"), manifest.get("test")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise XprepError(f"{manifest_path}: corrupt ({e}); re-run `xprep pack`") from None
     names = set(listed) | {p.name for p in root.iterdir() if not p.name.startswith(".")
                            and ((p / PACK_JSON).is_file() or (p / BLEND_JSON).is_file())}
-    rows = [_entry_row(root / name, name == current, name == validation) for name in names]
+    rows = [_entry_row(root / name, name == current, name == validation, name == test) for name in names]
     return sorted(rows, key=lambda e: (e.get("created") or "", e["name"]))
 
 
-def _entry_row(path: Path, current: bool, validation: bool = False) -> dict:
-    row = {"name": path.name, "current": current, "validation": validation}
+def _entry_row(path: Path, current: bool, validation: bool = False, test: bool = False) -> dict:
+    row = {"name": path.name, "current": current, "validation": validation, "test": test}
     if (path / BLEND_JSON).is_file():
         return {**row, **blend_row(path)}
     try:
@@ -256,7 +256,7 @@ def pack_flags(c: dict, where: str | Path) -> str:
     if c.get("epochs") is not None:
         flags.append(f"--epochs {c['epochs']:g}")
     if c.get("split"):
-        flags.append(f"--split {c['split'][0]},{c['split'][1]}")
+        flags.append(f"--split {split_text(c['split'])}")
     return " ".join(flags)
 
 
@@ -350,16 +350,26 @@ def outcome_report(outcome) -> dict:
     """What ``xprep pack`` reports about the entry it built or found (``xprep.prep.inspect.text.summary_lines``)."""
     entry = outcome.entry
     if isinstance(entry, BlendEntry):
-        v = outcome.validation  # the --split validation blend
         return {"kind": "pack-outcome", "path": str(entry.path), "hit": outcome.hit, "seconds": outcome.seconds,
                 "capacity": entry.capacity, "config": entry.config, "blend": blend_summary(entry.meta),
                 "sources": [outcome_report(o) for o in outcome.sources or []],
-                "validation": v and {"path": str(v.path), "bins": v.num_bins,
-                                     "documents": sum(s["documents"] for s in v.meta["sources"])}}
-    v = outcome.validation  # the --split validation entry
+                **{part: _held_out(getattr(outcome, part)) for part in ("validation", "test")}}
     return {"kind": "pack-outcome", "path": str(entry.path), "hit": outcome.hit, "seconds": outcome.seconds,
             "capacity": entry.capacity, "config": entry.config, "packing": packing(entry.config, entry.path),
             "stats": entry.meta["stats"],
             "pack_seconds": entry.meta.get("pack_seconds"),
-            "validation": v and {"path": str(v.path), "bins": v.meta["stats"]["bins"],
-                                 "documents": v.meta["split"]["documents"]}}
+            **{part: _held_out(getattr(outcome, part)) for part in ("validation", "test")}}
+
+
+def _held_out(e) -> dict | None:
+    """A --split validation or test entry (a blend's: of every source's held-out bins) as the outcome shows it."""
+    if e is None:
+        return None
+    if isinstance(e, BlendEntry):
+        return {"path": str(e.path), "bins": e.num_bins, "documents": sum(s["documents"] for s in e.meta["sources"])}
+    return {"path": str(e.path), "bins": e.meta["stats"]["bins"], "documents": e.meta["split"]["documents"]}
+
+
+def split_text(split: list) -> str:
+    """--split's shares as given: ``99,1``, ``969,30,1``, ``0.9,0.05,0.05``."""
+    return ",".join(str(s) if isinstance(s, int) else f"{s:g}" for s in split)

@@ -189,7 +189,8 @@ def render_entries(r: dict) -> list[str]:
             [_mark(e), e["name"], e["bins"], f"{e['fill']:.2%}", f"{e['documents_kept']:,}/{e['documents_in']:,}",
              _utc(e["created"])] for e in entries]
     legend = "* = current, the one `xtrain run` trains on" + (
-        "; v = its --split validation entry" if any(e.get("validation") for e in entries) else "")
+        "; v = its --split validation entry" if any(e.get("validation") for e in entries) else "") + (
+        "; t = its --split test entry" if any(e.get("test") for e in entries) else "")
     lines = [f"pack cache {Path(r['path']).parent}: {count(len(entries), 'entry', 'entries')}, oldest first",
              *wrap(f"{legend}; under each entry, the `xprep pack` options that made it: run them again to make it "
                    "current", "  "), ""]
@@ -214,8 +215,8 @@ def _utc(created: str | None) -> str:
 
 
 def _mark(e: dict) -> str:
-    """``*`` the current entry, ``v`` its --split validation entry."""
-    return "*" if e["current"] else "v" if e.get("validation") else ""
+    """``*`` the current entry, ``v`` its --split validation entry, ``t`` its test entry."""
+    return "*" if e["current"] else "v" if e.get("validation") else "t" if e.get("test") else ""
 
 
 # ------------------------------------------------------------------------------------------ render
@@ -383,10 +384,9 @@ def _sources_packed(sources: list[dict]) -> str:
 
 
 def _validation_lines(o: dict) -> list[str]:
-    v = o.get("validation")
-    if not v:
-        return []
-    return [f"  validation (--split): {_docs(v['documents'])} held out, {count(v['bins'], 'bin')} → {v['path']}"]
+    """The --split held-out entries: validation, and test with a third share."""
+    return [f"  {part} (--split): {_docs(v['documents'])} held out, {count(v['bins'], 'bin')} → {v['path']}"
+            for part, v in ((p, o.get(p)) for p in ("validation", "test")) if v]
 
 
 def chunk_line(s: dict) -> str:
@@ -516,12 +516,32 @@ def render_run(r: dict) -> str:
         lines += _loss_table(f"validation loss ({count(e['bins'], 'bin')}, {e['target_tokens']:,} targets)", e["loss"],
                              e["categories"], e["sources"])
         lines.append("")
+    for name, e in (r.get("eval_sets") or {}).items():  # --eval's named sets (the validation entry is valid)
+        lines += _loss_table(f"eval/{name} loss ({count(e['bins'], 'bin')}, {e['target_tokens']:,} targets)",
+                             e["loss"], e["categories"], e["sources"])
+        lines.append("")
+    lines += _test_lines(r.get("test"))
     lines.append(f"loss curves: drawn into {r['plot']}" if r.get("plot") else
                  "loss curves: not drawn; add --plot FILE to draw them (needs matplotlib)")
     return "\n".join(lines)
 
 
 _BEST_BY = {"eval_loss": "validation loss", "loss": "training loss"}
+
+
+def _test_lines(test: dict | None) -> list[str]:
+    """The test pass (once, after the last step: run.json's ``test``): the loss of each set, then by category and
+    by source (more than one)."""
+    lines = []
+    for name, t in (test or {}).items():
+        loss = "none (no target tokens)" if t.get("loss") is None else f"{t['loss']:.4f}"
+        lines.append(f"test/{name} after step {t['step']:,}: loss {loss} ({count(t['bins'], 'bin')}, "
+                     f"{t['target_tokens']:,} targets)")
+        rows = [[k, f"{v:.4f}"] for k, v in (t.get("category_loss") or {}).items()]
+        if len(t.get("source_loss") or {}) > 1:
+            rows += [[f"source {k}", f"{v:.4f}"] for k, v in t["source_loss"].items()]
+        lines += [*table(["", "loss"], rows), ""] if rows else [""]
+    return lines
 
 
 def _without_targets(r: dict) -> list[str]:

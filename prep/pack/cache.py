@@ -11,10 +11,10 @@
    place; a killed build leaves only a temp directory, removed by the next build;
 4. ``output/manifest.json`` names the entry as current (written atomically, under its own lock).
 
-With ``--split TRAIN,VALID`` the documents are divided first (``split_documents``, a rule on each document's
-dataset content and index alone) and each part is its own entry, keyed with the split (the validation
-part also with ``"part": "validation"``); the manifest's ``"validation"`` names the validation entry
-of the current one. The validation entry is built first, so an empty validation publishes nothing.
+With ``--split TRAIN,VALID[,TEST]`` the documents are divided first (``split_parts``, a rule on each document's
+dataset content and index alone) and each part is its own entry, keyed with the split (the validation and test
+parts also with their ``"part"``); the manifest's ``"validation"`` and ``"test"`` name those entries of the
+current one. The held-out entries are built first, so an empty one publishes nothing.
 
 A hit reads only the datasets' manifests (and re-hashes their token indexes) and memory-maps the
 entry. An entry that exists but does not open is reported as corrupt, never silently rebuilt. The locks,
@@ -38,7 +38,7 @@ from xprep.prep.dataset import TokenDataset, canonical_json, read_manifest, sync
 from xprep.prep.errors import XprepError, machine_errors
 from xprep.prep.formats import BLEND_JSON, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
 from xprep.prep.io import fsync_tree, write_json_atomic
-from xprep.prep.pack.config import PackConfig
+from xprep.prep.pack.config import PackConfig, split_counts
 from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted
 from xprep.prep.pack.kernels import Packed, Targets, item_targets, pack_lengths
 from xprep.prep.pack.methods import packing_methods
@@ -53,6 +53,7 @@ from xprep.prep.pack.mixture import (
     build_blend,
 )
 from xprep.prep.pack.publish import (
+    TEST,
     VALIDATION,
     building,
     locked,
@@ -63,13 +64,17 @@ from xprep.prep.pack.publish import (
     set_current,
 )
 from xprep.prep.pack.reader import doc_lengths
-from xprep.prep.pack.shuffle import held_out
+from xprep.prep.pack.shuffle import held_out, split_draws
 
 PACK_VERSION = 2  # bump when the same options and data would pack differently (2: items with no target dropped)
-TRAIN = "train"  # the parts of a --split pack (VALIDATION: the other, named as in manifest.json)
+TRAIN = "train"  # the parts of a --split pack (VALIDATION, TEST: the others, named as in manifest.json)
 SPLIT_RULE = ("document d of dataset D is held out for validation when u(D, d) < VALID/(TRAIN+VALID), u = splitmix64 "
               "of (the first 8 bytes of sha256(D's fingerprint), d) as a fraction of 2**64: it depends on the "
               "dataset content and d alone")
+SPLIT_RULE_3 = ("of the n documents of dataset D, Megatron-LM's counts for TRAIN,VALID,TEST (get_split_indices) go "
+                "to each part: the VALID count with the smallest u(D, d) to validation, the TEST count with the next "
+                "ones to test, the rest to training (ties by d); u = splitmix64 of (the first 8 bytes of sha256(D's "
+                "fingerprint), d) as a fraction of 2**64: it depends on the dataset content alone")
 
 
 def layout_of(config: PackConfig) -> str:
@@ -109,10 +114,10 @@ def read_fingerprints(paths: list[str | Path]) -> list[dict]:
 
 def cache_key(config: PackConfig, datasets: list[dict], part: str | None = None) -> str:
     """sha256 of canonical JSON: pack format and version, output-changing options, fingerprints (and the
-    ``--split`` part, for the validation one)."""
+    ``--split`` part, for the validation and test ones)."""
     payload = {"pack_format": PACK_FORMAT, "pack_version": PACK_VERSION, **config.key_fields(),
                "datasets": [d["fingerprint"] for d in datasets]}
-    if part == VALIDATION:
+    if part in (VALIDATION, TEST):
         payload["part"] = part
     return hashlib.sha256(canonical_json(payload)).hexdigest()
 
@@ -131,6 +136,7 @@ class PackOutcome:
     seconds: float
     sources: list[PackOutcome] | None = None  # a blend's: each source's own entry, found or built
     validation: PackEntry | None = None  # the --split validation entry
+    test: PackEntry | None = None  # the --split test entry (a third share)
 
 
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
@@ -165,19 +171,20 @@ def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, fo
         inputs = read_fingerprints(datasets)
         check_sizing(config)
         split = split_names(config, inputs)
-        validation = None
-        if split:
-            validation, _ = _entry(root, inputs, config.for_validation(), force, allow_empty, log, split, VALIDATION)
+        check_split_counts(config, inputs, allow_empty)
+        held = {part: _entry(root, inputs, config.for_validation(), force, allow_empty, log, split, part)[0]
+                for part in held_out_parts(config)}
         entry, hit = _entry(root, inputs, config, force, allow_empty, log, split, TRAIN)
     except BaseException:
         if new_root:
             remove_if_only_locks(root)
         raise
     entry = refresh_paths(root, entry, inputs)
-    validation = validation and refresh_paths(root, validation, inputs)
+    held = {part: refresh_paths(root, e, inputs) for part, e in held.items()}
     if make_current:
-        set_current(root, entry, validation)
-    return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, validation=validation)
+        set_current(root, entry, held.get(VALIDATION), held.get(TEST))
+    return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, validation=held.get(VALIDATION),
+                       test=held.get(TEST))
 
 
 def _entry(root: Path, inputs: list[dict], config: PackConfig, force: bool, allow_empty: bool,
@@ -210,14 +217,33 @@ def check_sizing(config: PackConfig) -> None:
 # ------------------------------------------------------------------------------------------- split
 
 
+def held_out_parts(config: PackConfig) -> list[str]:
+    """The parts of a --split pack besides training, each its own entry: those with a share (none without)."""
+    shares = config.split or ()
+    return [part for part, share in zip((VALIDATION, TEST), shares[1:], strict=False) if share]
+
+
 def split_names(config: PackConfig, inputs: list[dict]) -> dict | None:
-    """What pack.json records of a --split pack: the shares, the rule and both entries' names."""
+    """What pack.json records of a --split pack: the shares, the rule and every part's entry name."""
     if config.split is None:
         return None
-    train, valid = config.split
-    names = {TRAIN: entry_name(config, cache_key(config, inputs)),
-             VALIDATION: entry_name(config, cache_key(config.for_validation(), inputs, VALIDATION))}
-    return {"train": train, "valid": valid, "rule": SPLIT_RULE, "entries": names}
+    names = {TRAIN: entry_name(config, cache_key(config, inputs))}
+    for part in held_out_parts(config):
+        names[part] = entry_name(config, cache_key(config.for_validation(), inputs, part))
+    train, valid, *test = config.split
+    described = {"train": train, "valid": valid, **({"test": test[0]} if test else {})}
+    return {**described, "rule": SPLIT_RULE_3 if test else SPLIT_RULE, "entries": names}
+
+
+def check_split_counts(config: PackConfig, inputs: list[dict], allow_empty: bool) -> None:
+    """Refuse a three-share --split whose validation or test share rounds to no document of any dataset, before
+    any part is built (so that nothing is published), unless ``allow_empty``."""
+    if config.split is None or len(config.split) != 3 or allow_empty:
+        return
+    sizes = [int(read_manifest(d["path"])["counts"]["documents"]) for d in inputs]
+    for k, part in ((1, VALIDATION), (2, TEST)):
+        if config.split[k] and not sum(split_counts(config.split, n)[k] for n in sizes):
+            check_not_empty({"bins": 0, "documents_in": 0}, config, False, part)
 
 
 def split_base(fingerprint: str) -> int:
@@ -226,7 +252,7 @@ def split_base(fingerprint: str) -> int:
 
 
 def split_documents(datasets: list[dict], split: tuple[int, int]) -> np.ndarray:
-    """Which global documents go to validation (bool per document), by ``SPLIT_RULE``.
+    """Which global documents go to validation (bool per document), by ``SPLIT_RULE`` (two shares).
 
     ``datasets``: {"fingerprint", "documents"} each, in the pack's order (pack.json's "datasets").
     """
@@ -234,6 +260,33 @@ def split_documents(datasets: list[dict], split: tuple[int, int]) -> np.ndarray:
     share = valid / (train + valid)
     parts = [held_out(int(d["documents"]), np.uint64(split_base(d["fingerprint"])), share) for d in datasets]
     return np.concatenate(parts) if parts else np.zeros(0, np.bool_)
+
+
+PART_CODES = {TRAIN: 0, VALIDATION: 1, TEST: 2}  # split_parts' values
+
+
+def split_parts(datasets: list[dict], split: tuple[float, ...]) -> np.ndarray:
+    """The part of every global document (``PART_CODES``: 0 train, 1 validation, 2 test; uint8 per document).
+
+    Two shares: ``SPLIT_RULE``, each document drawn on its own (today's rule, kept so that the packs and cache
+    keys made with two shares stay valid; the counts are then binomial around Megatron's). Three shares:
+    ``SPLIT_RULE_3``, Megatron-LM's counts exactly (``split_counts``) per dataset, as Megatron splits each
+    dataset of ``--data-path``; unlike Megatron, whose parts are contiguous ranges of documents, the documents
+    of each part are drawn by ``u`` (a sorted corpus would otherwise hold out its last topic). ``99,1,0`` is
+    therefore ``99,1`` with Megatron's exact count.
+    """
+    if len(split) == 2:
+        return split_documents(datasets, split).astype(np.uint8)
+    parts = []
+    for d in datasets:
+        n = int(d["documents"])
+        _, n_valid, n_test = split_counts(split, n)
+        order = np.argsort(split_draws(n, np.uint64(split_base(d["fingerprint"]))), kind="stable")
+        part = np.zeros(n, np.uint8)
+        part[order[:n_valid]] = PART_CODES[VALIDATION]
+        part[order[n_valid:n_valid + n_test]] = PART_CODES[TEST]
+        parts.append(part)
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
 # ------------------------------------------------------------------------------------------- blend
@@ -262,14 +315,14 @@ def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConf
     total, size_option = blend_total(config, shares_, [blend_units(e, unit) for e in entries])
     root = Path(output)
     entry, hit = _blend_once(root, sources, entries, config, total, size_option, force, log)
-    validation = None
-    if config.split is not None:  # the held-out parts of every source, each bin once
-        held_out = [o.validation for o in outcomes]
-        validation, _ = _blend_once(root, sources, held_out, config, sum(blend_units(e, unit) for e in held_out),
-                                    "validation", force, log, every_bin_once=True)
-    set_current(root, entry, validation)
+    held = {}
+    for part in held_out_parts(config):  # the held-out parts of every source, each bin once
+        parts = [getattr(o, part) for o in outcomes]
+        held[part], _ = _blend_once(root, sources, parts, config, sum(blend_units(e, unit) for e in parts),
+                                    part, force, log, every_bin_once=True)
+    set_current(root, entry, held.get(VALIDATION), held.get(TEST))
     return PackOutcome(entry=entry, hit=hit, seconds=time.perf_counter() - t0, sources=outcomes,
-                       validation=validation)
+                       validation=held.get(VALIDATION), test=held.get(TEST))
 
 
 def _blend_once(root: Path, sources: list, entries: list[PackEntry], config: PackConfig, total: int,
@@ -353,14 +406,18 @@ def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool, part: st
     """Refuse a pack of 0 bins, saying why it is empty and what to change."""
     if stats["bins"] or allow_empty:
         return
-    n, empty, dropped = stats["documents_in"], stats["empty_documents"], stats["dropped_documents"]
+    n, empty, dropped = stats["documents_in"], stats.get("empty_documents"), stats.get("dropped_documents")
     opt = f"{config.capacity_option} {config.capacity}"
-    what = f"the {part} part of --split {config.split[0]},{config.split[1]}" if part else "the pack"
-    if n == 0 and part == VALIDATION:
+    split = ",".join(f"{s:g}" for s in config.split) if part else ""
+    what = f"the {part} part of --split {split}" if part else "the pack"
+    if n == 0 and part == VALIDATION and len(config.split) == 2:
         train, valid = config.split
         raise XprepError(f"--split {train},{valid}: no document was drawn for validation (each goes there with "
                          f"probability {valid}/{train + valid}); give validation a larger share, e.g. --split "
                          f"{max(1, train // 10)},{valid}, pack more documents, or leave --split out")
+    if n == 0 and part in (VALIDATION, TEST):
+        raise XprepError(f"--split {split}: its {part} share rounds to 0 documents of each dataset (Megatron's "
+                         f"rounding); give {part} a larger share, pack more documents, or give it a zero share")
     if n == 0:
         why, fix = "the input has no documents", "check the DATASET arguments (`xprep inspect DATASET`)"
     elif empty == n:
@@ -416,8 +473,8 @@ def _part_documents(described: list[dict], split: dict | None) -> np.ndarray | N
     """The global ids of the documents of this --split part, in order (None: no split, all of them)."""
     if split is None:
         return None
-    valid = split_documents(described, (split["train"], split["valid"]))
-    return np.flatnonzero(valid if split["part"] == VALIDATION else ~valid)
+    shares = (split["train"], split["valid"], *([split["test"]] if "test" in split else []))
+    return np.flatnonzero(split_parts(described, shares) == PART_CODES[split["part"]])
 
 
 def _load_lengths(inputs: list[dict], datasets: list[TokenDataset]) -> tuple[np.ndarray, list[dict]]:

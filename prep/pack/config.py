@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 from xprep.prep.errors import XprepError
 from xprep.prep.pack.methods import (
     CAPACITY_FIELDS,
@@ -45,7 +46,7 @@ class PackConfig:
     seed: int = 0
     total_tokens: int | None = None  # --total-tokens: the size of a chunk pack (epochs of the stream) or of a blend
     epochs: float | None = None  # --epochs: the same, in epochs (of the stream; of the largest share of a blend)
-    split: tuple[int, int] | None = None  # --split TRAIN,VALID: shares of documents held out for validation
+    split: tuple[float, ...] | None = None  # --split TRAIN,VALID[,TEST]: shares of documents (parse_split)
     defaulted: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)  # filled by the method
 
     def __post_init__(self):
@@ -220,22 +221,56 @@ def check_chunk_cp(seq_len: int, cp_size: int, flag: str, entry: str | None = No
                      f"every sample into {unit} equal chunks), and {seq_len} is not: {fix}")
 
 
-def parse_split(text: str | None) -> tuple[int, int] | None:
-    """``--split 99,1`` → ``(99, 1)``: the shares of documents for training and validation."""
+def parse_split(text: str | None) -> tuple[float, ...] | None:
+    """``--split 99,1`` → ``(99, 1)``; ``--split 969,30,1`` → ``(969, 30, 1)``: the shares of documents for
+    training, validation and (with a third share) test, as Megatron-LM's ``--split`` string.
+
+    Shares are non-negative integers or decimals (``0.9,0.05,0.05``), normalized to their sum as Megatron does;
+    integers stay integers, so ``99,1`` keys the cache exactly as before three shares existed. A zero share means
+    no such part (``90,0,10``: no validation); ``100,0,0`` holds nothing out and is no split at all (None). With
+    two shares validation must have a share (``99,0`` would be no split: leave --split out), as always.
+    """
     if text is None:
         return None
-    parts = text.split(",")
-    try:
-        train, valid = (int(p) for p in parts) if len(parts) == 2 else (None, None)
-    except ValueError:
-        train = valid = None
-    if train is None or train < 0 or valid < 0 or train + valid == 0:
-        raise XprepError(f"--split {text}: expected TRAIN,VALID shares as two non-negative integers, e.g. 99,1")
-    if valid == 0:
-        raise XprepError(f"--split {text}: leaves validation empty; give it a share, e.g. --split 99,1")
-    if train == 0:
+    shares = [_share(p) for p in text.split(",")]
+    if len(shares) not in (2, 3) or None in shares:
+        raise XprepError(f"--split {text}: expected TRAIN,VALID or TRAIN,VALID,TEST shares as two or three "
+                         "non-negative numbers, e.g. 99,1 or 969,30,1")
+    if sum(shares) == 0:
+        raise XprepError(f"--split {text}: every share is zero; give training a share, e.g. --split 969,30,1")
+    if shares[0] == 0:
         raise XprepError(f"--split {text}: leaves nothing to train on; give training a share, e.g. --split 99,1")
-    return train, valid
+    if len(shares) == 2 and shares[1] == 0:
+        raise XprepError(f"--split {text}: leaves validation empty; give it a share, e.g. --split 99,1")
+    if len(shares) == 3 and shares[1] == shares[2] == 0:
+        return None  # everything trains: the plain pack, with its key
+    return tuple(shares)
+
+
+def _share(text: str) -> float | None:
+    """One share of --split: an int when written as one (the cache key of ``99,1`` stays as it was), else a
+    finite non-negative float; None when it is neither."""
+    text = text.strip()
+    try:
+        value = int(text) if text.isdigit() else float(text)
+    except ValueError:
+        return None
+    return value if 0 <= value < float("inf") else None
+
+
+def split_counts(split: tuple[float, ...], n_docs: int) -> tuple[int, int, int]:
+    """Documents of each part (train, validation, test) of ``n_docs`` under a three-share ``split``, rounded as
+    Megatron-LM's ``get_split_indices`` rounds (so the same string cuts the same counts): shares normalized to
+    sum 1 in float64, bound k+1 = bound k + round(share_k · n) (Python's round: half to even), then every bound
+    shifted by the excess of the last over n, which lands on the training part."""
+    shares = np.asarray(split, np.float64)
+    shares = (shares / shares.sum()).tolist()
+    bounds = [0]
+    for share in shares:
+        bounds.append(bounds[-1] + int(round(share * float(n_docs))))
+    excess = bounds[-1] - n_docs
+    bounds = [0] + [b - excess for b in bounds[1:]]
+    return bounds[1] - bounds[0], bounds[2] - bounds[1], bounds[3] - bounds[2]
 
 
 def check_source_option(key: str, value, where: str) -> None:

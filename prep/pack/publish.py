@@ -8,7 +8,8 @@ What ``xprep pack`` (``xprep.prep.pack.cache``) builds is published here, whatev
 - ``building``: a fresh ``PACKED/.tmp-<name>-<pid>-*`` directory to build in, removed if the build fails
   (and the stale ones of dead builders removed first); ``publish`` renames it into place, a forced-out old
   entry moved aside first, so a crash never leaves a half entry that looks complete;
-- ``set_current``: manifest.json's ``"current"`` (and ``"validation"``) entry, written atomically under its lock;
+- ``set_current``: manifest.json's ``"current"`` (and ``"validation"``, ``"test"``) entry, written atomically
+  under its lock;
   ``refresh_paths``: an entry found again with its datasets at other paths, pointed at them.
 """
 
@@ -30,6 +31,7 @@ from xprep.prep.pack.entry import PackEntry
 from xprep.prep.pack.mixture import BlendEntry
 
 VALIDATION = "validation"  # manifest.json's key naming the current entry's --split validation entry
+TEST = "test"  # and its --split test entry (a third share)
 
 
 @contextmanager
@@ -133,23 +135,26 @@ def refresh_paths(root: Path, entry: PackEntry, inputs: list[dict]) -> PackEntry
     return PackEntry.open(entry.path)
 
 
-def set_current(root: Path, entry: PackEntry | BlendEntry, validation: PackEntry | BlendEntry | None = None
-                 ) -> None:
-    """Record the entry (and its --split validation entry) in ``manifest.json`` and make it the current one:
-    ``"current"`` names it, ``"validation"`` its validation entry (absent without one). Atomic, locked."""
+def set_current(root: Path, entry: PackEntry | BlendEntry, validation: PackEntry | BlendEntry | None = None,
+                test: PackEntry | BlendEntry | None = None) -> None:
+    """Record the entry (and its --split validation and test entries) in ``manifest.json`` and make it the current
+    one: ``"current"`` names it, ``"validation"`` and ``"test"`` its held-out entries (each absent without one).
+    Atomic, locked."""
+    held = {part: e for part, e in ((VALIDATION, validation), (TEST, test)) if e is not None}
     with locked(root / ".manifest.lock"):
         path = root / MANIFEST
         empty = {"format": PACK_FORMAT, "current": None, "entries": {}}
         manifest = read_cache_manifest(path) if path.is_file() else empty
-        for e in (entry, validation) if validation else (entry,):
+        for e in (entry, *held.values()):
             manifest["entries"][e.path.name] = e.manifest_row()
-        if validation:  # which validation entry belongs to it, for a run that resumes on it once it is not current
-            manifest["entries"][entry.path.name][VALIDATION] = validation.path.name
+        for part, e in held.items():  # which held-out entry belongs to it, for a run that resumes on it later
+            manifest["entries"][entry.path.name][part] = e.path.name
         manifest["current"] = entry.path.name
-        if validation:
-            manifest[VALIDATION] = validation.path.name
-        else:
-            manifest.pop(VALIDATION, None)
+        for part in (VALIDATION, TEST):
+            if part in held:
+                manifest[part] = held[part].path.name
+            else:
+                manifest.pop(part, None)
         write_json_atomic(path, manifest)
 
 

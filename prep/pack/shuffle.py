@@ -81,3 +81,15 @@ def held_out(n_docs, base, share):
         h = _mix64(b + _mix64(np.uint64(d)))
         out[d] = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0) < share
     return out
+
+
+@njit(cache=True, parallel=True)
+def split_draws(n_docs, base):
+    """``u(base, d)`` of documents 0..n_docs-1 (float64 in [0, 1)): the draw ``held_out`` compares with the share,
+    which a three-share ``--split`` ranks instead (``xprep.prep.pack.cache.split_parts``)."""
+    out = np.empty(n_docs, np.float64)
+    b = _mix64(np.uint64(base))
+    for d in prange(n_docs):
+        h = _mix64(b + _mix64(np.uint64(d)))
+        out[d] = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+    return out

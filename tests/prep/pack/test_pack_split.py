@@ -149,7 +149,7 @@ def test_empty_validation_is_one_line_and_publishes_nothing(tmp_path):
     assert valid.num_bins == 0
 
 
-@pytest.mark.parametrize("text", ["1", "a,b", "1,0", "0,0", "1,2,3", "-1,2", "99,1.5"])
+@pytest.mark.parametrize("text", ["1", "a,b", "1,0", "0,0", "0,0,0", "90,5,5,1", "-1,2", "90,-5,5", "0,5,5", "nan,1"])
 def test_malformed_split_is_one_line(tmp_path, text):
     make_dataset(tmp_path / "ds", random_docs(3, 5, 10, vocab=128), vocab_size=128)
     line = one_line_error(run("pack", tmp_path / "ds", "-o", tmp_path / "P", "--method", "sequential",
