@@ -172,3 +172,53 @@ def test_eod_mask_loss_needs_an_eod_id(tmp_path):
     line = one_line_error(run("pack", tmp_path / "ds", "-o", tmp_path / "P", "--method", "chunk", "--seq-len", 8,
                               "--eod-mask-loss"))
     assert "records no EOD token" in line and "--eod-token" in line, line
+
+
+def sample_targets_reference(mask, tokens, offsets, lengths, item_doc, item_start, item_len, opens, eod):
+    """Slow obvious ``sample_targets``: token by token, the rule of its docstring."""
+    out = []
+    for d, start, n, first in zip(item_doc, item_start, item_len, opens, strict=True):
+        stop = start + n + (start + n < lengths[d])  # the token after an item cut inside its document
+        count = 0
+        for t in range(start + bool(first), stop):
+            masked_out = len(mask) > 0 and (t == 0 or mask[offsets[d] + t] == 0)
+            count += not masked_out and not (eod >= 0 and tokens[offsets[d] + t] == eod)
+        out.append(count)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("eod", [-1, EOD])
+def test_sample_targets_kernel_matches_reference(masked, eod):
+    from xprep.prep.pack.kernels import sample_targets
+
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(1, 30, 50)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = rng.integers(0, 6, int(offsets[-1]))  # EOD (2) often
+    mask = rng.integers(0, 2, int(offsets[-1])).astype(np.uint8) if masked else np.zeros(0, np.uint8)
+    item_doc = rng.integers(0, 50, 400)
+    item_start = rng.integers(0, lengths[item_doc])
+    item_len = rng.integers(0, lengths[item_doc] - item_start + 1)  # empty items too: a sample's next document
+    opens = rng.integers(0, 2, 400).astype(bool)
+    args = (mask, tokens, offsets[:-1], lengths.astype(np.int64), item_doc, item_start, item_len, opens, eod)
+    np.testing.assert_array_equal(sample_targets(*args), sample_targets_reference(*args))
+
+
+@pytest.mark.parametrize("damage, needle", [(lambda a: a[:-1], "bin_next_doc.npy holds"),
+                                            (lambda a: np.full_like(a, 10**6), "names document 1,000,000")])
+def test_a_damaged_next_doc_array_is_refused_and_rebuilt(tmp_path, damage, needle):
+    from xprep.prep.errors import XprepError
+    from xprep.prep.pack.entry import save_array
+
+    make_dataset(tmp_path / "ds", random_docs(20, 5, 30, vocab=128), vocab_size=128)
+    ds = chunk(tmp_path, "P", "--seq-len", 16, "--attention", "causal")
+    path = ds.entry.path / "bin_next_doc.npy"
+    good = np.load(path)
+    save_array(path, damage(good))
+    with pytest.raises(XprepError, match=needle):
+        PackedDataset(tmp_path / "P")
+    again = run("pack", tmp_path / "ds", "-o", tmp_path / "P", "--method", "chunk", "--seq-len", 16, "--attention",
+                "causal")
+    assert "damaged pack entry" in again.output and again.exit_code == 0, again.output
+    np.testing.assert_array_equal(np.load(path), good)
