@@ -314,9 +314,17 @@ def _overlong_defaults(methods) -> str:
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="Where datasets given as URLs (s3://…) are copied before packing, by fingerprint "
                    "[default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
+@click.option("--attention", type=click.Choice(["document", "causal"]), default="document", show_default=True,
+              cls=_MethodsHelp, methods_help=lambda ms: (
+                  f"Inside a {_named(ms, lambda m: m.fixed_length_samples, ' or ')} sample: document keeps its "
+                  "documents apart (attention, positions and labels restart at each); causal is Megatron "
+                  "GPTDataset's default, one causal span over the sample, positions 0..S-1, labels across documents."))
+@click.option("--eod-mask-loss", is_flag=True, cls=_MethodsHelp, methods_help=lambda ms: (
+    f"{_named(ms, lambda m: m.fixed_length_samples)}: no EOD token (the datasets' eod_id) is a target."))
 @_user_errors
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
-         dp_micro_batches, shuffle, seed, force, allow_empty, mix, total_tokens, epochs, split, cache_dir):
+         dp_micro_batches, shuffle, seed, force, allow_empty, mix, total_tokens, epochs, split, cache_dir,
+         attention, eod_mask_loss):
     """Pack token DATASETs (one global document index, in order) into a hash-keyed cache entry."""
     # deferred, as every command's: numba/numpy load only for the command run
     from xprep.prep.inspect import outcome_report, summary_lines, warning_lines
@@ -329,7 +337,7 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
                         cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
                         dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed, total_tokens=total_tokens,
-                        epochs=epochs, split=parse_split(split))
+                        epochs=epochs, split=parse_split(split), attention=attention, eod_mask_loss=eod_mask_loss)
     # Packing runs numba kernels, which an interrupt cannot stop midway: run_interruptibly keeps Ctrl-C to one line
     outcome = outcome_report(run_interruptibly(lambda: run_pack(
         paths, output, config, force=force, allow_empty=allow_empty, log=lambda m: click.echo(m, err=True),

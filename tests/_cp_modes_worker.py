@@ -1,10 +1,11 @@
 """Run under torchrun by tests/train/test_cp_modes.py: the built-in model over each --cp-mode, against cp=1.
 
-argv: PACKED CHUNK_PACKED OUT BINS CONFIG... where a config is ``mode,C[,U][,chunk][,mqa]`` (U: hybrid's Ulysses
-factor; chunk: the micro-batch of the chunk pack, whose samples are zigzagged whole, documents crossing them; mqa:
-the tiny model with one K/V head and tied embeddings instead of 4 heads over 2 K/V heads) and
-BINS the comma-separated bins of the one micro-batch of each pack. Every rank computes cp=1 itself (the whole
-micro-batch in one
+argv: PACKED CHUNK_PACKED CAUSAL_PACKED OUT BINS CAUSAL_BINS CONFIG... where a config is
+``mode,C[,U][,chunk|causal][,mqa]`` (U: hybrid's Ulysses factor; chunk: the micro-batch of the chunk pack, whose
+samples are zigzagged whole, documents crossing them; causal: of the chunk pack made with --attention causal, each
+sample one attention span over its documents; mqa: the tiny model with one K/V head and tied embeddings instead of
+4 heads over 2 K/V heads) and BINS the comma-separated bins of the one micro-batch of each pack (CAUSAL_BINS: of
+the causal one). Every rank computes cp=1 itself (the whole micro-batch in one
 row), then for each config: the ranks form groups of C (a (world/C, C) mesh, or (world/C, C/U, U) for hybrid,
 as xtrain lays them out), each rank runs the model on its zigzag share through `cp_context`, and the loss
 (summed over the CP group), the logits of every real token (gathered) and every parameter gradient (summed
@@ -27,13 +28,15 @@ from xprep.train.cp import CPGroups, cp_context, pad_documents, shard_batch, uly
 from xprep.train.data import IGNORE, PackedDataset, collate  # noqa: E402
 from xprep.train.model import Transformer, load_model_config  # noqa: E402
 
-packed, chunk_packed, out, bins, configs = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
+packed, chunk_packed, causal_packed = (Path(p) for p in sys.argv[1:4])
+out, bins, causal_bins, configs = sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7:]
 dist.init_process_group("gloo")
 world, rank = dist.get_world_size(), dist.get_rank()
 data = {}
-for name, path in (("multi", packed), ("chunk", chunk_packed)):
+for name, path in (("multi", packed), ("chunk", chunk_packed), ("causal", causal_packed)):
     ds = PackedDataset(path, cp_size=4)
-    data[name] = (collate([ds[int(b)] for b in bins.split(",")]), ds.cp_sample_len)
+    picked = causal_bins if name == "causal" else bins
+    data[name] = (collate([ds[int(b)] for b in picked.split(",")]), ds.cp_sample_len)
 vocab_size = ds.vocab_size
 
 
@@ -64,8 +67,9 @@ results = {}
 for config in configs:
     mode, size, *rest = config.split(",")
     size = int(size)
-    name, variant = "chunk" if "chunk" in rest else "multi", "mqa" if "mqa" in rest else "gqa"
-    rest = [r for r in rest if r not in ("chunk", "mqa")]
+    name = next((r for r in rest if r in ("chunk", "causal")), "multi")
+    variant = "mqa" if "mqa" in rest else "gqa"
+    rest = [r for r in rest if r not in ("chunk", "causal", "mqa")]
     batch, sample_len = data[name]
     model = models[variant]
     n_targets, want_logits, want_loss, want_grads = wanted[name, variant]

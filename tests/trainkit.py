@@ -33,7 +33,7 @@ from xprep.train.trainer import Trainer, autocast_for, build_model
 
 def make_dataset(out: Path, docs: list[np.ndarray], vocab_size: int = 256,
                  loss_masks: list[np.ndarray] | None = None, cats: list[np.ndarray] | None = None,
-                 categories: list[str] | None = None, pad_id: int = 0) -> dict:
+                 categories: list[str] | None = None, pad_id: int = 0, eod_id: int = 1) -> dict:
     """Write a token dataset with one document per array; returns its manifest."""
     with DatasetWriter(out, vocab_size) as w:
         for i, doc in enumerate(docs):
@@ -42,7 +42,7 @@ def make_dataset(out: Path, docs: list[np.ndarray], vocab_size: int = 256,
                      category_ids=None if cats is None else np.asarray(cats[i], np.uint8))
         table = CategoryTable(["uncategorized", *(categories or [])])
         return w.finish({"tokenizer": {"path": "test", "vocab_size": vocab_size, "pad_id": pad_id,
-                                       "eod_id": 1}}, table)
+                                       "eod_id": eod_id}}, table)
 
 
 def sequential_bins(lengths: list[int], capacity: int) -> list[list[tuple[int, int, int]]]:

@@ -17,6 +17,12 @@ micro-batch of that one bin, torch tensors:
                                        plain pack), on every position
     cu_seqlens    int32 (n_docs+1,)    document boundaries, padding document included
 
+A chunk pack made with ``--attention causal`` (pack.json's config) trains each bin, one sample, as Megatron's
+GPTDataset does by default: one attention span (``cu_seqlens`` [0, S]), positions 0..S-1, and the last token of
+each document labelled with the next document's first token (a target in data without a loss mask; data with one
+never learns a document's first token). With ``--eod-mask-loss`` no label is the EOD token (pack.json's
+``eod_id``, the datasets' ``tokenizer.eod_id``). Context parallelism then zigzags each sample as one document.
+
 ``collate`` puts the bins of a micro-batch one after the other in a single row (1, M·capacity)
 with ``cu_seqlens`` over all of them: the model sees documents, never bins. ``micro_batch`` is the whole
 path a micro-batch takes in ``xtrain run`` (bins → collate → this CP rank's zigzag shard), the trainer's and
@@ -89,6 +95,8 @@ class PackedDataset:
         self.lookahead = bool(self.entry.meta.get("lookahead"))  # --method chunk: items cut by sample ends
         self.whole_samples = is_chunk_pack(self.entry)  # bins always full: CP zigzags each bin, not each document
         self.pad_id = pad_token_id(self.datasets[0])
+        self.causal = self.whole_samples and self.entry.one_span  # --attention causal: one span per sample
+        self.eod_id = masked_eod(self.entry, self.datasets[0])  # --eod-mask-loss: never a label
         self._sources = [_source(ds) for ds in self.datasets]
         self._category_names, self._category_maps = merge_categories([ds.category_names for ds in self.datasets])
         counts = np.array([len(ds) for ds in self.datasets], np.int64)
@@ -127,11 +135,12 @@ class PackedDataset:
 
     def __getitem__(self, b: int) -> dict[str, torch.Tensor]:
         source, docs, starts, lens = self.bins.items(b)
-        return self.assemble(docs, starts, lens, source)
+        return self.assemble(docs, starts, lens, source, self.bins.next_doc(b))
 
     def assemble(self, docs: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                 source: int = 0) -> dict[str, torch.Tensor]:
-        """The micro-batch of one bin whose items are (doc, start, len), from ``source``: tensors (1, capacity)."""
+                 source: int = 0, next_doc: int = -1) -> dict[str, torch.Tensor]:
+        """The micro-batch of one bin whose items are (doc, start, len), from ``source``: tensors (1, capacity).
+        ``next_doc``: the document after the sample (``PackBins.next_doc``), whose first token labels its end."""
         block = np.empty((5, 1, self.capacity), np.int64)  # the fill kernels write rows 0-3; row 4: source
         out = block.reshape(5, self.capacity)
         out[4] = source
@@ -145,11 +154,55 @@ class PackedDataset:
         if n < 0:
             raise XprepError(f"{self.entry.path}: a bin holds {int(np.sum(lens))} tokens, more than its capacity "
                              f"{self.capacity}; the pack is corrupt: re-run `xprep pack --force`")
+        if self.causal:
+            n = self._one_span(out, cu, docs, starts, lens, next_doc)
+        if self.eod_id is not None:
+            eod = out[1] == self.eod_id
+            out[1, eod], out[3, eod] = IGNORE, 0
         if self.cp_size > 1 and not self.whole_samples:
             block, cu, n = self._make_room_for_cp(block, cu, n, lens)
         ids, labels, pos, cats, sources = torch.from_numpy(block).unbind(0)
         return {"input_ids": ids, "labels": labels, "position_ids": pos, "category_ids": cats,
                 "source_ids": sources, "cu_seqlens": torch.from_numpy(cu[:n])}
+
+    def _one_span(self, out: np.ndarray, cu: np.ndarray, docs: np.ndarray, starts: np.ndarray,
+                  lens: np.ndarray, next_doc: int) -> int:
+        """``--attention causal``: the bin (a chunk sample, always full) becomes one document: positions 0..S-1,
+        and the last token of every document in it is labelled with the first token of the next one in the stream
+        (the next item's, or ``next_doc``'s at the sample's end; the lookahead labels one cut inside its document).
+        Returns the number of ``cu`` entries (2)."""
+        lens = lens.astype(np.int64)
+        if int(lens.sum()) != self.capacity:
+            raise XprepError(f"{self.entry.path}: a chunk sample holds {int(lens.sum())} tokens, not --seq-len "
+                             f"{self.capacity}; the pack is corrupt: re-run `xprep pack --force`")
+        after = np.cumsum(lens)  # where each item's successor begins in the row (the capacity: next_doc)
+        follow = np.arange(1, len(docs) + (next_doc >= 0))  # the items whose first token is a label here
+        docs = np.append(docs, max(next_doc, 0))
+        starts = np.append(starts.astype(np.int64), 0)
+        tokens, learn, cats = self._first_tokens(docs[follow], starts[follow])
+        out[1, after[follow - 1] - 1] = np.where(learn, tokens, IGNORE)
+        out[3, after[follow - 1] - 1] = np.where(learn, cats, 0)
+        out[2] = np.arange(self.capacity)
+        cu[:2] = (0, self.capacity)
+        return 2
+
+    def _first_tokens(self, docs: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The first token of each item (doc, start), whether it is a target and its category: a target in a
+        dataset without a loss mask (Megatron's labels: every token of the stream); a dataset with one never learns
+        a document's first token (as its manifest counts, and ``xprep.prep.pack.kernels.sample_targets``)."""
+        tokens, cats = np.zeros(len(docs), np.int64), np.zeros(len(docs), np.int64)
+        learn = np.zeros(len(docs), np.bool_)
+        which = np.searchsorted(self._doc_base, docs, side="right") - 1
+        for k in np.unique(which).tolist():
+            src, sel = self._sources[k], which == k
+            at = src.offsets[docs[sel] - self._doc_base[k]] + starts[sel]
+            tokens[sel] = src.tokens[at]
+            learn[sel] = len(src.loss_mask) == 0
+            if len(src.category_ids) and not len(src.loss_mask):
+                found = src.category_ids[at].astype(np.int64)
+                remap = self._category_maps[k]
+                cats[sel] = found if remap is None else remap[found]
+        return tokens, learn, cats
 
     def _make_room_for_cp(self, block: np.ndarray, cu: np.ndarray, n: int, lens: np.ndarray):
         """Shorten the padding document so that the items padded for CP plus it fill the capacity."""
@@ -193,6 +246,18 @@ class PackedDataset:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["packed"], state["verify_data"], state.get("cp_size", 1))
+
+
+def masked_eod(entry, dataset: TokenDataset) -> int | None:
+    """The EOD id a pack made with ``--eod-mask-loss`` never labels: its pack.json's ``eod_id`` (a blend's: its
+    datasets' ``tokenizer.eod_id``, which the pack read); None for a pack without the option."""
+    if not entry.config.get("eod_mask_loss"):
+        return None
+    eod = entry.meta.get("eod_id", (dataset.manifest.get("tokenizer") or {}).get("eod_id"))
+    if not isinstance(eod, int):
+        raise XprepError(f"{entry.path}: packed with --eod-mask-loss but no EOD id is recorded (pack.json eod_id, "
+                         f"{dataset.path}/manifest.json tokenizer.eod_id); repack with `xprep pack --force`")
+    return eod
 
 
 def is_chunk_pack(entry: PackEntry) -> bool:

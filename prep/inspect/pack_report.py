@@ -54,6 +54,7 @@ def pack_report(path: str | Path) -> dict:
         "config": entry.config,
         "packing": packing(entry.config, entry.path),
         "layout": entry.meta.get("layout"),
+        "eod_id": entry.meta.get("eod_id"),  # --eod-mask-loss: the token never a target
         "datasets": entry.meta["datasets"],
         "bins": n_bins,
         "items": int(offsets[-1]),
@@ -93,7 +94,10 @@ def packing(config: dict, where: str | Path) -> dict:
     pack stage): its help line, the option that sizes its bins, whether its bins are fixed-length samples. A
     method this xprep does not know is an error naming the entry."""
     method, = methods_of(config["method"], str(where))
-    return method.describe()
+    if not method.fixed_length_samples:
+        return method.describe()
+    return {**method.describe(), "attention": config.get("attention") or "document",  # (none: packed before it)
+            "eod_mask_loss": bool(config.get("eod_mask_loss"))}
 
 
 _OVERLONG_KEYS = ("overlong_documents", "dropped_documents", "dropped_tokens", "truncated_documents",
@@ -230,6 +234,8 @@ def _entry_row(path: Path, current: bool, validation: bool = False, test: bool =
         return {**row, "status": "unknown-method", "problem": str(e)}
     options = {k: c.get(k) for k in ("method", "capacity", "overlong", "cp_size", "shuffle", "seed",
                                      "group_size", "balance_dp", "dp_micro_batches")}
+    if all(m.fixed_length_samples for m in methods_of(c["method"], str(path))):  # how a chunk sample is trained
+        options.update(attention=c.get("attention") or "document", eod_mask_loss=bool(c.get("eod_mask_loss")))
     return {**row, "status": "ok", **options, "options": flags, "bins": s["bins"], "fill": s["fill"],
             "documents_in": s["documents_in"],
             "documents_kept": s["documents_in"] - s["dropped_documents"] - s["empty_documents"]
@@ -257,6 +263,10 @@ def pack_flags(c: dict, where: str | Path) -> str:
         flags.append(f"--epochs {c['epochs']:g}")
     if c.get("split"):
         flags.append(f"--split {split_text(c['split'])}")
+    if all(m.fixed_length_samples for m in methods):  # packs made before --attention: document
+        flags.append(f"--attention {c.get('attention') or 'document'}")
+    if c.get("eod_mask_loss"):
+        flags.append("--eod-mask-loss")
     return " ".join(flags)
 
 

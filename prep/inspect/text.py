@@ -220,6 +220,17 @@ def _mark(e: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------ render
+def _attention_lines(r: dict) -> list[str]:
+    """How a chunk pack's samples are trained (--attention, --eod-mask-loss); nothing for other methods."""
+    if "attention" not in r["packing"]:
+        return []
+    p = r["packing"]
+    how = ("causal: one attention span over each sample, positions 0..S-1, labels across documents (Megatron)"
+           if p["attention"] == "causal" else "document: documents inside a sample kept apart")
+    eod = f"; --eod-mask-loss: EOD (id {r.get('eod_id')}) is never a target" if p["eod_mask_loss"] else ""
+    return field("attention", how + eod)
+
+
 def render_pack(r: dict) -> str:
     if r.get("blend"):
         return "\n".join([*render_entries(r), *render_blend(r["path"], r["key"], r["blend"])])
@@ -228,6 +239,7 @@ def render_pack(r: dict) -> str:
              *wrap(f"pack {r['path']}  ({_key(r['path'], r['key'])}{c['method']}, capacity {r['capacity']:,}"
                    + (f", cp {c['cp_size']}" if c.get("cp_size", 1) > 1 else "") + ")", hang="  "),
              *field("layout", r["layout"]),
+             *_attention_lines(r),
              *field("input", f"{_docs(r['documents_in'])}, {r['tokens_in']:,} tokens "
                              f"from {count(len(r['datasets']), 'dataset')}"),
              *field("bins", f"{r['bins']:,}  holding {count(r['items'], 'document or piece', 'documents or pieces')}, "

@@ -40,7 +40,7 @@ from xprep.prep.formats import BLEND_JSON, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
 from xprep.prep.io import fsync_tree, write_json_atomic
 from xprep.prep.pack.config import PackConfig, split_counts
 from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted
-from xprep.prep.pack.kernels import Packed, Targets, item_targets, pack_lengths
+from xprep.prep.pack.kernels import Packed, Targets, item_targets, pack_lengths, sample_targets
 from xprep.prep.pack.methods import packing_methods
 from xprep.prep.pack.mixfile import check_blend_config, read_sources, shares, source_configs
 from xprep.prep.pack.mixture import (
@@ -452,7 +452,8 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
         lengths, described = _load_lengths(inputs, datasets)
         t0 = time.perf_counter()
         docs = _part_documents(described, split)
-        packed = pack_lengths(lengths, config, docs, dataset_targets(datasets))
+        eod = chunk_eod(datasets, config)
+        packed = pack_lengths(lengths, config, docs, dataset_targets(datasets, eod))
         check_not_empty(packed.stats, config, allow_empty, split and split["part"])
         meta = {"format": PACK_FORMAT, "version": PACK_VERSION, "key": key, "name": name,
                 "config": config.to_json(), "key_fields": config.key_fields(), "datasets": described,
@@ -462,6 +463,8 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
         if config.spec.fixed_length_samples:
             meta["lookahead"] = True  # an item that stops inside its document is labelled with its next token
+        if eod is not None:
+            meta["eod_id"] = eod  # --eod-mask-loss: the token that is never a target
         if split:
             meta["split"] = {**split, "documents": len(docs)}
         _write_entry(claim.path, packed, meta)
@@ -488,30 +491,58 @@ def _load_lengths(inputs: list[dict], datasets: list[TokenDataset]) -> tuple[np.
     return np.concatenate(parts) if parts else np.zeros(0, np.int32), described
 
 
-def dataset_targets(datasets: list[TokenDataset]) -> Targets:
+def dataset_targets(datasets: list[TokenDataset], eod: int | None = None) -> Targets:
     """``Targets`` over the global document index of these datasets, from their loss masks (one pass over the
-    masks of the items asked about; a dataset without a loss-mask stream learns every token but an item's first)."""
+    masks of the items asked about; a dataset without a loss-mask stream learns every token but an item's first).
+    ``eod``: the EOD id that ``mask_eod`` (``--eod-mask-loss``) keeps from being a target (``chunk_eod``)."""
     bases = np.cumsum([0, *(len(ds) for ds in datasets)])
     streams = [(ds.loss_mask.items if ds.loss_mask is not None else np.zeros(0, np.uint8), ds.tokens.offsets(),
                 ds.lengths.astype(np.int64)) for ds in datasets]
 
-    def targets(item_doc, item_start, item_len, lookahead=False):
+    def one(k, item_doc, item_start, item_len, lookahead, opens, mask_eod):
+        if opens is None and not mask_eod:
+            return item_targets(*streams[k], item_doc, item_start, item_len, lookahead)
+        mask, offsets, lengths = streams[k]
+        opens = np.ones(len(item_doc), np.bool_) if opens is None else opens
+        return sample_targets(mask, datasets[k].tokens.items, offsets, lengths, item_doc, item_start, item_len,
+                              opens, eod if mask_eod else -1)
+
+    def targets(item_doc, item_start, item_len, lookahead=False, opens=None, mask_eod=False):
         if len(streams) == 1:
-            return item_targets(*streams[0], item_doc, item_start, item_len, lookahead)
+            return one(0, item_doc, item_start, item_len, lookahead, opens, mask_eod)
         out = np.zeros(len(item_doc), np.int64)
         which = np.searchsorted(bases, item_doc, side="right") - 1
         for k in np.unique(which).tolist():
             sel = np.flatnonzero(which == k)
-            out[sel] = item_targets(*streams[k], item_doc[sel] - bases[k], item_start[sel], item_len[sel], lookahead)
+            out[sel] = one(k, item_doc[sel] - bases[k], item_start[sel], item_len[sel], lookahead,
+                           None if opens is None else opens[sel], mask_eod)
         return out
 
     return targets
 
 
+def chunk_eod(datasets: list[TokenDataset], config: PackConfig) -> int | None:
+    """The EOD id that ``--eod-mask-loss`` keeps from being a target: the ``eod_id`` the datasets' manifests record
+    (``xprep tokenize``: the tokenizer's eos_token, or --eod-token), the same in all; None without the option."""
+    if not config.eod_mask_loss:
+        return None
+    ids = {ds.path: (ds.manifest.get("tokenizer") or {}).get("eod_id") for ds in datasets}
+    for path, eod in ids.items():
+        if not isinstance(eod, int):
+            raise XprepError(f"--eod-mask-loss: {path}/manifest.json records no EOD token (tokenizer.eod_id is "
+                             f"null): re-tokenize it with --eod-token TOKEN, or leave --eod-mask-loss out")
+    if len(set(ids.values())) > 1:
+        listed = ", ".join(f"{p}: {e}" for p, e in ids.items())
+        raise XprepError(f"--eod-mask-loss: the datasets record different EOD ids ({listed}); re-tokenize them with "
+                         "the same --eod-token, or pack them apart")
+    return next(iter(ids.values()))
+
+
 def _write_entry(tmp: Path, packed: Packed, meta: dict) -> None:
     """Arrays first, then pack.json: the completion marker."""
     PackEntry(path=tmp, meta=meta, bin_offsets=packed.bin_offsets, item_doc=packed.item_doc,
-              item_start=packed.item_start, item_len=packed.item_len, bin_targets=packed.bin_targets).write_arrays(tmp)
+              item_start=packed.item_start, item_len=packed.item_len, bin_targets=packed.bin_targets,
+              bin_next_doc=packed.bin_next_doc).write_arrays(tmp)
     _mark_complete(tmp, meta)
 
 

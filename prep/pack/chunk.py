@@ -4,14 +4,32 @@ Documents, in order (or a seeded shuffle, epoch after epoch), are concatenated i
 cut into samples of ``seq_len`` input tokens: sample ``k`` takes stream positions ``[k·S, (k+1)·S)`` and its
 labels are the next tokens, up to position ``(k+1)·S``: the first token of sample ``k+1`` (megatron-core's
 ``build_sample_idx`` with ``add_extra_token_to_sequence``: ``S+1`` tokens per sample, the next one starting
-on the last). So every token is a target once, no slot is padding, and the sample starts are exactly
-Megatron's for the same document order. Unlike Megatron, the documents inside a sample stay apart: each is
-an item of the bin (``cu_seqlens``), so attention and labels never cross a document boundary, and positions
-restart at each document and at each sample start.
+on the last). So no slot is padding, and the sample starts are exactly Megatron's for the same document order.
+
+What the trainer does inside a sample is ``--attention`` (pack.json's config; train/data.py reads it):
+
+- ``document`` (the default): the documents inside a sample stay apart. Each is an item of the bin
+  (``cu_seqlens``), so attention and labels never cross a document boundary, positions restart at each document
+  and at each sample start, and a document's first token is never a target.
+- ``causal``: Megatron GPTDataset's default, ``reset_position_ids=False`` and ``reset_attention_mask=False`` in
+  megatron-core's ``_get_ltor_masks_and_position_ids``: one causal attention span over the whole sample
+  (``cu_seqlens`` [0, S]: under context parallelism one zigzag unit with no inner cut), position ids 0..S-1
+  continuous across the documents in it, and labels the next token of the stream, across document boundaries:
+  the last token of a document (its EOD) is labelled with the next document's first token, and the sample's last
+  position with the first token of the next sample. In data without a loss mask (Megatron's case) every stream
+  token but the very first is then a target exactly once; data with a loss mask keeps its mask, and a
+  document's first token stays no target there (as its manifest counts).
+
+``--eod-mask-loss`` (with either): no EOD token is a target, i.e. no label is the datasets' ``eod_id`` (pack.json
+records it as ``eod_id``). Megatron's ``eod_mask_loss`` is another rule: ``loss_mask[tokens == eod] = 0`` masks the
+positions whose INPUT is EOD, so it still trains the prediction OF each EOD and drops the prediction made FROM it
+(the next document's first token); this one trains the latter and not the former.
 
 In the pack, sample ``k`` is bin ``k``; its items are the pieces of documents it covers. A pack made this
 way says ``"lookahead": true`` in pack.json: an item that stops inside its document takes that document's
-next token as the label of its last position.
+next token as the label of its last position. Under ``causal`` a sample that ends exactly at a document's end
+is labelled at its last position with the first token of the document that follows it in the stream, which the
+entry records per bin (``bin_next_doc.npy``, -1 where the lookahead serves).
 """
 
 from __future__ import annotations

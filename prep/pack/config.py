@@ -18,11 +18,14 @@ from xprep.prep.pack.methods import (
     PackingMethod,
     method_names,
     packing_method,
+    packing_methods,
     with_option,
 )
 
 DEFAULT_GROUP_SIZE = 100_000
 DEFAULT_DP_MICRO_BATCHES = 16  # a wider window balances micro-steps better (1.33 → 1.09 at 8 ranks)
+DOCUMENT, CAUSAL = "document", "causal"  # --attention inside a chunk sample (chunk.py says what each means)
+ATTENTION = (DOCUMENT, CAUSAL)
 SOURCE_OPTIONS = ("method", "overlong")  # what one source of a blend may set for itself
 
 
@@ -47,6 +50,8 @@ class PackConfig:
     total_tokens: int | None = None  # --total-tokens: the size of a chunk pack (epochs of the stream) or of a blend
     epochs: float | None = None  # --epochs: the same, in epochs (of the stream; of the largest share of a blend)
     split: tuple[float, ...] | None = None  # --split TRAIN,VALID[,TEST]: shares of documents (parse_split)
+    attention: str = DOCUMENT  # --attention: documents apart inside a chunk sample, or one causal span (Megatron)
+    eod_mask_loss: bool = False  # --eod-mask-loss: no EOD token is a target (chunk)
     defaulted: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)  # filled by the method
 
     def __post_init__(self):
@@ -58,6 +63,7 @@ class PackConfig:
         self._check_size_options()
         if spec.fixed_length_samples:
             self._check_samples()
+        self._check_attention(spec)
         if self.overlong is None:
             self.overlong = spec.default_overlong
         if self.overlong not in OVERLONG:
@@ -129,6 +135,18 @@ class PackConfig:
             # claim a CP size it was never made for (and the keys of chunk packs made before stay as they were).
             self.cp_size = 1
 
+    def _check_attention(self, spec: PackingMethod) -> None:
+        """--attention and --eod-mask-loss say how a chunk sample is trained: only methods of fixed-length samples
+        take them (the other methods' bins hold whole documents, kept apart)."""
+        if self.attention not in ATTENTION:
+            raise XprepError(f"--attention {self.attention!r} is unknown: choose one of {', '.join(ATTENTION)}")
+        given = [o for o, on in (("--attention causal", self.attention != DOCUMENT),
+                                 ("--eod-mask-loss", self.eod_mask_loss)) if on]
+        if given and not spec.fixed_length_samples:
+            chunked = " or ".join(m.name for m in packing_methods() if m.fixed_length_samples)
+            raise XprepError(f"{given[0]} applies only to --method {chunked} (samples cut from the document stream), "
+                             f"not {self.method}, whose bins keep whole documents apart: leave it out")
+
     def _check_cp(self) -> None:
         if self.cp_size < 1:
             raise XprepError(f"--cp-size {self.cp_size} must be ≥ 1")
@@ -169,6 +187,10 @@ class PackConfig:
                 continue
             if getattr(self, name) is not None:
                 fields[name] = list(self.split) if name == "split" else getattr(self, name)
+        if self.attention != DOCUMENT:  # likewise: the default keeps the keys of the packs made before it
+            fields["attention"] = self.attention
+        if self.eod_mask_loss:
+            fields["eod_mask_loss"] = True
         return fields
 
     def for_source(self, method: str | None, overlong: str | None, masked: bool) -> PackConfig:
@@ -185,7 +207,8 @@ class PackConfig:
         if "group_size" not in packing_method(method).options:
             kept.pop("group_size", None)
         return PackConfig(method=method, seq_len=self.seq_len, max_tokens=self.max_tokens, overlong=overlong,
-                          cp_size=self.cp_size, balance_dp=self.balance_dp, seed=self.seed, split=self.split, **kept)
+                          cp_size=self.cp_size, balance_dp=self.balance_dp, seed=self.seed, split=self.split,
+                          attention=self.attention, eod_mask_loss=self.eod_mask_loss, **kept)
 
     def for_validation(self) -> PackConfig:
         """The options of the ``--split`` validation part: the same, but a chunk pack of it is one epoch."""

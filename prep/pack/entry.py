@@ -10,6 +10,8 @@ packed/
     item_start.npy       int32|int64      first token taken from that document
     item_len.npy         int32            tokens taken
     bin_targets.npy      int32[n_bins]    target tokens of each bin (what the trainer learns from it)
+    bin_next_doc.npy     int64[n_bins]    --attention causal only: the document whose first token follows the
+                                          sample in the stream when the sample ends at a document's end, else -1
 ```
 Bin ``b`` holds items ``bin_offsets[b]:bin_offsets[b+1]``; item ``i`` is tokens
 ``item_start[i] : item_start[i] + item_len[i]`` of global document ``item_doc[i]``.
@@ -31,9 +33,11 @@ from xprep.prep.dataset import (
 from xprep.prep.errors import XprepError, machine_errors
 from xprep.prep.formats import DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM, declared_format
 from xprep.prep.io import read_json
+from xprep.prep.pack.config import CAUSAL
 
 ARRAYS = ("bin_offsets", "item_doc", "item_start", "item_len")
 TARGETS = "bin_targets"  # since pack version 2
+NEXT = "bin_next_doc"  # chunk packs made with --attention causal: the label of a sample's last position
 
 
 class EntryMeta:
@@ -54,6 +58,12 @@ class EntryMeta:
     def capacity(self) -> int:
         return int(self.meta["config"]["capacity"])
 
+    @property
+    def one_span(self) -> bool:
+        """Whether each sample trains as one causal attention span across its documents (``--method chunk
+        --attention causal``, Megatron's default); packs made before the option keep documents apart."""
+        return self.meta["config"].get("attention") == CAUSAL
+
 
 @dataclass
 class PackEntry(EntryMeta):
@@ -66,6 +76,7 @@ class PackEntry(EntryMeta):
     item_start: np.ndarray
     item_len: np.ndarray
     bin_targets: np.ndarray | None = None  # None: an entry of pack version 1, which did not count them
+    bin_next_doc: np.ndarray | None = None  # --attention causal only (NEXT)
 
     @property
     def num_bins(self) -> int:
@@ -90,8 +101,9 @@ class PackEntry(EntryMeta):
         return open_fingerprinted(self.meta.get("datasets", []), self.path, verify_data=verify_data)
 
     def write_arrays(self, directory: Path) -> None:
-        for name in (*ARRAYS, TARGETS) if self.bin_targets is not None else ARRAYS:
-            save_array(directory / f"{name}.npy", getattr(self, name))
+        for name in (*ARRAYS, TARGETS, NEXT):
+            if getattr(self, name) is not None:
+                save_array(directory / f"{name}.npy", getattr(self, name))
 
     @classmethod
     def open(cls, path: str | Path) -> PackEntry:
@@ -104,7 +116,9 @@ class PackEntry(EntryMeta):
         if not isinstance(meta, dict) or meta.get("format") != PACK_FORMAT or not meta.get("complete"):
             raise XprepError(f"{meta_path}: incomplete or foreign pack entry; re-run `xprep pack --force`")
         counted = (path / f"{TARGETS}.npy").exists() or int(meta.get("version", 1)) >= 2
-        arrays = load_arrays(path, (*ARRAYS, TARGETS) if counted else ARRAYS, REBUILD, damaged=True)
+        causal = (meta.get("config") or {}).get("attention") == CAUSAL
+        names = (*ARRAYS, *((TARGETS,) if counted else ()), *((NEXT,) if causal else ()))
+        arrays = load_arrays(path, names, REBUILD, damaged=True)
         check_arrays(path, arrays)
         return cls(path=path, meta=meta, **arrays)
 
@@ -112,6 +126,8 @@ class PackEntry(EntryMeta):
         """Refuse (``DamagedEntry``) an item outside the documents it names: ``doc_lengths`` holds the lengths of
         the entry's datasets' documents, concatenated in its order (its global document index)."""
         check_items(self.path, self.bin_offsets, self.item_doc, self.item_start, self.item_len, doc_lengths)
+        if self.bin_next_doc is not None:
+            check_next_docs(self.path, self.bin_next_doc, doc_lengths)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -148,6 +164,8 @@ def check_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
     if TARGETS in arrays and len(arrays[TARGETS]) != len(offsets) - 1:
         raise DamagedEntry(path, f"{TARGETS}.npy holds {len(arrays[TARGETS]):,} bins, bin_offsets.npy "
                                  f"{len(offsets) - 1:,}")
+    if NEXT in arrays and len(arrays[NEXT]) != len(offsets) - 1:
+        raise DamagedEntry(path, f"{NEXT}.npy holds {len(arrays[NEXT]):,} bins, bin_offsets.npy {len(offsets) - 1:,}")
     if int(offsets[0]) != 0 or int(offsets[-1]) != n_items:
         end = "starts at" if int(offsets[0]) != 0 else "ends at"
         value = int(offsets[0]) if end == "starts at" else int(offsets[-1])
@@ -198,6 +216,20 @@ def check_items(path: Path, offsets: np.ndarray, item_doc: np.ndarray, item_star
                                      "documents")
         raise DamagedEntry(path, f"{where} takes tokens {int(item_start[i]):,}..{int(ends[k]):,} of document {d:,}, "
                                  f"which has {int(doc_lengths[d]):,}")
+
+
+def check_next_docs(path: Path, next_doc: np.ndarray, doc_lengths: np.ndarray) -> None:
+    """Every ``bin_next_doc`` -1 or a non-empty document of the entry's datasets (whose first token it reads)."""
+    next_doc = np.asarray(next_doc)
+    named = next_doc != -1
+    bad = named & ((next_doc < 0) | (next_doc >= len(doc_lengths)))
+    if not bad.any():
+        bad = named.copy()
+        bad[named] = doc_lengths[next_doc[named]] == 0
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise DamagedEntry(path, f"{NEXT}.npy names document {int(next_doc[b]):,} after bin {b:,}, which is not a "
+                                 f"non-empty document of the entry's {len(doc_lengths):,}")
 
 
 def _bin_of(offsets: np.ndarray, item: int) -> int:

@@ -32,7 +32,7 @@ from xprep.prep.errors import XprepError
 from xprep.prep.pack.balance import balance_bins
 from xprep.prep.pack.bins import bin_sums, gather_bins
 from xprep.prep.pack.chunk import chunk_items, epoch_seed, samples_for, samples_for_epochs
-from xprep.prep.pack.config import PackConfig
+from xprep.prep.pack.config import CAUSAL, PackConfig
 from xprep.prep.pack.methods import BUILT_IN, OVERLONG, packing_method
 from xprep.prep.pack.shuffle import shuffled_order
 
@@ -100,6 +100,45 @@ def item_targets(mask, doc_offsets, doc_lengths, item_doc, item_start, item_len,
 
 
 @njit(cache=True, parallel=True)
+def sample_targets(mask, tokens, doc_offsets, doc_lengths, item_doc, item_start, item_len, opens, eod):
+    """The target tokens of each item of a chunk sample trained with ``--attention causal`` or ``--eod-mask-loss``.
+
+    ``item_targets`` with lookahead, but an item's first token is a target too unless ``opens[i]`` (the item
+    opens an attention span: the sample's first item under ``causal``, every item under ``document``) or it is
+    a document's first token in data with a loss mask (the manifest never counts those); and no token equal to
+    ``eod`` is a target (``eod`` ≥ 0: ``--eod-mask-loss``; ``tokens``, the flat token stream, is read only then).
+    """
+    n = len(item_doc)
+    out = np.empty(n, np.int64)
+    masked = len(mask) > 0
+    for i in prange(n):
+        d, start = item_doc[i], np.int64(item_start[i])
+        stop = start + np.int64(item_len[i])
+        if stop < doc_lengths[d]:
+            stop += 1  # the sample's last item: the token after it is the label of its last position
+        lo = start + 1 if opens[i] else start
+        if not masked and eod < 0:
+            out[i] = max(stop - lo, 0)
+            continue
+        base, s = doc_offsets[d], 0
+        for t in range(lo, stop):
+            if masked and (t == 0 or mask[base + t] == 0):
+                continue
+            if eod >= 0 and tokens[base + t] == eod:
+                continue
+            s += 1
+        out[i] = s
+    return out
+
+
+def span_openers(bin_offsets: np.ndarray, n_items: int) -> np.ndarray:
+    """Per item, whether it opens its bin (``--attention causal``: the one item whose first token nothing predicts)."""
+    opens = np.zeros(n_items, np.bool_)
+    opens[bin_offsets[:-1][np.diff(bin_offsets) > 0]] = True
+    return opens
+
+
+@njit(cache=True, parallel=True)
 def take_items(items, item_doc, item_start, item_len):
     """The three item arrays reordered by ``items`` (a parallel gather)."""
     doc = np.empty(len(items), item_doc.dtype)
@@ -124,21 +163,27 @@ def range_bincount(values, starts, ends, size):
 
 
 # ----------------------------------------------------------------------------------------- pipeline
-Targets = Callable[[np.ndarray, np.ndarray, np.ndarray, bool], np.ndarray]
-"""(item_doc, item_start, item_len, lookahead) → the target tokens of each item (``item_targets`` over the data)."""
+Targets = Callable[..., np.ndarray]
+"""(item_doc, item_start, item_len, lookahead, opens=None, mask_eod=False) → the target tokens of each item:
+``item_targets`` over the data, or ``sample_targets`` for a chunk sample given ``opens`` (``span_openers``, under
+``--attention causal``) or ``mask_eod`` (``--eod-mask-loss``, with the EOD id the closure was made with)."""
 
 
 def unmasked_targets(lengths: np.ndarray) -> Targets:
-    """``Targets`` of documents with no loss-mask stream: every token of an item but its first."""
+    """``Targets`` of documents with no loss-mask stream: every token of an item but its first (no EOD known)."""
     lengths = np.ascontiguousarray(lengths, np.int64)
 
-    def targets(item_doc, item_start, item_len, lookahead=False):
-        return item_targets(_NO_MASK, _NO_OFFSETS, lengths, item_doc, item_start, item_len, lookahead)
+    def targets(item_doc, item_start, item_len, lookahead=False, opens=None, mask_eod=False):
+        if mask_eod:
+            raise ValueError("--eod-mask-loss needs the token streams: count targets with the datasets' Targets")
+        if opens is None:
+            return item_targets(_NO_MASK, _NO_OFFSETS, lengths, item_doc, item_start, item_len, lookahead)
+        return sample_targets(_NO_MASK, _NO_TOKENS, _NO_OFFSETS, lengths, item_doc, item_start, item_len, opens, -1)
 
     return targets
 
 
-_NO_MASK, _NO_OFFSETS = np.zeros(0, np.uint8), np.zeros(0, np.int64)
+_NO_MASK, _NO_OFFSETS, _NO_TOKENS = np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int32)
 
 
 @dataclass
@@ -151,6 +196,7 @@ class Packed:
     item_len: np.ndarray
     stats: dict
     bin_targets: np.ndarray  # int32[n_bins]: tokens the trainer learns in each bin (never 0)
+    bin_next_doc: np.ndarray | None = None  # --attention causal: the document after each sample (-1: none needed)
 
 
 def pack_lengths(lengths: np.ndarray, config: PackConfig, docs: np.ndarray | None = None,
@@ -168,6 +214,8 @@ def pack_lengths(lengths: np.ndarray, config: PackConfig, docs: np.ndarray | Non
         docs = np.asarray(docs, np.int64)
         packed = pack_lengths(lengths[docs], config, targets=lambda d, *rest: targets(docs[d], *rest))
         packed.item_doc = docs[packed.item_doc]
+        if packed.bin_next_doc is not None:
+            packed.bin_next_doc = np.where(packed.bin_next_doc < 0, -1, docs[packed.bin_next_doc])
         return packed
     if config.spec.fixed_length_samples:
         return pack_chunks(lengths, config, targets)
@@ -227,7 +275,13 @@ def pack_chunks(lengths: np.ndarray, config: PackConfig, targets: Targets) -> Pa
     item_doc = nonempty[order[pos]]
     item_len = length.astype(np.int32)
     item_start = start.astype(np.int32)
-    bin_targets = bin_sums(offsets, targets(item_doc, item_start, item_len, True), False)
+    opens = span_openers(offsets, len(item_doc)) if config.attention == CAUSAL else None
+    bin_targets = bin_sums(offsets, targets(item_doc, item_start, item_len, True, opens, config.eod_mask_loss), False)
+    next_doc = None
+    if config.attention == CAUSAL:
+        after = next_positions(offsets, pos, start, length, sizes[order])
+        next_doc = np.where(after < 0, -1, nonempty[order[np.maximum(after, 0)]])
+        bin_targets += next_doc_targets(next_doc, targets, config.eod_mask_loss)
     stats = overlong_stats(lengths, np.iinfo(np.int64).max, config.overlong)  # counts the empty ones
     stats["no_target"] = {"pieces": 0, "tokens": 0, "documents": 0, "samples": int(np.sum(bin_targets == 0))}
     if stats["no_target"]["samples"]:
@@ -236,10 +290,34 @@ def pack_chunks(lengths: np.ndarray, config: PackConfig, targets: Targets) -> Pa
         offsets, items = gather_bins(offsets, kept)
         item_doc, item_start, item_len = take_items(items, item_doc, item_start, item_len)
         bin_targets = bin_targets[kept]
+        next_doc = None if next_doc is None else next_doc[kept]
     stats.update({"samples": len(bin_targets), "epochs": epochs, "epoch_tokens": epoch_tokens})
     stats.update(bin_stats(offsets, item_len, int(item_len.sum(dtype=np.int64)), seq_len))
     stats["target_tokens"] = int(bin_targets.sum(dtype=np.int64))
-    return Packed(offsets, item_doc, item_start, item_len, stats, bin_targets.astype(np.int32))
+    return Packed(offsets, item_doc, item_start, item_len, stats, bin_targets.astype(np.int32), next_doc)
+
+
+def next_positions(offsets: np.ndarray, pos: np.ndarray, start: np.ndarray, length: np.ndarray,
+                   visit_lengths: np.ndarray) -> np.ndarray:
+    """Per sample, the position (in the visiting order) of the document whose first token follows it in the stream
+    when the sample ends at its last document's end, else -1 (the token after it is then that document's next,
+    which the trainer's lookahead reads). ``chunk_items`` cut the stream with one more token than its samples
+    hold, so that position exists: under ``--attention causal`` its first token is the label of the sample's
+    last position, as in Megatron's samples of S + 1 tokens."""
+    last = offsets[1:] - 1  # every sample holds at least one item
+    ends = start[last] + length[last] == visit_lengths[pos[last]]
+    return np.where(ends, pos[last] + 1, -1)
+
+
+def next_doc_targets(next_doc: np.ndarray, targets: Targets, mask_eod: bool) -> np.ndarray:
+    """Per sample, 1 where the first token of ``next_doc`` (≥ 0) is a target, as the label of its last position:
+    counted as an empty item at the document's start that does not open a span (``sample_targets``)."""
+    out = np.zeros(len(next_doc), np.int64)
+    named = np.flatnonzero(next_doc >= 0)
+    if len(named):
+        none = np.zeros(len(named), np.int64)
+        out[named] = targets(next_doc[named], none, none, True, np.zeros(len(named), np.bool_), mask_eod)
+    return out
 
 
 def chunk_order(n_docs: int, epochs: int, config: PackConfig) -> np.ndarray:

@@ -48,6 +48,7 @@ class PackBins:
         self.doc_base = np.cumsum([0, *(len(d) for d in self.datasets)]).astype(np.int64)
         self._arrays = [tuple(_view(getattr(p, n)) for n in ("bin_offsets", "item_doc", "item_start", "item_len"))
                         for p in self.parts]
+        self._next = [None if p.bin_next_doc is None else _view(p.bin_next_doc) for p in self.parts]
 
     @property
     def num_bins(self) -> int:
@@ -66,6 +67,14 @@ class PackBins:
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         docs = doc[lo:hi] + self.part_base[s] if self.part_base[s] else doc[lo:hi]
         return s, docs, start[lo:hi], length[lo:hi]
+
+    def next_doc(self, b: int) -> int:
+        """The global document whose first token follows bin ``b``'s sample in the stream (a chunk pack made with
+        ``--attention causal``, the sample ending at a document's end), else -1."""
+        s, i = self.locate(b)
+        if self._next[s] is None or int(self._next[s][i]) < 0:
+            return -1
+        return int(self._next[s][i]) + self.part_base[s]
 
     def bin_tokens(self, bins: list[int]) -> int:
         """Real (non-padding) tokens in these bins."""
