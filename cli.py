@@ -457,6 +457,9 @@ def xtrain():
 @click.option("--global-batch-size", type=int, default=None,
               help="Bins per optimizer step over all ranks [default: micro-batch × ranks, or the step "
                    "of a pack made with --balance-dp].")
+@click.option("--allow-new-global-batch/--no-allow-new-global-batch", default=None,
+              help="Resume a checkpoint on another --global-batch-size, from the bins it had consumed (Megatron's "
+                   "behaviour; the steps' bins then differ from the uninterrupted run's) [default: refused].")
 @click.option("--sampler", type=click.Choice(["sequential", "random"]), default=None,
               help="Bin order: Megatron sequential, or a permutation per epoch [default: sequential].")
 @click.option("--category-weight", multiple=True, metavar="NAME=W", callback=lambda _c, _p, v: v or None,

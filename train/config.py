@@ -2,7 +2,8 @@
 
 ```
 TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the run itself)
-  data        packed, micro_batch_size, global_batch_size, sampler, verify_data   → PackedDataset
+  data        packed, micro_batch_size, global_batch_size, sampler, verify_data,
+              allow_new_global_batch                                              → PackedDataset
               category_weight, source_weight                                      → LossWeights (or None)
   model       name (--model), precision, tf32, loss_chunk, compile, init_from     → model (+ its config)
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
@@ -92,6 +93,7 @@ class DataSection:
     global_batch_size: int | None = None  # None: micro_batch_size × DP ranks (or the pack's DP step)
     sampler: str = "sequential"
     verify_data: bool = False
+    allow_new_global_batch: bool = False  # resume on another global batch from the checkpoint's consumed samples
     category_weight: dict[str, float] | None = None  # by category name; None: all 1 (xprep.train.loss_weights)
     source_weight: dict[str, float] | None = None  # by blend source name; None: all 1
 

@@ -15,9 +15,16 @@ epoch the sequential order is exactly Megatron's (tests compare with its publish
 
 Token-aware packs balanced with ``--balance-dp N`` store bins in groups of ``N`` consecutive
 bins, bin ``r`` of a group meant for rank ``r``: there a unit is a group, ``micro_batch_size``
-must be 1 and ``dp`` must equal ``N``, and the random order permutes groups, never splits them.
+must be 1, and the random order permutes groups, never splits them. On ``N`` ranks each rank gets
+its bin of every group; a run resumed on other ranks (``plan_batches``) reads the same positions,
+so the same bins, only not balanced across its ranks.
 (The packer balances Σlen² over a whole step of N × dp_micro_batches bins: that balance holds
 exactly in sequential order; token-aware packs are shuffled at pack time already.)
+
+Elastic resume: the stream of positions, hence the bins of global batch ``s`` (positions
+``[s·G, (s+1)·G)``), depends on the pack, the seed and the global batch ``G`` only. The data-parallel
+size, the micro-batch and the accumulation only decide which rank reads which of them in which
+micro-step, so a checkpoint resumes on any layout with the same ``G`` and trains on the same bins.
 
 ``plan_batches`` decides, before any sampler exists, how many bins make a micro-batch and a step,
 and how many steps the run has.
@@ -44,11 +51,10 @@ class BinSampler:
             raise XprepError("the pack holds no bins: nothing to train on")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
-        if group > 1 and (micro_batch_size != 1 or dp_size != group):
+        if group > 1 and micro_batch_size != 1:
             raise XprepError(
                 f"this pack groups its bins for {group} data-parallel ranks (token-aware, --balance-dp "
-                f"{group}): train with {group} ranks and --micro-batch-size 1 (got {dp_size} ranks, "
-                f"micro-batch {micro_batch_size}), or repack with --balance-dp {dp_size}")
+                f"{group}): train with --micro-batch-size 1 (got {micro_batch_size})")
         if num_bins % group:
             raise XprepError(f"the pack holds {num_bins} bins, not a multiple of its DP group {group}; "
                              "re-run `xprep pack --force`")
@@ -164,14 +170,33 @@ class BatchPlan:
     steps: int
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where the checkpoint being resumed stands: its step, the bins all ranks had consumed, its global batch."""
+
+    step: int
+    consumed_samples: int
+    global_batch_size: int | None  # None: a checkpoint that does not record it
+
+    @classmethod
+    def of(cls, state: dict) -> ResumePoint | None:
+        """The point a checkpoint's trainer state records; None for no checkpoint (an empty state)."""
+        if not state:
+            return None
+        global_ = state.get("global_batch_size")
+        return cls(int(state["step"]), int(state["sampler"]["consumed_samples"]),
+                   int(global_) if global_ is not None else None)
+
+
 def plan_batches(num_bins: int, pack_config: dict, dp: int, micro_batch_size: int,
                  global_batch_size: int | None = None, steps: int | None = None, epochs: float | None = None,
-                 saved_global: int | None = None) -> BatchPlan:
+                 resume: ResumePoint | None = None, allow_new_global: bool = False) -> BatchPlan:
     """Check the batch options against the pack and the number of DP ranks.
 
-    ``saved_global`` is the global batch of the checkpoint being resumed: it is the default (the
-    micro × dp default would change with the layout), and another explicit one is refused.
-    Neither ``steps`` nor ``epochs``: one epoch.
+    ``resume``: the checkpoint being resumed. Its global batch is the default (the micro × dp default would change
+    with the layout); another explicit one is refused unless ``allow_new_global`` (--allow-new-global-batch), which
+    continues from the checkpoint's consumed samples, as Megatron does. A balanced pack (``--balance-dp N``) starts
+    on N ranks only, and resumes on any number. Neither ``steps`` nor ``epochs``: one epoch.
     """
     group = int(pack_config.get("balance_dp") or 1)
     micro = micro_batch_size
@@ -179,23 +204,42 @@ def plan_batches(num_bins: int, pack_config: dict, dp: int, micro_batch_size: in
         raise XprepError(f"--micro-batch-size {micro}: a {pack_config['method']} pack's bin is one whole micro-batch "
                          "(its token budget); use --micro-batch-size 1 and raise --global-batch-size "
                          "for more bins per step")
-    if group > 1:
-        per_rank = int(pack_config.get("dp_micro_batches") or 1)
-        default_global = group * per_rank
-    else:
-        default_global = micro * dp
-    if saved_global is not None and global_batch_size not in (None, saved_global):
-        raise XprepError(f"--global-batch-size {global_batch_size}: the checkpoint being resumed was trained "
-                         f"with a global batch of {saved_global} bins; resume with {saved_global} (or leave the "
-                         "option out), or start a new run with another --output")
-    global_ = global_batch_size or saved_global or default_global
+    if group > 1 and dp != group and resume is None:
+        raise XprepError(
+            f"this pack groups its bins for {group} data-parallel ranks (token-aware, --balance-dp {group}): "
+            f"start the run on {group} ranks (got {dp}; a checkpoint of it resumes on any number), or repack "
+            f"with --balance-dp {dp}")
+    saved_global = resume.global_batch_size if resume is not None else None
+    global_ = _global_batch(global_batch_size, saved_global, allow_new_global,
+                            group * int(pack_config.get("dp_micro_batches") or 1) if group > 1 else micro * dp)
     if global_ % (micro * dp):
         raise XprepError(
             f"--global-batch-size {global_} is not a multiple of micro-batch {micro} × {dp} DP ranks "
             f"= {micro * dp}: use a multiple such as {micro * dp * max(1, global_ // (micro * dp))}")
+    if global_ % group:
+        raise XprepError(f"--global-batch-size {global_} is not a multiple of this pack's DP group of {group} bins "
+                         f"(--balance-dp {group}): use a multiple such as {group * max(1, global_ // group)}")
     if steps is None:
-        steps = int((epochs or 1.0) * num_bins // global_)
-        if steps < 1:
-            raise XprepError(f"{epochs or 1} epoch(s) of {num_bins} bins is less than one global batch of "
-                             f"{global_}: use --steps, more epochs or a smaller --global-batch-size")
+        steps = _steps_of(num_bins, epochs, global_, resume if saved_global not in (None, global_) else None)
     return BatchPlan(micro, global_, global_ // (micro * dp), group, steps)
+
+
+def _global_batch(given: int | None, saved: int | None, allow_new: bool, default: int) -> int:
+    """The run's global batch: the one given, else the checkpoint's, else the layout's default."""
+    if saved is not None and given not in (None, saved) and not allow_new:
+        raise XprepError(f"--global-batch-size {given}: the checkpoint being resumed was trained with a global "
+                         f"batch of {saved} bins (another one changes which bins make each step); resume with "
+                         f"{saved} (or leave the option out), or continue from the bins already consumed with "
+                         "--allow-new-global-batch, or start a new run with another --output")
+    return given or saved or default
+
+
+def _steps_of(num_bins: int, epochs: float | None, global_: int, resume: ResumePoint | None) -> int:
+    """The steps of ``epochs`` passes over the bins; a run resumed on a new global batch (``resume``) counts the
+    bins left after its checkpoint's consumed ones in steps of the new size."""
+    total = int((epochs or 1.0) * num_bins)
+    steps = total // global_ if resume is None else resume.step + max(0, total - resume.consumed_samples) // global_
+    if steps < 1:
+        raise XprepError(f"{epochs or 1} epoch(s) of {num_bins} bins is less than one global batch of "
+                         f"{global_}: use --steps, more epochs or a smaller --global-batch-size")
+    return steps

@@ -75,7 +75,7 @@ from xprep.train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop,
 from xprep.train.report import layout_text
 from xprep.train.resume import check_same_model, check_same_pack, pinned_entry
 from xprep.train.rundir import RanksLock, RunLock
-from xprep.train.samplers import BatchPlan, BinSampler, build_sampler, plan_batches
+from xprep.train.samplers import BatchPlan, BinSampler, ResumePoint, build_sampler, plan_batches
 from xprep.train.weights import HFSaver, InitFrom, check_exportable, init_record, plan_init
 
 BAD_STEPS_EXIT = 3  # exit status of a run that --max-bad-steps stopped (every rank's, and xtrain run's)
@@ -344,9 +344,12 @@ class Trainer:
         self.loss, self.eval_loss = state.get("loss"), state.get("eval_loss")
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
-        changed = []
+        changed, global_ = [], self.grad_accum * self.sampler.micro_batch_times_dp
+        if state.get("global_batch_size") not in (None, global_):  # --allow-new-global-batch
+            changed.append(f"global batch {state['global_batch_size']} → {global_} bins, from consumed sample "
+                           f"{self.sampler.consumed_samples}")
         if self.hparams is not None:  # before the settings go back: an old checkpoint's are read off the optimizer
-            changed = hparam_changes(state.get("hparams"), self.hparams, self.optimizer, self.scheduler)
+            changed += hparam_changes(state.get("hparams"), self.hparams, self.optimizer, self.scheduler)
         apply_settings(self.optimizer, self.scheduler, self.settings)
         schedule = schedule_change(self.scheduler.lr_lambdas[0], state.get("schedule"), self.scheduler.last_epoch,
                                    self.scheduler.base_lrs[0])
@@ -390,7 +393,8 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     if resume_from is not None:
         check_same_pack(saved, resume_from, dataset.key)
     plan = plan_batches(len(dataset), dataset.entry.config, dims.dp, cfg.data.micro_batch_size,
-                        cfg.data.global_batch_size, cfg.steps, cfg.epochs, saved.get("global_batch_size"))
+                        cfg.data.global_batch_size, cfg.steps, cfg.epochs, ResumePoint.of(saved),
+                        cfg.data.allow_new_global_batch)
     validation = cfg.eval.build(cfg.data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)
     evals = cfg.eval.build_sets(cfg.data, dataset, dims, plan.micro_batch_size, verify_data)
     test = cfg.eval.build_test(cfg.data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)

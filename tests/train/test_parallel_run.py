@@ -4,7 +4,9 @@ Issue 5 points 2 (second half), 3 and 4: a 20-step run has the same loss curve o
 (dp 1, cp 2); a checkpoint written with dp=2 resumes with cp=2, one written with cp=2 (ring) on one process and
 on cp=4 (hybrid 2 × 2: issue 33, another mode and another C), the losses and the
 data order continuing exactly as in an uninterrupted run; a rank that dies ends the whole job
-quickly, non-zero, with its error shown.
+quickly, non-zero, with its error shown. Issue 35 (elastic resume): a job whose rank is SIGKILLed resumes on
+another layout with the same global batch — dp=1 × cp=2 on dp=2, and dp=2 on one process on a pack balanced for
+2 ranks — with the losses of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from pathlib import Path
 import pytest
 from _train_fault_worker import FAIL_RANK_ENV, FAIL_STEP_ENV, KILL_AFTER_STEP_ENV, KILL_RANK_ENV
 from click.testing import CliRunner
-from trainkit import cp_pack
+from trainkit import cp_pack, make_dataset, random_docs
 from xprep.cli import xtrain as xtrain_cli
+from xprep.prep.pack.cache import PackConfig, pack
 
 ROOT = Path(__file__).resolve().parents[2]
 XTRAIN = Path(sys.executable).with_name("xtrain")
@@ -65,11 +68,15 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_cp2_curve_equals_one_process_and_resumes_under_another_mode_and_c(runs, tmp_path):
+    """The cp=2 job is SIGKILLed (rank 1, after step 11) and resumed in place on dp=2 (issue 35) after its step-10
+    checkpoint has also resumed under cp=4 (hybrid) and on one process: every curve is the one-process run's."""
     packed, one = runs
-    cp2 = xtrain(str(packed), *COMMON, *CP2, "--cp-mode", "ring", "--output", str(tmp_path / "cp2"))
-    assert cp2.returncode == 0, cp2.stderr
-    assert "1 DP × 2 CP (ring), FSDP2" in cp2.stderr and cp2.stderr.count("step 20/20") == 1  # rank 0 speaks
-    same_curve(metrics(one), metrics(tmp_path / "cp2"))
+    killed = xtrain(str(packed), *COMMON, *CP2, "--cp-mode", "ring", "--output", str(tmp_path / "cp2"),
+                    env={KILL_AFTER_STEP_ENV: "11", KILL_RANK_ENV: "1"})
+    assert killed.returncode not in (0, None), killed.stderr
+    assert "1 DP × 2 CP (ring), FSDP2" in killed.stderr
+    assert killed.stderr.strip().splitlines()[-1].startswith("error: rank 1 of 2 failed (signal SIGKILL)")
+    assert (tmp_path / "cp2" / "checkpoints" / "latest").read_text().strip() == "step-10"
     hybrid = ["--nproc-per-node", "4", "--cp", "4", "--cp-mode", "hybrid", "--ulysses", "2"]
     resumed = xtrain(str(packed), *COMMON, *hybrid, "--output", str(tmp_path / "cp4"),
                      "--resume", str(tmp_path / "cp2" / "checkpoints" / "step-10"))
@@ -80,6 +87,11 @@ def test_cp2_curve_equals_one_process_and_resumes_under_another_mode_and_c(runs,
                    "--resume", str(tmp_path / "cp2" / "checkpoints" / "step-10"))
     assert alone.returncode == 0, alone.stderr
     same_curve(metrics(one)[10:], metrics(tmp_path / "alone"))
+    dp2 = xtrain("--output", str(tmp_path / "cp2"), *DP2, "--cp", "1")  # the run's config.json gives the rest
+    assert dp2.returncode == 0, dp2.stderr
+    assert "resuming at step 10" in dp2.stderr and "1 × 2 DP × 1 accumulation; 2 DP, FSDP2" in dp2.stderr
+    assert dp2.stderr.count("step 20/20") == 1  # rank 0 speaks
+    same_curve(metrics(one), metrics(tmp_path / "cp2"))  # steps 1-10 on cp=2, 11-20 on dp=2 (step 11 replayed)
 
 
 def test_dp2_with_async_save_resumes_on_cp2(runs, tmp_path):
@@ -118,7 +130,8 @@ def test_a_dying_rank_ends_the_job(runs, tmp_path, launcher):
 
 
 def test_resume_on_one_process_keeps_the_global_batch(tmp_path):
-    """The default global batch (micro × dp = 2 on 2 ranks) is the checkpoint's, not 1 × 1 on one process."""
+    """The default global batch (micro × dp = 2 on 2 ranks) is the checkpoint's, not 1 × 1 on one process; another
+    one is refused in one line, or taken from the consumed bins on with --allow-new-global-batch."""
     packed = cp_pack(tmp_path)
     args = [str(packed), "--micro-batch-size", "1", "--log-every", "100", "--output", str(tmp_path / "run")]
     dp2 = xtrain(*args, *DP2, "--steps", "2")
@@ -132,15 +145,34 @@ def test_resume_on_one_process_keeps_the_global_batch(tmp_path):
     other = CliRunner().invoke(xtrain_cli, ["run", *args, *one_process, "--steps", "6", "--global-batch-size", "4"])
     assert other.exit_code == 2 and "global batch of 2 bins" in other.stderr, other.stderr
     assert len(other.stderr.strip().splitlines()) == 1, other.stderr
+    # issue 35: --allow-new-global-batch continues from the 8 bins consumed, in steps of 4
+    new = CliRunner().invoke(xtrain_cli, ["run", *args, *one_process, "--steps", "6", "--global-batch-size", "4",
+                                          "--allow-new-global-batch"])
+    assert new.exit_code == 0, new.output
+    assert "global batch 2 → 4 bins, from consumed sample 8" in new.stderr, new.stderr
+    assert [r["consumed_samples"] for r in metrics(tmp_path / "run")] == [2, 4, 6, 8, 12, 16]
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-6" / "trainer.json").read_text())
+    assert (state["global_batch_size"], state["sampler"]["consumed_samples"]) == (4, 16)
 
 
-def test_a_sigkilled_rank_ends_the_job(tmp_path):
-    packed = cp_pack(tmp_path)
-    args = [str(packed), "--steps", "50", "--micro-batch-size", "1", "--log-every", "100", *DP2,
-            "--output", str(tmp_path / "run")]
+def test_a_sigkilled_rank_ends_the_job_and_it_resumes_on_one_rank(tmp_path):
+    """dp=2 → dp=1 (issue 35) on a token-aware pack balanced for 2 ranks (--balance-dp 2, which starts on 2 ranks
+    only): the 2-rank job dies with rank 1 (SIGKILL after step 3), the run resumes on one process from step-2, and
+    its losses are the uninterrupted 2-rank run's (the same bins in each global batch of 2)."""
+    make_dataset(tmp_path / "ds", random_docs(40, 3, 40, vocab=128, seed=1), vocab_size=128)
+    pack([tmp_path / "ds"], tmp_path / "p",
+         PackConfig(method="token-aware", max_tokens=64, balance_dp=2, dp_micro_batches=1))  # global batch: 2
+    args = [str(tmp_path / "p"), "--steps", "6", "--micro-batch-size", "1", "--sampler", "random", "--seed", "3",
+            "--lr", "2e-3", "--warmup", "2", "--log-every", "100", "--save-every", "2", *DP2]
+    reference = xtrain(*args, "--output", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr
     # A job left waiting on the dead rank would sit until the gloo timeout (600 s) and fail here as a
     # TimeoutExpired; how long the start-up takes is the machine's business, not this test's.
-    proc = xtrain(*args, env={KILL_AFTER_STEP_ENV: "2", KILL_RANK_ENV: "1"}, timeout=180)
+    proc = xtrain(*args, "--output", str(tmp_path / "run"), env={KILL_AFTER_STEP_ENV: "3", KILL_RANK_ENV: "1"})
     assert proc.returncode not in (0, None), proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: rank 1 of 2 failed (signal SIGKILL)"), last
+    one = xtrain("--output", str(tmp_path / "run"), "--nproc-per-node", "1", "--dp", "1")  # config.json: the rest
+    assert one.returncode == 0, one.stderr
+    assert "resuming at step 2" in one.stderr and "1 × 1 DP × 2 accumulation" in one.stderr
+    same_curve(metrics(tmp_path / "reference"), metrics(tmp_path / "run"))

@@ -18,7 +18,7 @@ from xprep.train.ckpt_files import LATEST
 from xprep.train.config import FLAT_KEYS, TrainConfig, flatten, read_config_file, resolve_config
 from xprep.train.data import IGNORE, PackedDataset
 from xprep.train.dist import ParallelDims
-from xprep.train.samplers import build_sampler, plan_batches
+from xprep.train.samplers import ResumePoint, build_sampler, plan_batches
 
 
 @pytest.fixture
@@ -57,8 +57,26 @@ def test_balanced_token_aware_pack_plan(dataset, tmp_path):
     for _ in range(10):
         got = [s.next_micro_batch()[0] for s in ranks]
         assert got[0] % 2 == 0 and got[1] == got[0] + 1  # bin b belongs to rank b % 2 (pack.json layout)
-    with pytest.raises(XprepError, match="balance-dp"):
-        build_sampler("sequential", len(ds), 1, 0, 1, 0, plan.group)
+    with pytest.raises(XprepError, match="start the run on 2 ranks"):  # a new run, on 1 rank
+        plan_batches(len(ds), ds.entry.config, dp=1, micro_batch_size=1, steps=4)
+    resumed = plan_batches(len(ds), ds.entry.config, dp=1, micro_batch_size=1, steps=4, resume=ResumePoint(2, 12, 6))
+    assert (resumed.group, resumed.global_batch_size, resumed.grad_accum) == (2, 6, 6)  # the same bins per step
+    with pytest.raises(XprepError, match="DP group of 2 bins"):
+        plan_batches(len(ds), ds.entry.config, dp=1, micro_batch_size=1, global_batch_size=5, steps=4,
+                     resume=ResumePoint(2, 12, 6), allow_new_global=True)
+
+
+def test_resume_on_a_new_global_batch(dataset, tmp_path):
+    """Another global batch than the checkpoint's is refused, or with --allow-new-global-batch continues from its
+    consumed samples: one epoch of 20 bins is then the 3 steps of 2 done, and (20 - 6) // 4 steps of 4."""
+    at = ResumePoint(step=3, consumed_samples=6, global_batch_size=2)
+    with pytest.raises(XprepError, match="--allow-new-global-batch"):
+        plan_batches(20, {}, dp=1, micro_batch_size=1, global_batch_size=4, resume=at)
+    plan = plan_batches(20, {}, dp=2, micro_batch_size=1, global_batch_size=4, resume=at, allow_new_global=True)
+    assert (plan.global_batch_size, plan.grad_accum, plan.steps) == (4, 2, 3 + 3)
+    assert plan_batches(20, {}, dp=1, micro_batch_size=1, resume=at).steps == 10  # the same batch: as before
+    assert plan_batches(20, {}, dp=1, micro_batch_size=1, global_batch_size=4, steps=9, resume=at,
+                        allow_new_global=True).steps == 9
 
 
 def test_epochs_and_global_batch(dataset, tmp_path):
