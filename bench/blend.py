@@ -17,7 +17,7 @@ Baseline, measured in the same run on the same mixtures: the previous implementa
 call for every bin's index, and sizes read by bin id, i.e. at random in a repeated source's later epochs).
 With phases (issue 36): the same mixtures, the same total, in three phases of a third each (the mixture's weights,
 then every other source's weight halved and the others' raised by half, then the weights again: an anneal on a
-shifted mix, which asks each source about what the blend without phases does; ``xprep.prep.pack.phases``), timed
+shifted mix, which asks each source about what the blend without phases does; ``blend.phased_blend``), timed
 in their own processes beside the blend without phases, with their ratio to it. Target: ≤ 2 s as well.
 
 Each (mixture, implementation) runs in its own process, so its peak RSS is its own; the outputs of both are
@@ -44,7 +44,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
-from xprep.prep.pack import blend, phases  # noqa: E402
+from xprep.prep.pack import blend  # noqa: E402
 from xprep.prep.pack.shuffle import shuffled_order  # noqa: E402
 
 CAPACITY = 8192
@@ -182,12 +182,12 @@ def phased_blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, un
     shifted = weights * np.where(np.arange(len(weights)) % 2 == 0, 0.5, 1.5)
     by_phase = np.stack([weights, shifted / shifted.sum(), weights])
     thirds = [total_tokens // 3, total_tokens // 3, total_tokens - 2 * (total_tokens // 3)]
-    return phases.phased_blend(bin_sizes, by_phase, thirds, unit, seed).blend
+    return blend.phased_blend(bin_sizes, by_phase, thirds, unit, seed).blend
 
 
 IMPLEMENTATIONS = {"new": (blend.blend_bins, [blend.greedy_blend]),
                    "previous": (previous_blend_bins, [previous_greedy_blend, previous_greedy_blend_counts])}
-PHASED = {"3 phases": (phased_blend_bins, [blend.greedy_blend, phases.place_phase])}
+PHASED = {"3 phases": (phased_blend_bins, [blend.greedy_blend, blend.place_phase])}
 
 
 # ------------------------------------------------------------------------------------------- measuring

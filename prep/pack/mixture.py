@@ -17,8 +17,8 @@ Size: ``--total-tokens N``, or ``--epochs E`` (default 1) of the source with the
 or its tokens for a method whose bins are micro-batches (token-aware: then the unit of the greedy rule is the
 token budget).
 
-A mix file with ``phases:`` makes one blend whose bins run phase after phase (``xprep.prep.pack.phases``; its
-blend.json adds ``phases``: each phase's first bin, size, and requested vs delivered shares).
+A mix file with ``phases:`` makes one blend whose bins run phase after phase (``blend.phased_blend``; its blend.json
+adds ``phases``: each phase's first bin, size, and requested vs delivered shares).
 
 The sources themselves (``--mix`` files, ``DATASET@WEIGHT`` arguments) are read by ``xprep.prep.pack.mixfile``;
 any entry, plain or blend, is read as bins of items by ``xprep.prep.pack.reader.PackBins``.
@@ -38,12 +38,11 @@ from xprep.prep.errors import XprepError
 from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, declared_format
 from xprep.prep.io import read_json
 from xprep.prep.pack.bins import expand_ranges
-from xprep.prep.pack.blend import Blend, blend_bins, epoch_seed, relabel
+from xprep.prep.pack.blend import Blend, PhasedBlend, blend_bins, epoch_seed, phased_blend, relabel
 from xprep.prep.pack.config import PackConfig
 from xprep.prep.pack.entry import CHECK_BLOCK, DamagedEntry, EntryMeta, PackEntry, load_arrays, open_packed, save_array
 from xprep.prep.pack.methods import methods_of
 from xprep.prep.pack.mixfile import Phase, Source, shares
-from xprep.prep.pack.phases import PhasedBlend, phased_blend
 from xprep.prep.pack.shuffle import shuffled_order
 
 BLEND_VERSION = 2  # bump when the same sources and options would blend differently (2: cut = random subset)

@@ -13,10 +13,9 @@ import pytest
 from conftest import SHARED, requires_shared_data
 from prepkit import web_and_mail
 from xprep.prep.errors import XprepError
-from xprep.prep.pack.blend import blend_bins, epoch_seed
+from xprep.prep.pack.blend import blend_bins, epoch_seed, phased_blend
 from xprep.prep.pack.cache import PackConfig, pack
 from xprep.prep.pack.mixture import bin_tokens
-from xprep.prep.pack.phases import phased_blend
 from xprep.prep.pack.shuffle import shuffled_order
 
 SEQ = 256
