@@ -156,3 +156,11 @@ def schedule(entry, global_batch: int, sampler: str) -> list[dict] | None:
     return [{"phase": p["phase"], "size": p["size"], "start_bin": p["start_bin"], "bins": p["bins"],
              "first_step": p["start_bin"] // global_batch + 1 if sampler == "sequential" else None,
              "weights": _weights(p)} for p in phases]
+
+
+def phase_note(entry, sampler: str) -> str | None:
+    """What to say when a blend with phases is read in random order (its phases then mix from the first step)."""
+    if sampler == "sequential" or not isinstance(entry, BlendEntry) or not entry.meta.get("phases"):
+        return None
+    return (f"note: {entry.path.name} runs in {len(entry.meta['phases'])} phases, which --sampler {sampler} shuffles "
+            "together; --sampler sequential follows them")

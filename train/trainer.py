@@ -71,7 +71,7 @@ from xprep.train.memory import peak_memory, reset_peak_memory
 from xprep.train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from xprep.train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
 from xprep.train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
-from xprep.train.remix import Remix, check_prefix, find_remix, keep_blend, schedule
+from xprep.train.remix import Remix, check_prefix, find_remix, keep_blend, phase_note, schedule
 from xprep.train.report import layout_text
 from xprep.train.resume import check_same_model, check_same_pack, pinned_entry
 from xprep.train.rundir import RanksLock, RunLock
@@ -524,6 +524,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     log.open(trainer.step)
     if dims.is_main:
         out.write(_pack_line(dataset, setup) + "\n")
+        if note := phase_note(dataset.entry, cfg.data.sampler):
+            out.write(note + "\n")
         for line in (setup.init_note, init and init.note, init and init.line()):
             if line:
                 out.write(line + "\n")

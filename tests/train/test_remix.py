@@ -138,3 +138,9 @@ def test_a_run_killed_after_the_phase_boundary_resumes_exactly(root, killed):
     assert phases[1]["weights"] == {"web": 0.3, "mail": 0.7} and phases[1]["size"] == "bins: 24"
     said = xprep_invoke("inspect", root / "killed").output  # the run report: where each phase starts, in steps
     assert "phase 2       from step 7 (consumed samples 24), 24 bins, web 30%, mail 70%" in said, said
+
+
+def test_a_phased_pack_read_in_random_order_says_its_phases_are_shuffled(root, killed, tmp_path):
+    said = train(str(root / "A"), *COMMON, "--steps", "1", "--sampler", "random", "--output", str(tmp_path / "run"))
+    assert "runs in 2 phases, which --sampler random shuffles together; --sampler sequential follows them" in said
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["pack"]["phases"][1]["first_step"] is None

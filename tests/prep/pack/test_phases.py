@@ -162,3 +162,18 @@ def test_phased_blend_matches_the_slow_reference():
     assert pairs == reference_phases(sizes, weights, totals, 8, seed=5)
     assert got.starts.tolist()[1:] == np.cumsum(got.bins.sum(axis=1)).tolist()
     assert got.blend.epochs.tolist() == np.maximum(1, -(-got.positions[-1] // [40, 15, 25])).tolist()
+
+
+@requires_shared_data
+def test_the_mix_file_and_blend_json_follow_their_schemas(data, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    from prepkit import schema
+
+    entry = phased_pack(data, tmp_path / "P", TWO_PHASES)
+    jsonschema.Draft202012Validator(schema("mix")).validate(json.loads((tmp_path / "P.json").read_text()))
+    s = schema("pack")
+    jsonschema.Draft202012Validator({**s["$defs"]["blend"], "$defs": s["$defs"]}).validate(entry.meta)
+    without_weight = {"sources": [{"dataset": "web"}]}  # a source's weight is required only without phases
+    assert not jsonschema.Draft202012Validator(schema("mix")).is_valid(without_weight)
+    two_sizes = {"sources": [{"dataset": "web"}], "phases": [{"tokens": 5, "bins": 1, "weights": {"web": 1}}]}
+    assert not jsonschema.Draft202012Validator(schema("mix")).is_valid(two_sizes)
