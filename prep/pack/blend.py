@@ -630,7 +630,8 @@ def _one_phase(streams: list[SourceStream], bin_sizes: list, weights: np.ndarray
     part = blend_bins(sizes, share, unit, total, seed)
     n = len(part.bin_source) if cap is None else min(cap, len(part.bin_source))
     local_source, local_index = part.bin_source[:n], part.bin_index[:n]
-    taken = np.bincount(local_source, minlength=len(active)).astype(np.int64)
+    whole = n == len(part.bin_source)  # (a phase of N bins is cut to N below what it blended)
+    taken = part.bins.copy() if whole else np.bincount(local_source, minlength=len(active)).astype(np.int64)
     assert np.all(taken <= [b - a for a, b, _ in windows]), "a phase ran a source past its prepared window"
     gathered = np.array([order is not None for _, _, order in windows])
     lookup = [order for _, _, order in windows if order is not None]
@@ -639,7 +640,7 @@ def _one_phase(streams: list[SourceStream], bin_sizes: list, weights: np.ndarray
     offset[~gathered] = [a for a, _, order in windows if order is None]
     place_phase(local_source, local_index, active.astype(np.int16), offset,
                 np.concatenate(lookup) if lookup else np.zeros(1, out_index.dtype), gathered, out_source, out_index)
-    if n == len(part.bin_source):
+    if whole:
         units = part.tokens
     else:  # a phase of N bins, cut short of what it blended
         units = taken * unit if uniform else _units(sizes, local_source, local_index, len(active))
