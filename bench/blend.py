@@ -15,6 +15,11 @@ repeated source's later epochs are shuffled beside the first part.
 Baseline, measured in the same run on the same mixtures: the previous implementation (one thread), kept below as
 ``previous_blend_bins`` (its kernels verbatim: a full argmax per bin, in two chains for bin counts, a helper
 call for every bin's index, and sizes read by bin id, i.e. at random in a repeated source's later epochs).
+With phases (issue 36): the same mixtures, the same total, in three phases of a third each (the mixture's weights,
+then every other source's weight halved and the others' raised by half, then the weights again: an anneal on a
+shifted mix, which asks each source about what the blend without phases does; ``blend.phased_blend``), timed
+in their own processes beside the blend without phases, with their ratio to it. Target: ≤ 2 s as well.
+
 Each (mixture, implementation) runs in its own process, so its peak RSS is its own; the outputs of both are
 compared by digest. Seconds are the best of ``--runs`` warm runs (this machine is shared and noisy); numba's
 compile is not in them and is shown apart: the first call in a fresh process (the on-disk cache loaded, or
@@ -171,8 +176,18 @@ def previous_blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, 
                        tokens=delivered.astype(np.int64), epochs=np.maximum(1, -(-taken // counts)))
 
 
+def phased_blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, unit: int, total_tokens: int,
+                      seed: int) -> blend.Blend:
+    """The same mixture and total in three phases of a third each: its weights, shifted, then its weights again."""
+    shifted = weights * np.where(np.arange(len(weights)) % 2 == 0, 0.5, 1.5)
+    by_phase = np.stack([weights, shifted / shifted.sum(), weights])
+    thirds = [total_tokens // 3, total_tokens // 3, total_tokens - 2 * (total_tokens // 3)]
+    return blend.phased_blend(bin_sizes, by_phase, thirds, unit, seed).blend
+
+
 IMPLEMENTATIONS = {"new": (blend.blend_bins, [blend.greedy_blend]),
                    "previous": (previous_blend_bins, [previous_greedy_blend, previous_greedy_blend_counts])}
+PHASED = {"3 phases": (phased_blend_bins, [blend.greedy_blend, blend.place_phase])}
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -191,7 +206,7 @@ def child(total_bins: int, kind: str, impl: str, runs: int) -> None:
     """Fresh process: the first (compiling or cache-loading) call on a small blend, then the best of ``runs``
     warm runs of the big one; print one JSON line."""
     sizes, weights, total = mixture(total_bins, kind)
-    blend_bins, kernels = IMPLEMENTATIONS[impl]
+    blend_bins, kernels = {**IMPLEMENTATIONS, **PHASED}[impl]
     small = [min(s, 100) if isinstance(s, int) else s[:100] for s in sizes]
     t0 = time.perf_counter()
     blend_bins(small, weights, CAPACITY, 50 * CAPACITY, seed=0)
@@ -242,6 +257,11 @@ def main() -> None:
         same = "identical" if new["digest"] == old["digest"] else "DIFFERENT"
         print(f"  {kind:<12} {'ratio':<9} {old['seconds'] / new['seconds']:7.2f} × faster  output {same} "
               f"({new['bins']:,} bins; most epochs of a source {new['epochs']})")
+        for impl in PHASED:
+            r = run_child(n, kind, impl, args.runs)
+            print(f"  {kind:<12} {impl:<9} {r['seconds']:7.3f} s  {r['bins'] / r['seconds'] / 1e6:6.1f} M bins/s  "
+                  f"peak RSS {r['rss']:,.0f} MB  {r['seconds'] / new['seconds']:.2f} × the blend without phases "
+                  f"({r['bins']:,} bins)")
     sys.exit(0 if identical else 1)
 
 

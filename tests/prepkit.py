@@ -189,3 +189,20 @@ def random_dataset(path: Path, n: int, seed: int, tokenizer_sha: str = "a" * 64)
         w.finish({"tokenizer": {"path": "t", "vocab_size": 128, "pad_id": 0, "eod_id": 1, "sha256": tokenizer_sha}},
                  CategoryTable())
     return path
+
+
+def web_and_mail(shared: Path, root: Path, addresses: int = 60, mails: int = 400) -> dict[str, Path]:
+    """Two token datasets of real text with Mistral's tokenizer (uint16): ``web`` (paragraphs of State of the Union
+    addresses, six sentences each) and ``mail`` (raw spam-assassin e-mails); made once per ``root``."""
+    out = {"web": root / "web", "mail": root / "mail"}
+    if all((p / "manifest.json").is_file() for p in out.values()):
+        return out
+    files = sorted((shared / "corpora" / "sotu").glob("*.txt"))[:addresses]
+    sentences = [s for f in files for s in f.read_text(encoding="utf-8", errors="replace").split(". ")]
+    write_jsonl(root / "web.jsonl", [{"text": ". ".join(sentences[i:i + 6])} for i in range(0, len(sentences), 6)])
+    raw = sorted(p for p in (shared / "corpora" / "spam-assassin").rglob("*") if p.is_file())[:mails]
+    write_jsonl(root / "mail.jsonl", [{"text": p.read_bytes().decode("utf-8", "replace")} for p in raw])
+    mistral = shared / "tokenizers" / "mistral"
+    for name, path in out.items():
+        tokenize(root / f"{name}.jsonl", path, mistral)
+    return out

@@ -72,6 +72,7 @@ from xprep.train.memory import peak_memory, reset_peak_memory
 from xprep.train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from xprep.train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
 from xprep.train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
+from xprep.train.remix import Remix, check_prefix, find_remix, keep_blend, phase_note, schedule
 from xprep.train.report import layout_text
 from xprep.train.resume import check_same_model, check_same_pack, pinned_entry
 from xprep.train.rundir import RanksLock, RunLock
@@ -376,6 +377,7 @@ class RunSetup:
     init: InitFrom | None = None  # --init-from, when this run takes it (xprep.train.weights.plan_init)
     init_note: str = ""  # why --init-from is not used (the run resumes)
     loss_weights: LossWeights | None = None  # --category-weight / --source-weight for this pack; None: unweighted
+    remix: Remix | None = None  # resuming onto another blend whose consumed bins are the checkpoint's (remix.py)
 
 
 def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None = None) -> RunSetup:
@@ -388,9 +390,10 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     ckpt = cfg.checkpoint.build(cfg.run_dir, dims)
     resume_from = ckpt.resolve(cfg.checkpoint.resume)
     saved = ckpt.read_trainer_state(resume_from) if resume_from is not None else {}
-    pinned = pinned_entry(cfg.data.packed, saved, resume_from) if resume_from is not None else None
+    remix = find_remix(cfg.data.packed, saved, cfg.run_dir) if resume_from is not None else None
+    pinned = pinned_entry(cfg.data.packed, saved, resume_from) if resume_from is not None and not remix else None
     dataset = cfg.data.build(dims.cp, verify_data, entry=pinned)
-    if resume_from is not None:
+    if resume_from is not None and not remix:
         check_same_pack(saved, resume_from, dataset.key)
     plan = plan_batches(len(dataset), dataset.entry.config, dims.dp, cfg.data.micro_batch_size,
                         cfg.data.global_batch_size, cfg.steps, cfg.epochs, ResumePoint.of(saved),
@@ -400,6 +403,10 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     test = cfg.eval.build_test(cfg.data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)
     sampler = build_sampler(cfg.data.sampler, len(dataset), plan.micro_batch_size, dims.dp_rank, dims.dp, cfg.seed,
                             plan.group)
+    if remix:  # the bins consumed so far, the same in the new blend, or refused
+        check_prefix(remix, dataset.entry, int(saved["sampler"]["consumed_samples"]),
+                     lambda n, at: build_sampler(cfg.data.sampler, n, 1, 0, plan.group, cfg.seed, plan.group)
+                     .bins_at(at), plan.global_batch_size, resume_from)
     if not dataset.vocab_size:
         raise XprepError(f"{dataset.datasets[0].path}/manifest.json: no tokenizer vocab_size; re-create the dataset")
     model_config = cfg.model.check(dataset.vocab_size)
@@ -420,7 +427,7 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     check_exportable(cfg.checkpoint.save_hf, model_config, cfg.model.name)
     init, init_note = plan_init(cfg.model.init_from, model_config, cfg.model.name, resume_from, cfg.checkpoint.resume)
     return RunSetup(dataset, plan, sampler, ckpt, resume_from, validation, evals, test, pinned, loss_chunk,
-                    attention, attention_note, init, init_note, cfg.data.loss_weights(dataset))
+                    attention, attention_note, init, init_note, cfg.data.loss_weights(dataset), remix)
 
 
 def attention_plan(cfg: TrainConfig, dims: ParallelDims, model_config: dict | None) -> tuple[str, str]:
@@ -549,6 +556,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     log.open(trainer.step)
     if dims.is_main:
         out.write(_pack_line(dataset, setup) + "\n")
+        if note := phase_note(dataset.entry, cfg.data.sampler):
+            out.write(note + "\n")
         for line in (setup.init_note, init and init.note, init and init.line()):
             if line:
                 out.write(line + "\n")
@@ -705,7 +714,14 @@ def _resume(setup: RunSetup, trainer: Trainer, is_main: bool, out) -> None:
     if setup.ckpt.note and is_main:  # the pointer was missing or damaged: which checkpoint instead, and why
         out.write(setup.ckpt.note + "\n")
     check_same_model(setup.ckpt.read_trainer_state(path), path, trainer.model_config)
-    state = setup.ckpt.load(path, trainer.model, trainer.optimizer, setup.dataset.key)
+    remix = setup.remix
+    state = setup.ckpt.load(path, trainer.model, trainer.optimizer, remix.old_key if remix else setup.dataset.key)
+    if remix:  # the prefix is checked: the sampler goes on over the new blend's bins
+        state["sampler"]["num_bins"] = len(setup.dataset)
+        if is_main:
+            out.write(f"re-mixed: resuming on {setup.dataset.entry.path.name} instead of {remix.old_entry}, the "
+                      f"{state['sampler']['consumed_samples']:,} bins trained on the same in both; changed: "
+                      + "; ".join(remix.changes) + "\n")
     changed = trainer.load_state_dict(state)
     if changed and is_main:
         out.write("resuming with other hyperparameters than the checkpoint's: " + ", ".join(changed) + "\n")
@@ -782,9 +798,11 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, plan: BatchPlan, model_co
         val = {"path": str(Path(entry.path).resolve()), "entry": entry.path.name, "key": entry.key,
                "bins": len(validation.dataset), "eval_bins": validation.bins, "every": validation.every}
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    keep_blend(run_dir, dataset.entry)  # what a re-mixed resume checks against (xprep.train.remix)
     write_json_atomic(run_dir / "run.json", {
         "pack": {"path": str(Path(dataset.entry.path).resolve()), "entry": dataset.entry.path.name, "key": dataset.key,
-                 "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method")},
+                 "bins": len(dataset), "capacity": dataset.capacity, "method": dataset.entry.config.get("method"),
+                 "phases": schedule(dataset.entry, plan.global_batch_size, cfg.data.sampler)},
         "categories": dataset.category_names, "sources": dataset.source_names, "validation": val,
         "plan": asdict(plan), "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "cp_mode": dims.cp_mode,
         "ulysses": dims.ulysses_degree, "fsdp": dims.fsdp,

@@ -500,11 +500,13 @@ def blend_section(i: int, r: dict, colours: Colours) -> tuple[str, str, str]:
     body = cards(r, [("bins", ("blend", "bins"), integer), (unit + " delivered", ("blend", "tokens"), integer),
                      ("real tokens", ("blend", "real_tokens"), integer), ("fill", ("blend", "fill"), share),
                      ("padding", ("padding_tokens",), integer)])
-    body += charts(share_chart(r, colours), repeat_chart(r, colours), *bin_charts(r, "/", b["capacity"]),
+    body += charts(share_chart(r, colours), *([phase_chart(r, colours)] if b.get("phases") else []),
+                   repeat_chart(r, colours), *bin_charts(r, "/", b["capacity"]),
                    *(pack_category_chart(sub, ("source_reports", k), colours,
                                          f"Tokens per category in source {s['name']} (one pass)")
                      for k, (s, sub) in enumerate(zip(b["sources"], r["source_reports"], strict=True))))
-    body += blend_table(r, colours) + bins_table(r) + entries_table(r)
+    body += blend_table(r, colours) + (phase_table(r, colours) if b.get("phases") else "") + bins_table(r)
+    body += entries_table(r)
     body += "".join(note(f"warning: {w}") for w in b.get("warnings") or [])  # e.g. a source cut to a small part
     drawn = [f"{s['name']}: {s['drawn']}" for s in b["sources"] if s.get("drawn")]
     body += note("How each source's bins were drawn: " + "; ".join(drawn) + ".") if drawn else ""
@@ -524,6 +526,34 @@ def share_chart(r: dict, colours: Colours) -> str:
     return figure(bar_chart("Blend shares: requested vs delivered", f"share of {blend_unit_label(r['blend'])} (%)",
                             "source", rows, fmt=percent), keys)
 
+
+
+def phase_chart(r: dict, colours: Colours) -> str:
+    """A mix with phases: per phase, the requested and the delivered shares stacked source by source."""
+    rows = []
+    for p, phase in enumerate(r["blend"]["phases"]):
+        for kind, opacity in (("requested", 0.45), ("delivered", 1.0)):
+            rows.append((f"phase {phase['phase']} {kind}", [
+                Bar(Source(ptr("blend", "phases", p, "sources", k, f"{kind}_share"), s[f"{kind}_share"]),
+                    colours(s["name"]), f"phase {phase['phase']}, {s['name']}: {s[f'{kind}_share']:.2%} {kind}",
+                    opacity=opacity, series=kind)
+                for k, s in enumerate(phase["sources"])]))
+    keys = [Key("requested", NEUTRAL, series="requested", opacity=0.45), Key("delivered", NEUTRAL, series="delivered")]
+    starts = "; ".join(f"phase {p['phase']} from bin {p['start_bin']:,}" for p in r["blend"]["phases"])
+    return figure(bar_chart("Phases: requested vs delivered shares", f"share of {blend_unit_label(r['blend'])} (%)",
+                            "phase", rows, fmt=percent, stacked=True), keys,
+                  note=f"Each phase starts at a bin = the samples a sequential run has consumed then: {starts}.")
+
+
+def phase_table(r: dict, colours: Colours) -> str:
+    rows = []
+    for p, phase in enumerate(r["blend"]["phases"]):
+        for k, s in enumerate(phase["sources"]):
+            at = ("blend", "phases", p, "sources", k)
+            rows.append([td(r, "blend", "phases", p, "phase"), td(r, "blend", "phases", p, "start_bin"),
+                         text_td(s["name"], colours(s["name"])), td(r, *at, "requested_share", fmt=share),
+                         td(r, *at, "delivered_share", fmt=share), td(r, *at, "bins")])
+    return table("Phases of the mix", ["phase", "from bin", "source", "requested", "delivered", "bins"], rows)
 
 
 def repeat_chart(r: dict, colours: Colours) -> str:

@@ -310,6 +310,7 @@ def blend_summary(meta: dict) -> dict:
                                                "method", "overlong", "documents", "documents_delivered",
                                                "pieces_delivered", "target_tokens", "real_tokens")}
                         for s in meta["sources"]],
+            **({"phases": meta["phases"]} if meta.get("phases") else {}),  # a mix with phases
             "warnings": blend_warnings(meta)}
 
 
@@ -322,12 +323,13 @@ def blend_warnings(meta: dict) -> list[str]:
     if meta.get("seed") is None:  # the validation blend holds every held-out bin once
         return []
     out = []
+    more = "larger phases in the mix file" if meta.get("phases") else "--total-tokens or --epochs"
     for s in meta["sources"]:
         fraction = s["bins"] / s["bins_available"] if s["bins_available"] else 1.0
         if fraction < CUT_WARN_BELOW:
             out.append(f"source {s['name']!r} is cut to {100 * fraction:.1f} % of its bins ({s['bins']:,} of "
                        f"{s['bins_available']:,}, a seeded random subset): the blend's size is "
-                       f"{meta['size']['option']}; --total-tokens or --epochs to use more")
+                       f"{meta['size']['option']}; {more} to use more")
     return out
 
 
@@ -341,7 +343,7 @@ def blend_row(path: Path) -> dict:
             mix = " ".join(s["name"] for s in sources)
             options = f"blend {mix}: every held-out bin once; each {pack_flags(meta['config'], path)}"
         else:
-            mix = " ".join(f"{s['name']}@{s['weight']:g}" for s in sources)
+            mix = " ".join(s["name"] if s["weight"] is None else f"{s['name']}@{s['weight']:g}" for s in sources)
             options = (f"blend {mix} {meta['size']['option']} --seed {meta['seed']}; each "
                        f"{pack_flags(meta['config'], path)}")
         docs = sum(s["documents"] for s in sources)

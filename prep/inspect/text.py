@@ -339,6 +339,8 @@ def render_blend(path: str, key: str, b: dict) -> list[str]:
              *field("size", size),
              *field("fill", f"{b['fill']:.4%}   ({b['real_tokens']:,} real tokens)"), ""]
     lines += blend_table(b["sources"])
+    if b.get("phases"):
+        lines += ["", *phase_table(b["phases"])]
     drawn = [f"{s['name']}: {s['drawn']}" for s in b["sources"] if s.get("drawn")]
     return lines + ["", *(line for d in drawn for line in field("drawn", d))] + [
         line for w in b.get("warnings") or [] for line in wrap(f"warning: {w}", hang="  ")]
@@ -350,6 +352,20 @@ def blend_table(sources: list[dict]) -> list[str]:
              s["bins_available"], f"{s['epochs']:.3g}x", _delivered(s), s["entry"]] for s in sources]
     lines = table(["source", "requested", "delivered", "bins", "of", "repeat", "documents delivered", "entry"], rows,
                   align="lrrrrrrl")
+    return [line.rstrip() for line in lines]
+
+
+def phase_table(phases: list[dict]) -> list[str]:
+    """Per phase and source: where the phase starts (its first bin = the samples a sequential run has consumed
+    on entering it), its size, and the requested vs delivered share, of blend units and of real tokens."""
+    rows = []
+    for p in phases:
+        for k, s in enumerate(p["sources"]):
+            head = [p["phase"], f"{p['start_bin']:,}", f"{p['bins']:,}", p["size"]] if k == 0 else ["", "", "", ""]
+            rows.append([*head, s["name"], f"{s['requested_share']:.2%}", f"{s['delivered_share']:.2%}",
+                         f"{s['real_tokens'] / max(p['real_tokens'], 1):.2%}", f"{s['bins']:,}"])
+    lines = table(["phase", "from bin", "bins", "size", "source", "requested", "delivered", "real tokens", "bins"],
+                  rows, align="rrrllrrrr")
     return [line.rstrip() for line in lines]
 
 
@@ -488,6 +504,11 @@ def render_run(r: dict) -> str:
         p = r["pack"]
         lines += field("pack", f"{p['path']}  ({_key(p['path'], p['key'])}{count(p['bins'], 'bin')} of "
                                f"{p['capacity']:,})")
+    for ph in (r.get("pack") or {}).get("phases") or []:  # a mix with phases: where each starts in this run
+        start = f"step {ph['first_step']:,}" if ph.get("first_step") else "(random sampler: no step)"
+        lines += field(f"phase {ph['phase']}", f"from {start} (consumed samples {ph['start_bin']:,}), "
+                                               f"{count(ph['bins'], 'bin')}, " + ", ".join(
+                                                   f"{n} {w:.0%}" for n, w in ph["weights"].items()))
     if r.get("validation"):
         v = r["validation"]
         when = f"every {count(v['every'], 'step')} and at the end" if v.get("every") else "at the end"

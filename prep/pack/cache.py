@@ -42,15 +42,17 @@ from xprep.prep.pack.config import PackConfig, split_counts
 from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted
 from xprep.prep.pack.kernels import Packed, Targets, item_targets, pack_lengths, sample_targets
 from xprep.prep.pack.methods import packing_methods
-from xprep.prep.pack.mixfile import check_blend_config, read_sources, shares, source_configs
+from xprep.prep.pack.mixfile import check_blend_config, read_phases, read_sources, shares, source_configs
 from xprep.prep.pack.mixture import (
     BlendEntry,
+    PhasePlan,
     blend_key,
     blend_name,
     blend_total,
     blend_unit,
     blend_units,
     build_blend,
+    phase_plan,
 )
 from xprep.prep.pack.publish import (
     TEST,
@@ -301,6 +303,7 @@ def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConf
     t0 = time.perf_counter()
     check_blend_config(config)
     sources = read_sources([str(d) for d in datasets], weights, mix, localize, source_options)  # all checked first
+    phases = read_phases(mix, sources)
     configs = source_configs(sources, config)
     outcomes = []
     for s, c in zip(sources, configs, strict=True):
@@ -310,11 +313,18 @@ def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConf
         except XprepError as e:
             raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
     entries = [o.entry for o in outcomes]
-    shares_ = shares(sources)
     unit = blend_unit(entries)
-    total, size_option = blend_total(config, shares_, [blend_units(e, unit) for e in entries])
+    available = [blend_units(e, unit) for e in entries]
+    plan = phase_plan(phases, sources, available, config.capacity) if phases else None
+    if plan is not None:  # the phases size the blend
+        if config.total_tokens is not None or config.epochs is not None:
+            raise XprepError(f"--mix {mix} has phases, which size the blend: drop --total-tokens/--epochs")
+        total, size_option = sum(plan.totals), f"--mix phases: {'; '.join(plan.options)}"
+    else:
+        total, size_option = blend_total(config, shares(sources), available)
     root = Path(output)
-    entry, hit = _blend_once(root, sources, entries, config, total, size_option, force, log)
+    entry, hit = _blend_once(root, sources, entries, config, total, size_option, force, log,
+                                plan=plan)
     held = {}
     for part in held_out_parts(config):  # the held-out parts of every source, each bin once
         parts = [getattr(o, part) for o in outcomes]
@@ -326,10 +336,11 @@ def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConf
 
 
 def _blend_once(root: Path, sources: list, entries: list[PackEntry], config: PackConfig, total: int,
-                size_option: str, force: bool, log: Callable[[str], None], every_bin_once: bool = False
-                ) -> tuple[BlendEntry, bool]:
+                size_option: str, force: bool, log: Callable[[str], None], every_bin_once: bool = False,
+                plan: PhasePlan | None = None) -> tuple[BlendEntry, bool]:
     """The blend entry of these sources, built under its lock unless the cache has it; (entry, hit)."""
-    key = blend_key(entries, sources, shares(sources), config.seed, total, every_bin_once)
+    shares_ = plan.shares() if plan is not None else shares(sources) if not every_bin_once else None
+    key = blend_key(entries, sources, shares_, config.seed, total, every_bin_once, plan)
     name = blend_name(key)
     entry = None if force else _open_blend(root / name, key, log)
     if entry is not None:
@@ -338,7 +349,8 @@ def _blend_once(root: Path, sources: list, entries: list[PackEntry], config: Pac
         entry = None if force else _open_blend(root / name, key, log)
         if entry is not None:
             return entry, True
-        return _build_blend(root, name, sources, entries, config, key, total, size_option, every_bin_once), False
+        return _build_blend(root, name, sources, entries, config, key, total, size_option, every_bin_once,
+                            plan), False
 
 
 def _open_blend(path: Path, key: str, log: Callable[[str], None]) -> BlendEntry | None:
@@ -360,11 +372,12 @@ def _open_blend(path: Path, key: str, log: Callable[[str], None]) -> BlendEntry 
 
 
 def _build_blend(root: Path, name: str, sources: list, entries: list[PackEntry], config: PackConfig, key: str,
-                 total: int, size_option: str, every_bin_once: bool = False) -> BlendEntry:
+                 total: int, size_option: str, every_bin_once: bool = False, plan: PhasePlan | None = None
+                 ) -> BlendEntry:
     """Blend into a fresh temp directory, blend.json last, and publish it by rename (the caller holds the lock)."""
     with building(root, name) as claim:
         tmp = claim.path
-        blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once)
+        blend, meta = build_blend(sources, entries, config, key, total, size_option, every_bin_once, plan)
         BlendEntry(path=tmp, meta=meta, bin_source=blend.bin_source, bin_index=blend.bin_index,
                    sources=entries).write_arrays(tmp)
         write_json_atomic(tmp / BLEND_JSON, meta, durable=False)  # fsync_tree makes all of it durable

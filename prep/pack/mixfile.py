@@ -8,6 +8,14 @@ Mix file, YAML (needs PyYAML) or JSON (``schemas/mix.schema.json``)::
         weight: 0.7         # > 0, a share of tokens (normalized over the sources)
         name: web           # optional: the source's name in per-source loss and reports [default: directory name]
         method: sequential  # optional: its own packing method and overlong policy [default: the command's]
+    phases:                 # optional: the mix changes over the run, phase after phase (``Phase``)
+      - tokens: 8e9         # its size: `tokens`, `bins`, or `epochs` of one source (`epochs: 1, source: code`)
+        weights: {web: 0.8, code: 0.2}   # shares of this phase's tokens, by source name (absent: none)
+      - epochs: 1
+        source: code
+        weights: {web: 0.3, code: 0.7}
+
+With ``phases``, a source's ``weight`` is not read (it may be left out): each phase weighs the sources itself.
 
 Every mistake (a missing dataset, a bad weight, two sources of one name or of different tokenizers, a method
 that cannot blend with the others) is one error naming the file and the source. The blend itself (the order
@@ -31,6 +39,7 @@ from xprep.prep.pack.config import SOURCE_OPTIONS, PackConfig, check_source_opti
 from xprep.prep.pack.methods import packing_method, packing_methods
 
 MIX_KEYS = {"dataset", "weight", "name", *SOURCE_OPTIONS}
+PHASE_SIZES = ("tokens", "bins", "epochs")  # a phase has exactly one (epochs: of the source it names)
 
 
 @dataclass
@@ -39,10 +48,29 @@ class Source:
     packing options it overrides (``method``, ``overlong``; None: the command's, see ``PackConfig.for_source``)."""
 
     path: Path
-    weight: float
+    weight: float | None  # None: a source of a phased mix file that gives none (its phases weigh it)
     name: str
     method: str | None = None
     overlong: str | None = None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a phased mix: its size (exactly one of ``tokens``, ``bins``, or ``epochs`` of ``source``) and
+    the weight of each source in it, by name (sources it does not name, or names at 0, give no bin in it)."""
+
+    weights: dict[str, float]
+    tokens: int | None = None
+    bins: int | None = None
+    epochs: float | None = None
+    source: str | None = None
+
+    @property
+    def size_option(self) -> str:
+        """The phase's size as the mix file says it (blend.json, reports)."""
+        if self.epochs is not None:
+            return f"epochs: {self.epochs:g} of {self.source}"
+        return f"tokens: {self.tokens}" if self.tokens is not None else f"bins: {self.bins}"
 
 
 def read_sources(paths: list[str], weights: list[float] | None, mix: str | None,
@@ -52,6 +80,9 @@ def read_sources(paths: list[str], weights: list[float] | None, mix: str | None,
     before anything is packed. ``localize`` maps a dataset URL of the mix file to the local copy to pack (the
     CLI syncs it into the cache directory)."""
     sources = read_mix(mix, localize) if mix is not None else []
+    if paths and any(s.weight is None for s in sources):
+        raise XprepError(f"--mix {mix} has phases: DATASET@WEIGHT arguments cannot be added to it (no phase weighs "
+                         f"them); list {paths[0]} among its `sources:` and give it a weight in each phase")
     options = options or [{} for _ in paths]
     sources += [Source(Path(p), float(w), Path(p).resolve().name, **o)
                 for p, w, o in zip(paths, weights or [], options, strict=True)]
@@ -81,10 +112,65 @@ def read_mix(mix: str, localize: Callable[[str], str] | None = None) -> list[Sou
     if not isinstance(listed, list) or not listed:
         raise XprepError(f"--mix {mix}: expected a mapping with a non-empty list `sources:` of "
                          "{dataset, weight, name?} (see schemas/mix.schema.json)")
-    extra = set(data) - {"sources"}
+    extra = set(data) - {"sources", "phases"}
     if extra:
-        raise XprepError(f"--mix {mix}: unknown key {sorted(extra)[0]!r} at the top; only `sources:` is read")
-    return [_mix_source(item, i, path, localize) for i, item in enumerate(listed)]
+        raise XprepError(f"--mix {mix}: unknown key {sorted(extra)[0]!r} at the top; only `sources:` and `phases:` "
+                         "are read")
+    return [_mix_source(item, i, path, localize, "phases" in data) for i, item in enumerate(listed)]
+
+
+def read_phases(mix: str | None, sources: list[Source]) -> list[Phase] | None:
+    """The phases of a mix file (None: it has none), each checked against the sources it names."""
+    if mix is None:
+        return None
+    data = _load_mix(Path(mix))
+    if "phases" not in data:
+        return None
+    listed = data["phases"]
+    if not isinstance(listed, list) or not listed:
+        raise XprepError(f"--mix {mix}: `phases:` must be a non-empty list of {{tokens|bins|epochs, weights}} "
+                         "(see schemas/mix.schema.json)")
+    names = [s.name for s in sources]
+    return [_phase(item, f"--mix {mix}: phase #{i + 1}", names) for i, item in enumerate(listed)]
+
+
+def _phase(item, where: str, names: list[str]) -> Phase:
+    if not isinstance(item, dict):
+        raise XprepError(f"{where}: expected a mapping {{tokens|bins|epochs, weights}}, got {item!r}")
+    unknown = set(item) - {*PHASE_SIZES, "source", "weights"}
+    if unknown:
+        raise XprepError(f"{where}: unknown key {sorted(unknown)[0]!r}; a phase has one of tokens, bins or epochs "
+                         "(with source), and weights")
+    sizes = [k for k in PHASE_SIZES if k in item]
+    if len(sizes) != 1:
+        raise XprepError(f"{where}: give exactly one size, `tokens:`, `bins:` or `epochs:` (with `source:`), "
+                         f"not {sizes or 'none'}")
+    size, value = sizes[0], item[sizes[0]]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf or (
+            size != "epochs" and value < 1):
+        raise XprepError(f"{where}: `{size}: {value!r}` must be a positive number" +
+                         (" (at least 1)" if size != "epochs" else ""))
+    source = item.get("source")
+    if (size == "epochs") != (source is not None):
+        raise XprepError(f"{where}: `source:` names the source whose `epochs:` size the phase; give both, or "
+                         "size the phase by `tokens:` or `bins:`")
+    weights = item.get("weights")
+    if not isinstance(weights, dict) or not weights:
+        raise XprepError(f"{where}: `weights:` must map source names to weights, e.g. {{{names[0]}: 1}}")
+    for name, w in weights.items():
+        if name not in names:
+            raise XprepError(f"{where}: weights name {name!r}, which is no source of the mix ({', '.join(names)})")
+        if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < math.inf:
+            raise XprepError(f"{where}: the weight of {name!r}, {w!r}, must be a number ≥ 0")
+    weights = {n: float(w) for n, w in weights.items() if w > 0}
+    if not weights:
+        raise XprepError(f"{where}: every weight is 0; give some source a positive weight")
+    if source is not None and source not in weights:
+        raise XprepError(f"{where}: `epochs: {value}` of {source!r}, which has no weight in this phase; size it by "
+                         "a source the phase takes from, or by `tokens:`")
+    return Phase(weights, tokens=round(value) if size == "tokens" else None,
+                 bins=round(value) if size == "bins" else None,
+                 epochs=float(value) if size == "epochs" else None, source=source)
 
 
 def _load_mix(path: Path):
@@ -103,7 +189,8 @@ def _load_mix(path: Path):
         raise XprepError(f"--mix {path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
 
 
-def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None = None) -> Source:
+def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None = None, phased: bool = False
+                ) -> Source:
     where = f"--mix {path}: source #{i + 1}"
     if not isinstance(item, dict):
         raise XprepError(f"{where}: expected a mapping {{dataset, weight, name?}}, got {item!r}")
@@ -117,7 +204,8 @@ def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None 
         check_source_option(key, value, f"{where} ({dataset})")
     if not isinstance(dataset, str) or not dataset:
         raise XprepError(f"{where}: `dataset:` must name a token dataset directory")
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not (0 < weight < math.inf):
+    weighed = not (phased and weight is None)  # a phased mix's source may leave its weight to the phases
+    if weighed and (isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf):
         raise XprepError(f"{where} ({dataset}): the weight {weight!r} must be a positive number")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise XprepError(f"{where} ({dataset}): `name:` must be a non-empty string")
@@ -125,10 +213,14 @@ def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None 
         if localize is None:
             raise XprepError(f"{where}: {dataset} is a URL; give the mix file to `xprep pack --mix`, which copies "
                              "URL datasets into its --cache-dir")
-        return Source(Path(localize(dataset)), float(weight), name or dataset.rstrip("/").rsplit("/", 1)[-1],
+        return Source(Path(localize(dataset)), _weight(weight), name or dataset.rstrip("/").rsplit("/", 1)[-1],
                       **options)
     full = Path(dataset) if Path(dataset).is_absolute() else path.parent / dataset
-    return Source(full, float(weight), name or full.resolve().name, **options)
+    return Source(full, _weight(weight), name or full.resolve().name, **options)
+
+
+def _weight(weight) -> float | None:
+    return None if weight is None else float(weight)
 
 
 def check_dataset(source: Source, where: str) -> None:

@@ -11,10 +11,14 @@ rule (``xprep.prep.pack.blend``), weights in tokens. The blend is an entry of it
       bin_index.npy     int32[bins]   bin of that source's entry (int64 for sources of ≥ 2**31 bins)
 
 Key = sha256 of canonical JSON over the blend version, the source entries' keys, names and normalized
-weights, the seed and the size in tokens. Size: ``--total-tokens N``, or ``--epochs E`` (default 1) of the
-source with the largest weight: ``total = E · tokens(that source) / its share``. A bin counts its capacity,
+weights, the seed and the size in tokens (and, for a phased mix, each phase's size and normalized weights).
+Size: ``--total-tokens N``, or ``--epochs E`` (default 1) of the source with the largest weight:
+``total = E · tokens(that source) / its share``. A bin counts its capacity,
 or its tokens for a method whose bins are micro-batches (token-aware: then the unit of the greedy rule is the
 token budget).
+
+A mix file with ``phases:`` makes one blend whose bins run phase after phase (``blend.phased_blend``; its blend.json
+adds ``phases``: each phase's first bin, size, and requested vs delivered shares).
 
 The sources themselves (``--mix`` files, ``DATASET@WEIGHT`` arguments) are read by ``xprep.prep.pack.mixfile``;
 any entry, plain or blend, is read as bins of items by ``xprep.prep.pack.reader.PackBins``.
@@ -34,11 +38,11 @@ from xprep.prep.errors import XprepError
 from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_FORMAT, PACK_JSON, declared_format
 from xprep.prep.io import read_json
 from xprep.prep.pack.bins import expand_ranges
-from xprep.prep.pack.blend import Blend, blend_bins, epoch_seed, relabel
+from xprep.prep.pack.blend import Blend, PhasedBlend, blend_bins, epoch_seed, phased_blend, relabel
 from xprep.prep.pack.config import PackConfig
 from xprep.prep.pack.entry import CHECK_BLOCK, DamagedEntry, EntryMeta, PackEntry, load_arrays, open_packed, save_array
 from xprep.prep.pack.methods import methods_of
-from xprep.prep.pack.mixfile import Source, shares
+from xprep.prep.pack.mixfile import Phase, Source, shares
 from xprep.prep.pack.shuffle import shuffled_order
 
 BLEND_VERSION = 2  # bump when the same sources and options would blend differently (2: cut = random subset)
@@ -98,8 +102,45 @@ def blend_total(config: PackConfig, shares_: np.ndarray, tokens: list[int]) -> t
     return max(1, round(epochs * tokens[big] / shares_[big])), f"--epochs {epochs:g}"
 
 
+@dataclass(frozen=True)
+class PhasePlan:
+    """A phased mix resolved against its sources: each phase's weights (normalized, 0 for the sources it leaves
+    out), its size in blend units, or in bins (``max_bins``), and its size as the mix file gives it."""
+
+    weights: np.ndarray  # float64[P, k]
+    totals: list[int]  # blend units of each phase (a phase of N bins: N · the unit; the bins end it)
+    max_bins: list[int | None]
+    options: list[str]
+
+    def shares(self) -> np.ndarray:
+        """Each source's share of the whole blend, as the phases ask it."""
+        asked = (self.weights * np.asarray(self.totals, np.float64)[:, None]).sum(axis=0)
+        return asked / asked.sum()
+
+    def key_rows(self, sources: list[Source]) -> list[dict]:
+        return [{"size": o, "total_tokens": t, "bins": b,
+                 "shares": {s.name: float(w) for s, w in zip(sources, row, strict=True) if w > 0}}
+                for row, t, b, o in zip(self.weights, self.totals, self.max_bins, self.options, strict=True)]
+
+
+def phase_plan(phases: list[Phase], sources: list[Source], available: list[int], unit_size: int) -> PhasePlan:
+    """Resolve each phase's size: ``tokens`` as given (blend units), ``bins``, or ``epochs`` E of a source s:
+    E · (s's units) / s's share of the phase, as ``--epochs`` sizes a blend by its largest source."""
+    names = [s.name for s in sources]
+    weights = np.array([[p.weights.get(n, 0.0) for n in names] for p in phases], np.float64)
+    weights /= weights.sum(axis=1, keepdims=True)
+    totals = []
+    for p, row in zip(phases, weights, strict=True):
+        if p.epochs is not None:
+            i = names.index(p.source)
+            totals.append(max(1, round(p.epochs * available[i] / row[i])))
+        else:
+            totals.append(p.tokens if p.tokens is not None else p.bins * unit_size)
+    return PhasePlan(weights, totals, [p.bins for p in phases], [p.size_option for p in phases])
+
+
 def blend_key(entries: list[PackEntry], sources: list[Source], shares_: np.ndarray, seed: int, total: int,
-              every_bin_once: bool = False) -> str:
+              every_bin_once: bool = False, plan: PhasePlan | None = None) -> str:
     """The blend's cache key. The validation blend of a ``--split`` mixture (``every_bin_once``) holds every
     held-out bin once whatever the weights and seed: its key has neither, so re-weighting a mixture reuses it."""
     if every_bin_once:
@@ -109,6 +150,8 @@ def blend_key(entries: list[PackEntry], sources: list[Source], shares_: np.ndarr
         payload = {"blend_version": BLEND_VERSION, "pack_format": PACK_FORMAT, "seed": seed, "total_tokens": total,
                    "sources": [{"key": e.key, "name": s.name, "share": float(w)}
                                for e, s, w in zip(entries, sources, shares_, strict=True)]}
+        if plan is not None:  # only then: a blend without phases keeps its key
+            payload["phases"] = plan.key_rows(sources)
     return hashlib.sha256(canonical_json(payload)).hexdigest()
 
 
@@ -117,7 +160,8 @@ def blend_name(key: str) -> str:
 
 
 def build_blend(sources: list[Source], entries: list[PackEntry], config: PackConfig, key: str, total: int,
-                size_option: str, every_bin_once: bool = False) -> tuple[Blend, dict]:
+                size_option: str, every_bin_once: bool = False, plan: PhasePlan | None = None
+                ) -> tuple[Blend, dict]:
     """The blend order and its blend.json (``"complete": true``).
 
     ``every_bin_once``: each source's bins once, interleaved in proportion to the sources' sizes (the
@@ -131,7 +175,12 @@ def build_blend(sources: list[Source], entries: list[PackEntry], config: PackCon
     unit = blend_unit(entries)
     available = [blend_units(e, unit) for e in entries]
     t0 = time.perf_counter()
-    if every_bin_once:  # its shares are the sources' sizes: nothing in it follows the weights or the seed
+    phased = None
+    if plan is not None:
+        shares_ = plan.shares()
+        phased = draw_phased([bin_sizes(e, unit) for e in entries], plan, config.capacity, config.seed)
+        blend = phased.blend
+    elif every_bin_once:  # its shares are the sources' sizes: nothing in it follows the weights or the seed
         shares_ = np.array(available, np.float64) / max(sum(available), 1)
         blend = once_each(entries, unit)
     else:
@@ -159,6 +208,7 @@ def build_blend(sources: list[Source], entries: list[PackEntry], config: PackCon
             "stats": {"bins": len(blend.bin_source), "tokens": delivered_total, "real_tokens": sum(real)},
             "lookahead": any(bool(e.meta.get("lookahead")) for e in entries),  # --method chunk sources
             "blend_seconds": round(seconds, 3),
+            **({"phases": phase_rows(phased, plan, sources, taken)} if phased is not None else {}),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "complete": True}
     return blend, meta
 
@@ -182,6 +232,39 @@ def draw_blend(sizes: list[np.ndarray | int], shares_: np.ndarray, unit: int, to
         drawn = [shuffled_order(counts[i], epoch_seed(seed, i, 0)) if i in cut else None for i in range(len(sizes))]
         orders = [o if o is not None else d for o, d in zip(orders, drawn, strict=True)]
         blend = relabel(blend, drawn) if uniform else blend_bins(sizes, shares_, unit, total, seed, orders)
+
+
+def draw_phased(sizes: list[np.ndarray | int], plan: PhasePlan, unit: int, seed: int) -> PhasedBlend:
+    """``phased_blend``, where every source that the whole mix takes less than an epoch of gives a seeded random
+    subset of its bins, as ``draw_blend``'s cut sources do (its stream's first epoch is then that permutation)."""
+    counts = [int(s) if isinstance(s, int | np.integer) else len(s) for s in sizes]
+    orders: list[np.ndarray | None] = [None] * len(sizes)
+    while True:
+        phased = phased_blend(sizes, plan.weights, plan.totals, unit, seed, plan.max_bins, orders)
+        cut = [i for i, n in enumerate(counts) if orders[i] is None and int(phased.blend.bins[i]) < n]
+        if not cut:
+            return phased
+        for i in cut:
+            orders[i] = shuffled_order(counts[i], epoch_seed(seed, i, 0)).astype(np.int64)
+
+
+def phase_rows(phased: PhasedBlend, plan: PhasePlan, sources: list[Source], real_per_bin: np.ndarray) -> list[dict]:
+    """blend.json's ``phases``: each phase's first bin, size, and per source the requested vs delivered share of
+    its units, its real tokens, and where in its stream of bins it started and ended."""
+    rows = []
+    for p, option in enumerate(plan.options):
+        lo, hi = int(phased.starts[p]), int(phased.starts[p + 1])
+        units = phased.tokens[p]
+        real = np.bincount(phased.blend.bin_source[lo:hi], weights=real_per_bin[lo:hi], minlength=len(sources))
+        rows.append({"phase": p + 1, "size": option, "start_bin": lo, "bins": hi - lo,
+                     "tokens": int(units.sum()), "real_tokens": int(real.sum()),
+                     "sources": [{"name": s.name, "requested_share": float(plan.weights[p, i]),
+                                  "delivered_share": float(units[i] / max(units.sum(), 1)),
+                                  "delivered_tokens": int(units[i]), "real_tokens": int(real[i]),
+                                  "bins": int(phased.bins[p, i]), "from_position": int(phased.positions[p, i]),
+                                  "to_position": int(phased.positions[p + 1, i])}
+                                 for i, s in enumerate(sources) if plan.weights[p, i] > 0]})
+    return rows
 
 
 def _drawn(bins: int, available: int, seed: int | None) -> str:
