@@ -523,6 +523,15 @@ def xtrain():
                    "an unknown GPU or a MIG slice, and MFU is then not reported].")
 @click.option("--verify-data/--no-verify-data", default=None,
               help="Re-hash the dataset streams against their manifests first (catches in-place edits).")
+@click.option("--prefetch-steps", type=int, default=None,
+              help="Datasets at URLs (s3://, gs://): steps whose token bytes a background thread fetches ahead "
+                   "[default: 4].")
+@click.option("--cache-size", default=None, metavar="BYTES",
+              help="Datasets at URLs: size of the local cache of fetched blocks, per process, e.g. 2GB or 512MiB "
+                   "[default: 2GB].")
+@click.option("--stream-timeout", type=float, default=None, metavar="SECONDS",
+              help="Datasets at URLs: how long a read retries transient errors before the run stops with a "
+                   "checkpoint (the same command resumes) [default: 120].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
               help="Where the ranks compute. auto: a GPU per local rank when the machine has GPUs (an error when it "
                    "has fewer than the ranks), else the CPU; cpu: the CPU (gloo) even on a GPU machine; cuda: a GPU "
