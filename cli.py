@@ -310,7 +310,8 @@ def _overlong_defaults(methods) -> str:
                    "hash of its dataset's content and its index alone (no seed, no pack option), so it stays on the "
                    "same side however the data is re-packed; the validation part is its own entry.")
 @click.option("--cache-dir", default=None, metavar="DIR",
-              help="Where datasets given as URLs (s3://…) are copied before packing, by fingerprint "
+              help="Where the datasets of a blend given as URLs (s3://…) are copied before packing, by fingerprint "
+                   "(a plain pack reads a dataset at a URL in place: its index, and its loss mask when it has one) "
                    "[default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
 @_user_errors
 def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group_size, balance_dp,
@@ -323,7 +324,8 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     from xprep.prep.pack import pack as run_pack
 
     paths, weights, options = parse_sources(datasets, mix)
-    paths = [_local_dataset(p, cache_dir) for p in paths]
+    blend = weights is not None or mix is not None  # (a blend's datasets at URLs are copied; a plain pack's are read)
+    paths = [_local_dataset(p, cache_dir) if blend else _dataset_argument(p) for p in paths]
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
                         cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
                         dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed, total_tokens=total_tokens,
@@ -335,6 +337,13 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     click.echo("\n".join(summary_lines(outcome)))
     for line in warning_lines(outcome):
         click.echo(line, err=True)
+
+
+def _dataset_argument(path: str) -> str:
+    """A dataset to pack: a URL as it is (packing reads its index in place: prep/dataset/stream.py), a path."""
+    from xprep.prep.fs import is_url, local_path  # deferred, as every command's
+
+    return path if is_url(path) else local_path(path)
 
 
 def _local_dataset(path: str, cache_dir: str | None) -> str:
