@@ -618,20 +618,27 @@ def _stop(signum: int, trainer: Trainer, ckpt: CheckpointManager, saved_at: int,
 
 def _stage(prefetch: Prefetcher, trainer: Trainer, ckpt: CheckpointManager, saved_at: int) -> None:
     """The next step's data fetched (prefetch.py); when its URL stays unreachable past --stream-timeout, the run
-    stops before the step, with a checkpoint of the steps done (as a stop signal's), and says so in one line."""
+    stops before the step, every rank at once (they agree in one small all-reduce), with a checkpoint of the steps
+    done (as a stop signal's), and says so in one line."""
+    failure = None
     try:
         prefetch.stage()
     except StreamUnavailable as e:
-        if ckpt.no_save or trainer.step == 0:
-            where = "no checkpoint written" if ckpt.no_save else "nothing trained yet"
-        elif saved_at == trainer.step or trainer.last_step_bad:
-            where = f"step-{saved_at} is the latest checkpoint"
-        else:
-            ckpt.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict(), blocking=True)
-            where = f"checkpoint step-{trainer.step} saved"
-        ckpt.finish()
-        raise XprepError(f"{e}: stopped after step {trainer.step} ({where}); run the same command again once it "
-                         "answers, to resume") from None
+        failure = e
+    failed = all_reduce_sum(torch.tensor([int(failure is not None)], device=trainer.device), trainer.dims)
+    if not int(failed.item()):
+        return
+    if ckpt.no_save or trainer.step == 0:
+        where = "no checkpoint written" if ckpt.no_save else "nothing trained yet"
+    elif saved_at == trainer.step or trainer.last_step_bad:
+        where = f"step-{saved_at} is the latest checkpoint"
+    else:
+        ckpt.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict(), blocking=True)
+        where = f"checkpoint step-{trainer.step} saved"
+    ckpt.finish()
+    said = failure or "another rank's data stayed unreachable"
+    raise XprepError(f"{said}: stopped after step {trainer.step} ({where}); run the same command again once it "
+                     "answers, to resume")
 
 
 class TooManyBadSteps(XprepError):

@@ -275,7 +275,22 @@ def open_block_cache(capacity: int = DEFAULT_CACHE_SIZE, retry_s: float = DEFAUL
     """A fresh block cache of this process under CACHE/blocks/ (``prep.fs.cache_root``), removed by ``close``."""
     root = cache_root(cache_dir) / "blocks"
     root.mkdir(parents=True, exist_ok=True)
+    _remove_orphans(root)
     return BlockCache(Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)), capacity, Retry(retry_s))
+
+
+def _remove_orphans(root: Path) -> None:
+    """Remove the block caches of processes that are gone (killed before their ``close``): PID-... directories."""
+    for d in root.iterdir():
+        pid = d.name.split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
 
 
 # ------------------------------------------------------------------------------------------ the dataset

@@ -81,7 +81,11 @@ def endpoint(tmp_path, monkeypatch, local):
     as `xprep pack s3://stream/ds` names it: a local copy this machine lacks, and its URL)."""
     server = Endpoint(tmp_path)
     server.start()
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": server.url, "key": "testing", "secret": "testing"})
+    # s3fs and botocore retry a refused connection themselves for ~10 s before raising: once each here, so that
+    # the run's own retries (--stream-timeout) are what the tests time
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": server.url, "key": "testing", "secret": "testing",
+                                                   "config_kwargs": {"retries": {"max_attempts": 1}}})
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "cache"))
     packed = tmp_path / "packed"
     shutil.copytree(local["packed"], packed)
@@ -145,6 +149,25 @@ def test_endpoint_down_mid_run_stops_with_a_checkpoint_and_resumes(endpoint, loc
     assert f"resuming at step {stopped[1]}" in again.stderr, again.stderr
     by_step = {m["step"]: m["loss"] for m in metrics(run)}
     assert [by_step[s] for s in range(1, 7)] == local["losses"]
+
+
+def test_xprep_pack_of_a_url_reads_its_index_and_loss_mask_only(endpoint, local, tmp_path):
+    """Every method packs from document lengths, and counts each bin's targets from the loss mask: the tokens and
+    categories are never fetched (moto's log lists every request), and the entry is the local dataset's."""
+    from xprep.cli import xprep
+    from xprep.prep.pack.cache import PackConfig, pack
+
+    before = endpoint.log.read_text().count("\n")
+    args = ["pack", "s3://stream/ds", "-o", str(tmp_path / "p"), "--method", "multipack", "--seq-len", "64"]
+    result = CliRunner().invoke(xprep, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    requests = endpoint.log.read_text().splitlines()[before:]
+    assert any("GET /stream/ds/loss_mask.bin" in r for r in requests), requests
+    assert not [r for r in requests if "GET /stream/ds/tokens.bin" in r or "GET /stream/ds/category_ids.bin" in r]
+    here = pack([local["root"] / "ds"], tmp_path / "here", PackConfig(method="multipack", seq_len=64)).entry.path
+    there = tmp_path / "p" / here.name
+    assert json.loads((there / "pack.json").read_text())["datasets"][0]["path"] == "s3://stream/ds"
+    assert {f.name: f.read_bytes() for f in there.glob("*.npy")} == {f.name: f.read_bytes() for f in here.glob("*.npy")}
 
 
 def test_a_missing_object_is_one_line(endpoint, tmp_path):
