@@ -189,7 +189,7 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=20.0, help="added to every request [default: 20]")
     ap.add_argument("--sampler", default="sequential", choices=["sequential", "random"])
     ap.add_argument("--method", default="sequential", help="xprep pack --method [default: sequential]")
-    ap.add_argument("--cache-size", default="1MB", help="xtrain run --cache-size [default: 1MB: blocks of 64 KiB]")
+    ap.add_argument("--cache-size", default="1MB", help="xtrain run --cache-size [default: 1MB: blocks of 61 KiB]")
     ap.add_argument("--prefetch-steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
