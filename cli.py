@@ -312,7 +312,8 @@ def _overlong_defaults(methods) -> str:
                    "data is re-packed; with three shares each part has Megatron's document count. The validation "
                    "and test parts are their own entries; a zero share means no such part.")
 @click.option("--cache-dir", default=None, metavar="DIR",
-              help="Where datasets given as URLs (s3://…) are copied before packing, by fingerprint "
+              help="Where the datasets of a blend given as URLs (s3://…) are copied before packing, by fingerprint "
+                   "(a plain pack reads a dataset at a URL in place: its index, and its loss mask when it has one) "
                    "[default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
 @click.option("--attention", type=click.Choice(["document", "causal"]), default="document", show_default=True,
               cls=_MethodsHelp, methods_help=lambda ms: (
@@ -333,7 +334,8 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     from xprep.prep.pack import pack as run_pack
 
     paths, weights, options = parse_sources(datasets, mix)
-    paths = [_local_dataset(p, cache_dir) for p in paths]
+    blend = weights is not None or mix is not None  # (a blend's datasets at URLs are copied; a plain pack's are read)
+    paths = [_local_dataset(p, cache_dir) if blend else _dataset_argument(p) for p in paths]
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
                         cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
                         dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed, total_tokens=total_tokens,
@@ -345,6 +347,13 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     click.echo("\n".join(summary_lines(outcome)))
     for line in warning_lines(outcome):
         click.echo(line, err=True)
+
+
+def _dataset_argument(path: str) -> str:
+    """A dataset to pack: a URL as it is (packing reads its index in place: prep/dataset/stream.py), a path."""
+    from xprep.prep.fs import is_url, local_path  # deferred, as every command's
+
+    return path if is_url(path) else local_path(path)
 
 
 def _local_dataset(path: str, cache_dir: str | None) -> str:
@@ -553,6 +562,15 @@ def xtrain():
                    "an unknown GPU or a MIG slice, and MFU is then not reported].")
 @click.option("--verify-data/--no-verify-data", default=None,
               help="Re-hash the dataset streams against their manifests first (catches in-place edits).")
+@click.option("--prefetch-steps", type=int, default=None,
+              help="Datasets at URLs (s3://, gs://): steps whose token bytes a background thread fetches ahead "
+                   "[default: 4].")
+@click.option("--cache-size", default=None, metavar="BYTES",
+              help="Datasets at URLs: size of the local cache of fetched blocks, per process, e.g. 2GB or 512MiB "
+                   "[default: 2GB].")
+@click.option("--stream-timeout", type=float, default=None, metavar="SECONDS",
+              help="Datasets at URLs: how long a read retries transient errors before the run stops with a "
+                   "checkpoint (the same command resumes) [default: 120].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
               help="Where the ranks compute. auto: a GPU per local rank when the machine has GPUs (an error when it "
                    "has fewer than the ranks), else the CPU; cpu: the CPU (gloo) even on a GPU machine; cuda: a GPU "

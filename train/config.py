@@ -5,6 +5,7 @@ TrainConfig   steps, epochs, seed, output, log_every, log, peak_tflops   (the ru
   data        packed, micro_batch_size, global_batch_size, sampler, verify_data,
               allow_new_global_batch                                              → PackedDataset
               category_weight, source_weight                                      → LossWeights (or None)
+              prefetch_steps, cache_size, stream_timeout (datasets at URLs)
   model       name (--model), precision, tf32, loss_chunk, compile, init_from     → model (+ its config)
   optimizer   lr, min_lr, warmup, schedule, decay_fraction, weight_decay, beta1, beta2, grad_clip → AdamW + LambdaLR
               max_bad_steps, inject_nonfinite (tests only)                        → Trainer's bad-step rule
@@ -41,7 +42,7 @@ import math
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import ClassVar
@@ -50,7 +51,11 @@ import jsonschema
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
+from xprep.prep.dataset import DEFAULT_RETRY_S
 from xprep.prep.errors import XprepError
+from xprep.prep.fs import is_url
+from xprep.prep.pack import fetch_pack
+from xprep.prep.sources import parse_size
 from xprep.train.checkpoint import CheckpointManager, checkpoint_timeout
 from xprep.train.cp import CP_MODES, DEFAULT_CP_MODE, HYBRID, ulysses_degree
 from xprep.train.data import PackedDataset
@@ -76,6 +81,7 @@ from xprep.train.loss import Channels, auto_loss_chunk
 from xprep.train.loss_weights import LossWeights, parse_weights
 from xprep.train.model import ModelConfig, Transformer, initial_value, load_model_config
 from xprep.train.optim import SCHEDULES, WSD_SCHEDULES, LRSchedule, build_optimizer, build_scheduler
+from xprep.train.prefetch import DEFAULT_PREFETCH_STEPS
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "train.schema.json"
 SAMPLERS = ("sequential", "random")
@@ -96,12 +102,19 @@ class DataSection:
     allow_new_global_batch: bool = False  # resume on another global batch from the checkpoint's consumed samples
     category_weight: dict[str, float] | None = None  # by category name; None: all 1 (xprep.train.loss_weights)
     source_weight: dict[str, float] | None = None  # by blend source name; None: all 1
+    prefetch_steps: int = DEFAULT_PREFETCH_STEPS  # datasets at URLs: steps fetched ahead (train/prefetch.py)
+    cache_size: str | int = "2GB"  # datasets at URLs: bytes of the local block cache (prep/dataset/stream.py)
+    stream_timeout: float = DEFAULT_RETRY_S  # datasets at URLs: seconds a read retries before the run stops
 
     def __post_init__(self):
         for name in ("category_weight", "source_weight"):  # NAME=W items (the flags) or {name: weight} (a file)
             setattr(self, name, parse_weights(getattr(self, name), _flag(self, name)))
         _check_types(self)
         _check_at_least(self, 1, "micro_batch_size", "global_batch_size")
+        _check_at_least(self, 0, "prefetch_steps")
+        self.cache_bytes = parse_size(str(self.cache_size), "--cache-size")
+        if self.stream_timeout <= 0:
+            raise XprepError(f"--stream-timeout {self.stream_timeout}: must be > 0 seconds")
         _check_choice(self, "sampler", SAMPLERS)
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise XprepError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
@@ -111,7 +124,12 @@ class DataSection:
         """The pack opened for ``cp_size`` context-parallel ranks (``verify_data`` overrides the field): its
         current entry, or ``entry`` of it (a resume pinned to its checkpoint's entry)."""
         verify = self.verify_data if verify_data is None else verify_data
-        return PackedDataset(entry or self.packed, verify_data=verify, cp_size=cp_size)
+        return PackedDataset(entry or self.packed, verify_data=verify, cp_size=cp_size, cache_size=self.cache_bytes,
+                             stream_timeout=self.stream_timeout)
+
+    def fetched(self) -> DataSection:
+        """This section, PACKED at a URL replaced by the local copy of its small files (prep/pack/remote.py)."""
+        return replace(self, packed=str(fetch_pack(self.packed))) if is_url(self.packed) else self
 
     def loss_weights(self, dataset: PackedDataset) -> LossWeights | None:
         """The weights of ``dataset``'s categories and sources in the loss; None: unweighted (all 1)."""

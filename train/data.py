@@ -42,7 +42,16 @@ from pathlib import Path
 import numba
 import numpy as np
 import torch
-from xprep.prep.dataset import MAX_CATEGORY, CategoryTable, TokenDataset
+from xprep.prep.dataset import (
+    DEFAULT_CACHE_SIZE,
+    DEFAULT_RETRY_S,
+    MAX_CATEGORY,
+    BlockCache,
+    CategoryTable,
+    StreamedDataset,
+    TokenDataset,
+    open_block_cache,
+)
 from xprep.prep.errors import XprepError
 from xprep.prep.pack import PackBins, PackEntry, check_chunk_cp, methods_of, open_entry
 from xprep.train.cp import padded_length, shard_batch
@@ -59,6 +68,7 @@ class _Source:
     loss_mask: np.ndarray  # empty when the dataset has no loss mask stream
     category_ids: np.ndarray  # empty when the dataset has no category stream
     offsets: np.ndarray  # int64[n_docs + 1]
+    streamed: StreamedDataset | None = None  # a dataset at a URL: the three streams are read through it instead
 
 
 def pad_token_id(ds: TokenDataset) -> int:
@@ -79,15 +89,21 @@ class PackedDataset:
     exactly ``capacity`` tokens again. Packs made for another CP size are refused. A chunk pack's
     bins are full samples that CP zigzags whole (``cp_sample_len``): they stay as they are, and
     any C with 2·C dividing the sample length will do.
+
+    Datasets at URLs are read in place (prep/dataset/stream.py): by range, through one block cache of
+    ``cache_size`` bytes on local disk (``cache``; None when every dataset is local), retrying transient errors
+    for ``stream_timeout`` seconds. train/prefetch.py fetches the blocks of the next steps ahead.
     """
 
-    def __init__(self, packed: str | Path, verify_data: bool = False, cp_size: int = 1):
+    def __init__(self, packed: str | Path, verify_data: bool = False, cp_size: int = 1,
+                 cache_size: int = DEFAULT_CACHE_SIZE, stream_timeout: float = DEFAULT_RETRY_S):
         self.packed = Path(packed)
         self.verify_data = verify_data
         self.cp_size = cp_size
+        self.cache_size, self.stream_timeout = cache_size, stream_timeout
         self.entry = open_entry(packed)  # a plain pack entry or a blend of several
         check_cp_size(self.entry, cp_size)
-        self.bins = PackBins(self.entry, verify_data)  # bin → source and items over one document index
+        self.bins = PackBins(self.entry, verify_data, stream=True)  # bin → source and items over one document index
         self.datasets = self.bins.datasets
         if not self.datasets:
             raise XprepError(f"{self.entry.path}/pack.json: lists no input datasets; re-run `xprep pack`")
@@ -98,6 +114,7 @@ class PackedDataset:
         self.causal = self.whole_samples and self.entry.one_span  # --attention causal: one span per sample
         self.eod_id = masked_eod(self.entry, self.datasets[0])  # --eod-mask-loss: never a label
         self._sources = [_source(ds) for ds in self.datasets]
+        self.cache = _stream_cache(self.datasets, cache_size, stream_timeout)
         self._category_names, self._category_maps = merge_categories([ds.category_names for ds in self.datasets])
         counts = np.array([len(ds) for ds in self.datasets], np.int64)
         self._doc_base = np.concatenate([[0], np.cumsum(counts)])
@@ -145,7 +162,7 @@ class PackedDataset:
         out = block.reshape(5, self.capacity)
         out[4] = source
         cu = np.empty(len(docs) + 2, np.int32)
-        if len(self._sources) == 1:
+        if len(self._sources) == 1 and self._sources[0].streamed is None:
             src = self._sources[0]
             n = fill_bin(src.tokens, src.loss_mask, src.category_ids, src.offsets, docs, starts, lens,
                          self.pad_id, out, cu, self.lookahead)
@@ -225,14 +242,12 @@ class PackedDataset:
         used = int(lens.sum())
         if used > self.capacity:
             return -1
-        which = np.searchsorted(self._doc_base, docs, side="right") - 1
-        for k in np.unique(which).tolist():
-            sel = which == k
+        for k, sel, flat, ends in self._by_dataset(docs, starts):
             src = self._sources[k]
-            local = docs[sel] - self._doc_base[k]
-            ends = src.offsets[local + 1] if self.lookahead else _NO_ENDS
-            fill_items_upto(src.tokens, src.loss_mask, src.category_ids, src.offsets[local] + starts[sel], lens[sel],
-                            dst[sel], ends, out)
+            tokens, mask, cats = src.tokens, src.loss_mask, src.category_ids
+            if src.streamed is not None:  # a dataset at a URL: only these items' tokens, through the block cache
+                tokens, mask, cats, flat, ends = src.streamed.gather(flat, lens[sel], ends)
+            fill_items_upto(tokens, mask, cats, flat, lens[sel], dst[sel], ends, out)
             remap = self._category_maps[k]
             if remap is not None:  # this dataset numbers its categories differently from the first
                 at = np.concatenate([np.arange(d, d + n) for d, n in zip(dst[sel].tolist(), lens[sel].tolist(),
@@ -241,11 +256,38 @@ class PackedDataset:
         cu[: len(dst)] = dst
         return pad_bin(out, cu, len(dst), used, self.pad_id)
 
+    def _by_dataset(self, docs: np.ndarray, starts: np.ndarray):
+        """Items grouped by dataset: (dataset, selection, flat start in its streams, flat end of each item's
+        document when the pack looks ahead, else empty)."""
+        which = np.searchsorted(self._doc_base, docs, side="right") - 1
+        for k in np.unique(which).tolist():
+            sel = which == k
+            src = self._sources[k]
+            local = docs[sel] - self._doc_base[k]
+            yield k, sel, src.offsets[local] + starts[sel], (src.offsets[local + 1] if self.lookahead else _NO_ENDS)
+
+    def stream_blocks(self, bins: list[int]) -> list[tuple[int, np.ndarray]]:
+        """(stream id, blocks) of ``cache`` that reading ``bins`` takes from datasets at URLs: what is fetched
+        ahead (train/prefetch.py)."""
+        _, docs, starts, lens = self.bins.items_of(np.asarray(bins, np.int64))
+        out = []
+        for k, sel, flat, ends in self._by_dataset(docs, starts):
+            if self._sources[k].streamed is not None:
+                out += self._sources[k].streamed.blocks(flat, lens[sel], ends)
+        return out
+
+    def close(self) -> None:
+        """Remove the block cache (a local pack has none)."""
+        if self.cache is not None:
+            self.cache.close()
+
     def __getstate__(self) -> dict:
-        return {"packed": self.packed, "verify_data": False, "cp_size": self.cp_size}
+        return {"packed": self.packed, "verify_data": False, "cp_size": self.cp_size, "cache_size": self.cache_size,
+                "stream_timeout": self.stream_timeout}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["packed"], state["verify_data"], state.get("cp_size", 1))
+        self.__init__(state["packed"], state["verify_data"], state.get("cp_size", 1),
+                      state.get("cache_size", DEFAULT_CACHE_SIZE), state.get("stream_timeout", DEFAULT_RETRY_S))
 
 
 def masked_eod(entry, dataset: TokenDataset) -> int | None:
@@ -309,6 +351,8 @@ def _named(table: list[str | None]) -> list[str]:
 
 
 def _source(ds: TokenDataset) -> _Source:
+    if isinstance(ds, StreamedDataset):
+        return _Source(_NO_STREAM, _NO_STREAM, _NO_STREAM, ds.tokens.offsets(), streamed=ds)
     return _Source(
         tokens=ds.tokens.items,
         loss_mask=ds.loss_mask.items if ds.loss_mask is not None else _NO_STREAM,
@@ -318,6 +362,18 @@ def _source(ds: TokenDataset) -> _Source:
 
 
 _NO_STREAM = np.zeros(0, np.uint8)
+
+
+def _stream_cache(datasets: list[TokenDataset], cache_size: int, retry_s: float) -> BlockCache | None:
+    """One block cache for the datasets at URLs (None: there are none), which read through it from then on."""
+    streamed = [ds for ds in datasets if isinstance(ds, StreamedDataset)]
+    if not streamed:
+        return None
+    cache = open_block_cache(cache_size, retry_s)
+    for ds in streamed:
+        ds.retry = cache.retry
+        ds.attach(cache)
+    return cache
 _NO_ENDS = np.zeros(0, np.int64)  # fill_items_upto without lookahead
 
 

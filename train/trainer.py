@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.optim.lr_scheduler import LambdaLR
-from xprep.prep.dataset import check_token_ids
+from xprep.prep.dataset import StreamUnavailable, check_token_ids
 from xprep.prep.errors import XprepError, machine_cause, machine_error
 from xprep.prep.io import check_output_dir, read_json, write_json_atomic
 from xprep.prep.pack import MANIFEST
@@ -72,6 +72,7 @@ from xprep.train.memory import peak_memory, reset_peak_memory
 from xprep.train.metrics import EvalMetrics, MetricsLog, StepMetrics
 from xprep.train.optim import apply_settings, hparam_changes, optimizer_settings, schedule_change
 from xprep.train.preempt import STOP_SIGNALS, StopControl, Stopped, record_stop, signal_name
+from xprep.train.prefetch import Prefetcher
 from xprep.train.remix import Remix, check_prefix, find_remix, keep_blend, phase_note, schedule
 from xprep.train.report import layout_text
 from xprep.train.resume import check_same_model, check_same_pack, pinned_entry
@@ -390,17 +391,18 @@ def prepare_run(cfg: TrainConfig, dims: ParallelDims, verify_data: bool | None =
     ckpt = cfg.checkpoint.build(cfg.run_dir, dims)
     resume_from = ckpt.resolve(cfg.checkpoint.resume)
     saved = ckpt.read_trainer_state(resume_from) if resume_from is not None else {}
-    remix = find_remix(cfg.data.packed, saved, cfg.run_dir) if resume_from is not None else None
-    pinned = pinned_entry(cfg.data.packed, saved, resume_from) if resume_from is not None and not remix else None
-    dataset = cfg.data.build(dims.cp, verify_data, entry=pinned)
+    data = cfg.data.fetched()  # PACKED at a URL: its small files fetched (its datasets are read in place)
+    remix = find_remix(data.packed, saved, cfg.run_dir) if resume_from is not None else None
+    pinned = pinned_entry(data.packed, saved, resume_from) if resume_from is not None and not remix else None
+    dataset = data.build(dims.cp, verify_data, entry=pinned)
     if resume_from is not None and not remix:
         check_same_pack(saved, resume_from, dataset.key)
     plan = plan_batches(len(dataset), dataset.entry.config, dims.dp, cfg.data.micro_batch_size,
                         cfg.data.global_batch_size, cfg.steps, cfg.epochs, ResumePoint.of(saved),
                         cfg.data.allow_new_global_batch)
-    validation = cfg.eval.build(cfg.data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)
-    evals = cfg.eval.build_sets(cfg.data, dataset, dims, plan.micro_batch_size, verify_data)
-    test = cfg.eval.build_test(cfg.data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)
+    validation = cfg.eval.build(data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)
+    evals = cfg.eval.build_sets(data, dataset, dims, plan.micro_batch_size, verify_data)
+    test = cfg.eval.build_test(data, dataset, dims, plan.micro_batch_size, verify_data, entry=pinned)
     sampler = build_sampler(cfg.data.sampler, len(dataset), plan.micro_batch_size, dims.dp_rank, dims.dp, cfg.seed,
                             plan.group)
     if remix:  # the bins consumed so far, the same in the new blend, or refused
@@ -583,12 +585,16 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
         else None
     control = StopControl(dims, device, cfg.checkpoint.save_every_minutes)
     saved_at = trainer.step  # of the newest checkpoint (the one resumed from; 0: the initial state, none needed)
+    prefetch = Prefetcher(dataset, trainer.sampler, plan.grad_accum, cfg.data.prefetch_steps) \
+        if dataset.cache is not None else None  # datasets at URLs: the next steps' bytes fetched ahead
     control.arm()
     try:
         while trainer.step < plan.steps:
             signum, save_due = control.poll()
             if signum:
                 _stop(signum, trainer, ckpt, saved_at, plan, run_dir, dims.is_main, out)
+            if prefetch is not None:
+                _stage(prefetch, trainer, ckpt, saved_at)
             if save_due and saved_at != trainer.step and not trainer.last_step_bad:
                 saved_at = _save(ckpt, trainer, control)
             metrics = trainer.train_step()
@@ -612,6 +618,9 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
     finally:
         control.disarm()
         log.close()
+        if prefetch is not None:
+            prefetch.close()
+        dataset.close()
 
 
 def _evaluate_due(trainer: Trainer, metrics: StepMetrics, setup: RunSetup, last_step: int, out) -> None:
@@ -677,6 +686,31 @@ def _stop(signum: int, trainer: Trainer, ckpt: CheckpointManager, saved_at: int,
         attempts.note(run_dir, message)
         record_stop(signum, message)
     raise Stopped(signum, message, said=is_main)
+
+
+def _stage(prefetch: Prefetcher, trainer: Trainer, ckpt: CheckpointManager, saved_at: int) -> None:
+    """The next step's data fetched (prefetch.py); when its URL stays unreachable past --stream-timeout, the run
+    stops before the step, every rank at once (they agree in one small all-reduce), with a checkpoint of the steps
+    done (as a stop signal's), and says so in one line."""
+    failure = None
+    try:
+        prefetch.stage()
+    except StreamUnavailable as e:
+        failure = e
+    failed = all_reduce_sum(torch.tensor([int(failure is not None)], device=trainer.device), trainer.dims)
+    if not int(failed.item()):
+        return
+    if ckpt.no_save or trainer.step == 0:
+        where = "no checkpoint written" if ckpt.no_save else "nothing trained yet"
+    elif saved_at == trainer.step or trainer.last_step_bad:
+        where = f"step-{saved_at} is the latest checkpoint"
+    else:
+        ckpt.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict(), blocking=True)
+        where = f"checkpoint step-{trainer.step} saved"
+    ckpt.finish()
+    said = failure or "another rank's data stayed unreachable"
+    raise XprepError(f"{said}: stopped after step {trainer.step} ({where}); run the same command again once it "
+                     "answers, to resume")
 
 
 class TooManyBadSteps(XprepError):

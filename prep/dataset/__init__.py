@@ -21,11 +21,21 @@ from xprep.prep.dataset.manifest import (
 )
 from xprep.prep.dataset.merge import append_dataset, merge_datasets
 from xprep.prep.dataset.remote import check_output_url, sync_dataset, synced_from, upload_dataset
+from xprep.prep.dataset.stream import (
+    DEFAULT_CACHE_SIZE,
+    DEFAULT_RETRY_S,
+    BlockCache,
+    Retry,
+    StreamedDataset,
+    StreamUnavailable,
+    open_block_cache,
+)
 from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset, check_token_ids
 
 __all__ = [
-    "CONVERSATION_COUNTS", "CategoryTable", "DatasetWriter", "KEPT_TOKENIZER", "MAX_CATEGORY", "TokenDataset",
-    "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids", "conversation_counts",
-    "count", "dataset_tokenizer", "idx_path", "merge_datasets", "read_manifest", "sync_dataset", "synced_from",
-    "token_dtype", "upload_dataset", "verify_streams"
+    "BlockCache", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S", "DatasetWriter",
+    "KEPT_TOKENIZER", "MAX_CATEGORY", "StreamUnavailable", "StreamedDataset", "TokenDataset", "append_dataset",
+    "bin_path", "canonical_json", "check_output_url", "check_token_ids", "conversation_counts", "count",
+    "dataset_tokenizer", "idx_path", "merge_datasets", "open_block_cache", "read_manifest", "Retry", "sync_dataset",
+    "synced_from", "token_dtype", "upload_dataset", "verify_streams"
 ]

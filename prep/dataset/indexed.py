@@ -126,6 +126,47 @@ class BinWriter:
         self._file.close()
 
 
+def parse_index(idx_buf: bytes, ipath: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(dtype, lengths, pointers, doc_index) of the ``.idx`` bytes ``idx_buf`` (zero-copy views), checked: header,
+    size, pointers that follow from the lengths, document indices that partition the sequences. A local reader and
+    a reader of a dataset at a URL (prep/dataset/stream.py) both parse an index here."""
+    if len(idx_buf) < HEADER.size:
+        raise XprepError(f"{ipath}: truncated header ({len(idx_buf)} bytes); re-create the dataset")
+    magic, version, code, seq_count, doc_count = HEADER.unpack_from(idx_buf)
+    if magic != MAGIC or version != VERSION:
+        raise XprepError(f"{ipath}: not an MMIDIDX v1 index (magic {magic!r}, version {version})")
+    if code not in DTYPE_CODES:
+        raise XprepError(f"{ipath}: unknown dtype code {code}")
+    expected = HEADER.size + seq_count * 12 + doc_count * 8
+    if len(idx_buf) != expected:
+        raise XprepError(
+            f"{ipath}: {len(idx_buf)} bytes but its header implies {expected}; re-create the dataset"
+        )
+    dtype = DTYPE_CODES[code]
+    off = HEADER.size
+    lengths = np.frombuffer(idx_buf, np.int32, seq_count, off)
+    off += seq_count * 4
+    pointers = np.frombuffer(idx_buf, np.int64, seq_count, off)
+    off += seq_count * 8
+    doc_index = np.frombuffer(idx_buf, np.int64, doc_count, off)
+    _check_index(ipath, dtype, lengths, pointers, doc_index)
+    return dtype, lengths, pointers, doc_index
+
+
+def _check_index(ipath, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray, d: np.ndarray) -> None:
+    """Pointers must follow from the lengths and document indices must be a partition (vectorized)."""
+    ok = bool((lengths >= 0).all()) and np.array_equal(pointers, pointers_from_lengths(lengths, dtype.itemsize))
+    ok = ok and len(d) > 0 and d[0] == 0 and d[-1] == len(lengths) and bool((np.diff(d) >= 0).all())
+    if not ok:
+        raise XprepError(f"{ipath}: inconsistent index (pointers, lengths or document indices disagree); "
+                         "the dataset is corrupt: re-create it")
+
+
+def implied_bin_size(dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray) -> int:
+    """The size in bytes of the ``.bin`` an index describes."""
+    return int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize if len(lengths) else 0
+
+
 class IndexedReader:
     """Zero-copy reader of one ``.bin/.idx`` pair; pickles as its path only.
 
@@ -142,29 +183,9 @@ class IndexedReader:
             if not p.is_file():
                 raise XprepError(f"{p}: missing; the dataset is incomplete, re-run `xprep tokenize`")
         with open(ipath, "rb") as f:
-            idx_buf = f.read()
-        if len(idx_buf) < HEADER.size:
-            raise XprepError(f"{ipath}: truncated header ({len(idx_buf)} bytes); re-create the dataset")
-        magic, version, code, seq_count, doc_count = HEADER.unpack_from(idx_buf)
-        if magic != MAGIC or version != VERSION:
-            raise XprepError(f"{ipath}: not an MMIDIDX v1 index (magic {magic!r}, version {version})")
-        if code not in DTYPE_CODES:
-            raise XprepError(f"{ipath}: unknown dtype code {code}")
-        expected = HEADER.size + seq_count * 12 + doc_count * 8
-        if len(idx_buf) != expected:
-            raise XprepError(
-                f"{ipath}: {len(idx_buf)} bytes but its header implies {expected}; re-create the dataset"
-            )
-        self.dtype = DTYPE_CODES[code]
-        off = HEADER.size
-        self.lengths = np.frombuffer(idx_buf, np.int32, seq_count, off)
-        off += seq_count * 4
-        self.pointers = np.frombuffer(idx_buf, np.int64, seq_count, off)
-        off += seq_count * 8
-        self.doc_index = np.frombuffer(idx_buf, np.int64, doc_count, off)
-        self._check_index(ipath, seq_count)
+            self.dtype, self.lengths, self.pointers, self.doc_index = parse_index(f.read(), ipath)
         size = os.path.getsize(bpath)
-        implied = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if seq_count else 0
+        implied = implied_bin_size(self.dtype, self.lengths, self.pointers)
         if size != implied:
             raise XprepError(
                 f"{bpath}: {size} bytes but {ipath} describes {implied}; the file is truncated or "
@@ -177,16 +198,6 @@ class IndexedReader:
             with open(bpath, "rb") as f:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self.items = np.frombuffer(self._mmap, self.dtype)
-
-    def _check_index(self, ipath: Path, seq_count: int) -> None:
-        """Pointers must follow from the lengths and document indices must be a partition (vectorized)."""
-        ok = bool((self.lengths >= 0).all()) and np.array_equal(
-            self.pointers, pointers_from_lengths(self.lengths, self.dtype.itemsize))
-        d = self.doc_index
-        ok = ok and len(d) > 0 and d[0] == 0 and d[-1] == seq_count and bool((np.diff(d) >= 0).all())
-        if not ok:
-            raise XprepError(f"{ipath}: inconsistent index (pointers, lengths or document indices disagree); "
-                             "the dataset is corrupt: re-create it")
 
     def __len__(self) -> int:
         return len(self.lengths)

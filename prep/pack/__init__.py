@@ -20,9 +20,10 @@ from xprep.prep.pack.methods import (
 )
 from xprep.prep.pack.mixture import BlendEntry, open_entry
 from xprep.prep.pack.reader import PackBins, doc_lengths
+from xprep.prep.pack.remote import fetch_pack
 
 __all__ = [
     "BlendEntry", "DatasetChanged", "MANIFEST", "PACK_JSON", "PackBins", "PackConfig", "PackEntry", "PackingMethod",
-    "check_chunk_cp", "doc_lengths", "method_names", "methods_of", "open_entry", "pack", "packing_method",
+    "check_chunk_cp", "doc_lengths", "fetch_pack", "method_names", "methods_of", "open_entry", "pack", "packing_method",
     "packing_methods", "parse_sources", "parse_split", "range_bincount", "register_method", "unregister_method"
 ]

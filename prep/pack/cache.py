@@ -34,9 +34,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-from xprep.prep.dataset import TokenDataset, canonical_json, read_manifest, synced_from, verify_streams
+from xprep.prep.dataset import (
+    StreamedDataset,
+    TokenDataset,
+    canonical_json,
+    read_manifest,
+    synced_from,
+    verify_streams,
+)
 from xprep.prep.errors import XprepError, machine_errors
 from xprep.prep.formats import BLEND_JSON, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
+from xprep.prep.fs import is_url
 from xprep.prep.io import fsync_tree, write_json_atomic
 from xprep.prep.pack.config import PackConfig, split_counts
 from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted
@@ -99,6 +107,11 @@ def read_fingerprints(paths: list[str | Path]) -> list[dict]:
     """
     out, tokenizers = [], {}
     for p in paths:
+        if is_url(str(p)):  # read in place: its manifest and indexes fetched (and checked against their digests)
+            manifest = StreamedDataset(str(p)).manifest
+            out.append({"path": str(p), "fingerprint": manifest["fingerprint"]})
+            tokenizers.setdefault((manifest.get("tokenizer") or {}).get("sha256"), str(p))
+            continue
         manifest = read_manifest(p)
         # The fingerprint stands for the data only if the streams were not edited since: re-hash the
         # token index (all a pack depends on; ~12 bytes a document, ~0.1 s at 10M documents).

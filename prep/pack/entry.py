@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from xprep.prep.dataset import (
+    StreamedDataset,
     TokenDataset,
     idx_path,
     sync_dataset,  # fsspec itself loads only when a URL is read
@@ -32,6 +33,7 @@ from xprep.prep.dataset import (
 )
 from xprep.prep.errors import XprepError, machine_errors
 from xprep.prep.formats import DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, TOKENS_STREAM, declared_format
+from xprep.prep.fs import is_url
 from xprep.prep.io import read_json
 from xprep.prep.pack.config import CAUSAL
 
@@ -96,9 +98,10 @@ class PackEntry(EntryMeta):
     def bin_items(self, b: int) -> slice:
         return slice(int(self.bin_offsets[b]), int(self.bin_offsets[b + 1]))
 
-    def open_datasets(self, verify_data: bool = False) -> list[TokenDataset]:
-        """Every dataset this entry was packed from, in order; missing or changed ones are refused."""
-        return open_fingerprinted(self.meta.get("datasets", []), self.path, verify_data=verify_data)
+    def open_datasets(self, verify_data: bool = False, stream: bool = False) -> list[TokenDataset]:
+        """Every dataset this entry was packed from, in order; missing or changed ones are refused (``stream``: see
+        ``open_fingerprinted``)."""
+        return open_fingerprinted(self.meta.get("datasets", []), self.path, verify_data=verify_data, stream=stream)
 
     def write_arrays(self, directory: Path) -> None:
         for name in (*ARRAYS, TARGETS, NEXT):
@@ -285,31 +288,40 @@ class DatasetChanged(XprepError):
 
 
 def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it was packed",
-                       verify_data: bool = False) -> list[TokenDataset]:
+                       verify_data: bool = False, stream: bool = False) -> list[TokenDataset]:
     """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order.
 
     The one place a pack's inputs are opened (the pack build, ``xtrain``, ``xprep inspect``): a missing
     dataset is an XprepError, a re-tokenized or re-merged one (another fingerprint) a ``DatasetChanged``.
     ``verify_data`` also re-hashes each ``.bin`` against the manifest, which catches an in-place edit of the
     token files at the cost of reading them once. ``where`` names the pack in messages, ``since`` when the
-    fingerprints were taken.
+    fingerprints were taken. A dataset listed by URL is read in place (``StreamedDataset``); so is one packed from a
+    URL whose local copy this machine lacks, when ``stream`` (training), else it is synced again.
     """
     datasets = []
     for i, info in enumerate(listed):
         path = Path(info["path"])
+        if is_url(info["path"]) or (stream and not (path / MANIFEST).is_file() and info.get("url")):
+            datasets.append(_check_fingerprint(StreamedDataset(info["path"] if is_url(info["path"]) else info["url"]),
+                                               info, where, since))
+            continue
         if not (path / MANIFEST).is_file() and info.get("url"):
             path = _sync_again(info["url"], path)
         if not (path / MANIFEST).is_file():
             raise XprepError(f"{where}: input dataset #{i} {path} is missing; restore it or re-run "
                              "`xprep tokenize` and `xprep pack`")
-        ds = TokenDataset(path)
-        if ds.fingerprint != info["fingerprint"]:
-            raise DatasetChanged(f"{where}: dataset {path} changed since {since} (fingerprint "
-                                 f"{ds.fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
+        ds = _check_fingerprint(TokenDataset(path), info, where, since)
         if verify_data:
             verify_streams(ds.path, ds.manifest, "bin")
         datasets.append(ds)
     return datasets
+
+
+def _check_fingerprint(ds: TokenDataset, info: dict, where: str | Path, since: str) -> TokenDataset:
+    if ds.fingerprint != info["fingerprint"]:
+        raise DatasetChanged(f"{where}: dataset {ds.path} changed since {since} (fingerprint "
+                             f"{ds.fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
+    return ds
 
 
 def _sync_again(url: str, path: Path) -> Path:

@@ -27,7 +27,7 @@ class PackBins:
     index: the datasets of source 0's entry, then source 1's, and so on. Every bin knows its source (0 for
     a plain pack, whose one source is named after its dataset)."""
 
-    def __init__(self, entry: PackEntry | BlendEntry, verify_data: bool = False):
+    def __init__(self, entry: PackEntry | BlendEntry, verify_data: bool = False, stream: bool = False):
         self.entry = entry
         blend = isinstance(entry, BlendEntry)
         self.parts = entry.sources if blend else [entry]
@@ -40,7 +40,7 @@ class PackBins:
         self.part_docs: list[int] = []  # documents of each source
         for s, part in enumerate(self.parts):
             self.part_base.append(sum(len(d) for d in self.datasets))
-            opened = part.open_datasets(verify_data)
+            opened = part.open_datasets(verify_data, stream)  # (stream: datasets at URLs read in place)
             part.check_items(doc_lengths(opened))  # every item inside its document: the trainer slices by them
             self.datasets += opened
             self.dataset_source += [s] * len(opened)

@@ -319,8 +319,8 @@ def test_s3_in_and_out_equals_local_and_packs_the_same(corpus, s3, tmp_path):
     assert again.returncode == 2 and "already holds a dataset" in again.stderr
 
     pack = ["--method", "multipack", "--seq-len", "4096", "--overlong", "split"]
-    remote = xprep("pack", "s3://corpus/out/ds", "-o", tmp_path / "p1", *pack, "--cache-dir", tmp_path / "cache",
-                   env=s3["env"])
+    remote = xprep("pack", "s3://corpus/out/ds", "-o", tmp_path / "p1", *pack,
+                   env={**s3["env"], "XPREP_CACHE_DIR": str(tmp_path / "cache")})
     assert remote.returncode == 0, remote.stderr
     direct = xprep("pack", local, "-o", tmp_path / "p2", *pack)
     assert direct.returncode == 0, direct.stderr
@@ -328,14 +328,15 @@ def test_s3_in_and_out_equals_local_and_packs_the_same(corpus, s3, tmp_path):
     assert [p.name for p in e1] == [p.name for p in e2]  # the same cache key: same fingerprint, same options
     bins = [{k: v for k, v in dir_bytes(e[0]).items() if k != "pack.json"} for e in (e1, e2)]  # (times, paths)
     assert bins[0] == bins[1] and len(bins[0]) >= 4
-    # on a machine without the copy the pack was made from (a training node), the pack syncs it from the URL
+    # the pack read the dataset in place (its index only: nothing of it was copied whole) and lists it by URL: a
+    # machine without anything of it (a training node) reads it in place too
     listed = json.loads((e1[0] / "pack.json").read_text())["datasets"]
-    assert [d["url"] for d in listed] == ["s3://corpus/out/ds"]
+    assert [d["path"] for d in listed] == ["s3://corpus/out/ds"]
+    assert not list((tmp_path / "cache").rglob("*.bin"))
     shutil.rmtree(tmp_path / "cache")
-    elsewhere = xprep("inspect", tmp_path / "p1", env={**s3["env"], "XPREP_CACHE": str(tmp_path / "node-cache")})
+    elsewhere = xprep("inspect", tmp_path / "p1", env={**s3["env"], "XPREP_CACHE_DIR": str(tmp_path / "node-cache")})
     assert elsewhere.returncode == 0, elsewhere.stderr
-    assert "synced its dataset from s3://corpus/out/ds" in elsewhere.stderr
-    assert (tmp_path / "node-cache" / "datasets" / listed[0]["fingerprint"] / "ds" / "manifest.json").is_file()
+    assert (tmp_path / "node-cache" / "datasets" / listed[0]["fingerprint"] / "ds.index" / "manifest.json").is_file()
     # a --mix file may name the URL dataset too: copied once into the cache, named after the URL
     mix = tmp_path / "mix.json"
     mix.write_text(json.dumps({"sources": [{"dataset": "s3://corpus/out/ds", "weight": 2},

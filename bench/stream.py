@@ -1,0 +1,242 @@
+"""Benchmark of training from object storage (issue 35): steps/s of ``xtrain run`` on a pack whose dataset is at an
+S3 endpoint with a latency injected on every request, against the same pack on local disk, and the bytes fetched
+against the bytes the bins read.
+
+    python bench/stream.py                    # 300 steps of the tiny model, 20 ms a request
+    python bench/stream.py --quick            # 60 steps
+    python bench/stream.py --latency-ms 50 --sampler random --method multipack
+
+The endpoint is moto's server on 127.0.0.1; the latency comes from a small TCP proxy in front of it (``Delay``)
+that holds every chunk a client sends (a request: HTTP keeps one connection per request in flight) for
+``--latency-ms`` before passing it on. Both runs are ``xprep.train.trainer.run`` in this process, alternating,
+best of ``--repeats`` each; steps/s are counted from the step after ``WARMUP_STEPS`` to the last, so the start (the
+pack's files and indexes fetched once, the model built) is not in them. Goals: stream / local ≥ 0.9 (the prefetcher
+hides the latency), and bytes fetched ≤ 1.2 × the bytes of the bins trained on. Fetching is by blocks (at most
+1 MiB, 1/16 of --cache-size): an order-preserving pack read in order (the defaults here) reads each block once;
+a random sampler over part of an epoch touches blocks it only partly needs (``--sampler random`` shows how much).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+WARMUP_STEPS = 5
+CAPACITY = 512
+VOCAB = 4096
+
+
+# ----------------------------------------------------------------------------------------- endpoint
+class Delay:
+    """A TCP proxy on 127.0.0.1 that forwards to ``upstream`` port, holding each chunk a client sends for
+    ``latency`` seconds first (a request's round trip is that much longer)."""
+
+    def __init__(self, upstream: int, latency: float):
+        self.upstream, self.latency = upstream, latency
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pump, args=(client, upstream, self.latency), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, 0.0), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, latency: float) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if latency:
+                    time.sleep(latency)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def start_moto(log: Path) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit("moto_server did not start") from None
+            time.sleep(0.1)
+
+
+def use_endpoint(port: int) -> None:
+    """s3:// URLs in this process go to 127.0.0.1:``port`` from now on."""
+    import fsspec
+    import s3fs
+
+    fsspec.config.conf["s3"] = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "bench", "secret": "bench"}
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+# ------------------------------------------------------------------------------------------- data
+def build(root: Path, tokens: int, method: str, seed: int = 0) -> Path:
+    """A dataset of random documents (16..CAPACITY tokens) with a loss mask, packed by ``method`` into ``root/p``."""
+    from xprep.prep.dataset.token_dataset import CategoryTable, DatasetWriter
+    from xprep.prep.pack.cache import PackConfig, pack
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(16, CAPACITY + 1, max(1, tokens // (CAPACITY // 2)))
+    ids = rng.integers(2, VOCAB, int(lengths.sum()), dtype=np.int64)
+    mask = (rng.random(len(ids)) < 0.8).astype(np.uint8)
+    with DatasetWriter(root / "ds", VOCAB) as w:
+        w.append(ids, lengths, loss_mask=mask)
+        w.finish({"tokenizer": {"path": "none (random ids)", "vocab_size": VOCAB, "pad_id": 0, "eod_id": 1}},
+                 CategoryTable())
+    pack([root / "ds"], root / "p", PackConfig(method=method, seq_len=CAPACITY))
+    return root / "p"
+
+
+def upload(root: Path, local_pack: Path) -> None:
+    """s3://bench/ds (the dataset) and s3://bench/packed (the pack, its dataset named by that URL)."""
+    import json
+
+    import s3fs
+    from xprep.prep.dataset import upload_dataset
+
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("bench")
+    upload_dataset(root / "ds", "s3://bench/ds")
+    remote = root / "remote-pack"
+    shutil.copytree(local_pack, remote)
+    for entry in (p for p in remote.iterdir() if p.is_dir()):
+        meta = json.loads((entry / "pack.json").read_text())
+        meta["datasets"] = [{**d, "path": "s3://bench/ds"} for d in meta["datasets"]]
+        (entry / "pack.json").write_text(json.dumps(meta))
+    fs.put(str(remote), "bench/packed", recursive=True)
+
+
+# ------------------------------------------------------------------------------------------- runs
+def train(packed: str, run_dir: Path, steps: int, sampler: str, extra: dict) -> dict:
+    """One ``xtrain run`` in this process: steps/s after the warm-up, and the block cache's figures."""
+    from xprep.train import trainer as trainer_module
+    from xprep.train.config import resolve_config
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    times, out = [], {}
+
+    def on_step(t) -> None:
+        times.append(time.perf_counter())
+        if t.step == steps:
+            s = t.sampler
+            bins = s.bins_at(np.arange(s.consumed_samples, dtype=np.int64))
+            lens = t.dataset.bins.items_of(bins)[3]
+            out["needed"] = int(lens.sum()) * sum(st.dtype.itemsize for st in _streams(t.dataset))
+            cache = t.dataset.cache
+            if cache is not None:
+                out.update(fetched=cache.fetched_bytes, demand=cache.demand_blocks, demand_s=cache.demand_s)
+
+    trainer_module.STEP_END_CALLBACKS.append(on_step)
+    try:
+        cfg = resolve_config(None, {"packed": packed, "steps": steps, "sampler": sampler, "micro_batch_size": 2,
+                                    "output": str(run_dir), "no_save": True, "log_every": 10**6, **extra})
+        with open(os.devnull, "w") as quiet:
+            trainer_module.run(cfg, stream=quiet)
+    finally:
+        trainer_module.STEP_END_CALLBACKS.remove(on_step)
+    out["rate"] = (len(times) - WARMUP_STEPS - 1) / (times[-1] - times[WARMUP_STEPS])
+    return out
+
+
+def _streams(dataset) -> list:
+    ds = dataset.datasets[0]
+    return [s for s in (ds.tokens, ds.loss_mask, ds.category_ids) if s is not None]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="60 steps instead of 300")
+    ap.add_argument("--latency-ms", type=float, default=20.0, help="added to every request [default: 20]")
+    ap.add_argument("--sampler", default="sequential", choices=["sequential", "random"])
+    ap.add_argument("--method", default="sequential", help="xprep pack --method [default: sequential]")
+    ap.add_argument("--cache-size", default="1MB", help="xtrain run --cache-size [default: 1MB: blocks of 61 KiB]")
+    ap.add_argument("--prefetch-steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    torch_threads()
+    steps = 60 if args.quick else 300
+    root = Path(tempfile.mkdtemp(prefix="xprep-bench-stream-"))
+    os.environ["XPREP_CACHE_DIR"] = str(root / "cache")
+    proc, port = start_moto(root / "moto.log")
+    delay = None
+    try:
+        local = build(root, tokens=steps * 2 * CAPACITY * 2, method=args.method)
+        use_endpoint(port)
+        upload(root, local)
+        delay = Delay(port, args.latency_ms / 1000)
+        use_endpoint(delay.port)
+        stream_opts = {"cache_size": args.cache_size, "prefetch_steps": args.prefetch_steps}
+        best: dict[str, dict] = {}
+        for _ in range(args.repeats):
+            for name, packed, extra in (("local", str(local), {}), ("stream", "s3://bench/packed", stream_opts)):
+                got = train(packed, root / f"run-{name}", steps, args.sampler, extra)
+                if name not in best or got["rate"] > best[name]["rate"]:
+                    best[name] = got
+        report(args, steps, best)
+    finally:
+        if delay is not None:
+            delay.close()
+        proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def torch_threads() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the two shared cores: one computes, one serves the endpoint and the prefetcher
+
+
+def report(args, steps: int, best: dict) -> None:
+    local, stream = best["local"], best["stream"]
+    print(f"xtrain run, tiny model, {steps} steps of 2 bins × {CAPACITY} tokens, --sampler {args.sampler}, "
+          f"pack --method {args.method}, endpoint latency {args.latency_ms:g} ms a request, "
+          f"--cache-size {args.cache_size}, --prefetch-steps {args.prefetch_steps} (best of {args.repeats})")
+    print(f"  steps/s:  local disk {local['rate']:.1f}   object store {stream['rate']:.1f}   "
+          f"ratio {stream['rate'] / local['rate']:.3f} (goal ≥ 0.9)")
+    print(f"  bytes:    the bins read {stream['needed']:,}   fetched {stream['fetched']:,}   "
+          f"ratio {stream['fetched'] / stream['needed']:.3f} (goal ≤ 1.2)")
+    print(f"  the step fetched {stream['demand']} blocks itself ({stream['demand_s']:.2f} s waiting on the network)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Training from object storage (issue 35, streaming reads): a pack cache and its dataset at an S3-compatible
+endpoint (moto's server, started here on 127.0.0.1), read in place: the pack's small files fetched once, token bytes
+by range through a bounded block cache, fetched ahead by a thread.
+
+- the same losses (exact, fp32) as the same pack on local disk, the cache never above --cache-size;
+- the endpoint killed mid-run: the run retries, stops with one line and a checkpoint; a new server on the same
+  port with the same data: the same command finishes with the losses of an uninterrupted run;
+- a missing object is one line, exit 2; transient errors are retried, permanent ones are not (``Retry``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+from click.testing import CliRunner
+from test_train_run import metrics
+from trainkit import category_pack, user_error
+from xprep.cli import xtrain
+from xprep.prep.dataset import Retry, StreamUnavailable, upload_dataset
+from xprep.prep.errors import XprepError
+from xprep.train import trainer as trainer_module
+
+s3fs = pytest.importorskip("s3fs")
+MOTO = Path(sys.executable).parent / "moto_server"
+RUN = ["--steps", "6", "--micro-batch-size", "2", "--sampler", "random", "--save-every", "100"]
+
+
+class Endpoint:
+    """moto's S3 server on one port of 127.0.0.1, killed and started again on the same port by the tests."""
+
+    def __init__(self, root: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = root / "moto.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen([str(MOTO), "-H", "127.0.0.1", "-p", str(self.port)], stdout=log,
+                                         stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    pytest.fail("moto_server did not start")
+                time.sleep(0.1)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> dict:
+    """A dataset (loss masks, categories) and its sequential pack on local disk, and the losses of a run on it."""
+    root = tmp_path_factory.mktemp("local")
+    packed = category_pack(root, n_docs=60, capacity=64)
+    run = root / "run"
+    result = CliRunner().invoke(xtrain, ["run", str(packed), *RUN, "--output", str(run)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    return {"root": root, "packed": packed, "losses": [m["loss"] for m in metrics(run)]}
+
+
+@pytest.fixture
+def endpoint(tmp_path, monkeypatch, local):
+    """The endpoint, up, holding s3://stream/ds and s3://stream/packed (the local pack, its dataset named by URL
+    as `xprep pack s3://stream/ds` names it: a local copy this machine lacks, and its URL)."""
+    server = Endpoint(tmp_path)
+    server.start()
+    # s3fs and botocore retry a refused connection themselves for ~10 s before raising: once each here, so that
+    # the run's own retries (--stream-timeout) are what the tests time
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": server.url, "key": "testing", "secret": "testing",
+                                                   "config_kwargs": {"retries": {"max_attempts": 1}}})
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "cache"))
+    packed = tmp_path / "packed"
+    shutil.copytree(local["packed"], packed)
+    for entry in (p for p in packed.iterdir() if p.is_dir()):
+        meta = json.loads((entry / "pack.json").read_text())
+        meta["datasets"] = [{**d, "path": str(tmp_path / "elsewhere" / "ds"), "url": "s3://stream/ds"}
+                            for d in meta["datasets"]]
+        (entry / "pack.json").write_text(json.dumps(meta))
+
+    def upload() -> None:
+        s3fs.S3FileSystem.clear_instance_cache()  # (a restarted server holds nothing: no listing from before)
+        fs = s3fs.S3FileSystem()
+        fs.mkdir("stream")
+        upload_dataset(local["root"] / "ds", "s3://stream/ds")
+        fs.put(str(packed), "stream/packed", recursive=True)
+
+    upload()
+    server.upload = upload
+    yield server
+    server.kill()
+
+
+def test_a_pack_at_a_url_trains_like_the_local_pack_in_a_bounded_cache(endpoint, local, tmp_path, monkeypatch):
+    cache_size = 2048  # bytes: the 60 documents take 4.5 kB of streams, so blocks are evicted
+    seen = []
+    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [lambda t: seen.append(
+        (t.dataset.cache.disk_bytes(), t.dataset.cache.fetched_bytes))])
+    run = tmp_path / "run"
+    result = CliRunner().invoke(xtrain, ["run", "s3://stream/packed", *RUN, "--output", str(run), "--cache-size",
+                                         str(cache_size), "--prefetch-steps", "2"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert [m["loss"] for m in metrics(run)] == local["losses"]
+    assert len(seen) == 6 and max(disk for disk, _ in seen) <= cache_size
+    assert seen[-1][1] > cache_size  # more was fetched than the cache holds: it evicted
+    assert not list((tmp_path / "cache" / "blocks").iterdir())  # the run's block cache is removed at its end
+
+
+def test_endpoint_down_mid_run_stops_with_a_checkpoint_and_resumes(endpoint, local, tmp_path, monkeypatch):
+    def kill_after_step_2(t) -> None:
+        if t.step == 2:
+            endpoint.kill()
+
+    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [kill_after_step_2])
+    run = tmp_path / "run"
+    args = ["run", "s3://stream/packed", *RUN, "--output", str(run), "--stream-timeout", "2",
+            "--prefetch-steps", "1", "--cache-size", "2048"]  # (small blocks: steps 3-6 need blocks not fetched yet)
+    result = CliRunner().invoke(xtrain, args)
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: s3://stream/ds/") and "unreachable" in lines[-1], result.stderr
+    stopped = re.search(r"stopped after step (\d) \(checkpoint step-(\d) saved\)", lines[-1])
+    assert stopped and stopped[1] == stopped[2] and "Traceback" not in result.stderr, lines[-1]
+    assert int(stopped[1]) in (2, 3)  # (step 3's data may have been fetched ahead before the kill)
+    assert (run / "checkpoints" / f"step-{stopped[1]}").is_dir()
+
+    endpoint.start()  # back, on the same port, with the same data (moto keeps nothing across a restart)
+    endpoint.upload()
+    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [])
+    again = CliRunner().invoke(xtrain, args)
+    assert again.exit_code == 0, (again.output, again.exception)
+    assert f"resuming at step {stopped[1]}" in again.stderr, again.stderr
+    by_step = {m["step"]: m["loss"] for m in metrics(run)}
+    assert [by_step[s] for s in range(1, 7)] == local["losses"]
+
+
+def test_xprep_pack_of_a_url_reads_its_index_and_loss_mask_only(endpoint, local, tmp_path):
+    """Every method packs from document lengths, and counts each bin's targets from the loss mask: the tokens and
+    categories are never fetched (moto's log lists every request), and the entry is the local dataset's."""
+    from xprep.cli import xprep
+    from xprep.prep.pack.cache import PackConfig, pack
+
+    before = endpoint.log.read_text().count("\n")
+    args = ["pack", "s3://stream/ds", "-o", str(tmp_path / "p"), "--method", "multipack", "--seq-len", "64"]
+    result = CliRunner().invoke(xprep, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    requests = endpoint.log.read_text().splitlines()[before:]
+    assert any("GET /stream/ds/loss_mask.bin" in r for r in requests), requests
+    assert not [r for r in requests if "GET /stream/ds/tokens.bin" in r or "GET /stream/ds/category_ids.bin" in r]
+    here = pack([local["root"] / "ds"], tmp_path / "here", PackConfig(method="multipack", seq_len=64)).entry.path
+    there = tmp_path / "p" / here.name
+    assert json.loads((there / "pack.json").read_text())["datasets"][0]["path"] == "s3://stream/ds"
+    assert {f.name: f.read_bytes() for f in there.glob("*.npy")} == {f.name: f.read_bytes() for f in here.glob("*.npy")}
+
+
+def test_a_missing_object_is_one_line(endpoint, tmp_path):
+    s3fs.S3FileSystem().rm("stream/ds/tokens.bin")
+    line = user_error("s3://stream/packed", *RUN, "--output", str(tmp_path / "run"))
+    assert "s3://stream/ds/tokens.bin: no such object" in line, line
+    assert "nowhere" in user_error("s3://stream/nowhere", "--output", str(tmp_path / "run2"))
+
+
+def test_retry_classifies_errors():
+    slept = []
+    retry = Retry(budget_s=1.0, sleep=slept.append)
+    calls = iter([ConnectionRefusedError("refused"), TimeoutError("slow"), b"data"])
+
+    def flaky():
+        value = next(calls)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    assert retry.run("s3://b/x", flaky) == b"data" and slept == [0.2, 0.4]  # backoff, then the bytes
+    for error, said in ((PermissionError("AccessDenied"), "access denied"), (FileNotFoundError("x"), "no such")):
+        with pytest.raises(XprepError, match=f"s3://b/x: {said}") as caught:
+            retry.run("s3://b/x", lambda e=error: (_ for _ in ()).throw(e))
+        assert not isinstance(caught.value, StreamUnavailable)
+    slept.clear()
+    with pytest.raises(StreamUnavailable, match="s3://b/x: unreachable"):
+        Retry(budget_s=0.0, sleep=slept.append).run("s3://b/x", lambda: (_ for _ in ()).throw(ConnectionResetError()))
+    with pytest.raises(ZeroDivisionError):  # a bug is no network error: raised at once
+        retry.run("s3://b/x", lambda: 1 / 0)
