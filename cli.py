@@ -203,15 +203,17 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
 @xprep.command()
 @click.argument("datasets", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, help="Merged dataset directory.")
+@click.option("--sharded", is_flag=True,
+              help="Write a sharded dataset instead: a manifest listing DATASETS as its shards, nothing copied.")
 @_user_errors
-def merge(datasets, output):
-    """Concatenate token datasets (e.g. shards) into one, in the given order."""
-    from xprep.prep.dataset import merge_datasets  # deferred: numpy loads for this command only
+def merge(datasets, output, sharded):
+    """Concatenate token datasets (e.g. shards, or a sharded dataset's) into one, in the given order."""
+    from xprep.prep.dataset import merge_datasets, write_sharded  # deferred: numpy loads for this command only
 
-    manifest = merge_datasets(list(datasets), output)
+    manifest = (write_sharded if sharded else merge_datasets)(list(datasets), output)
     c = manifest["counts"]
-    click.echo(f"merged {len(datasets)} datasets into {output}: {c['documents']:,} documents, "
-               f"{c['tokens']:,} tokens")
+    click.echo(f"{'listed' if sharded else 'merged'} {len(datasets)} datasets into {output}: {c['documents']:,} "
+               f"documents, {c['tokens']:,} tokens")
 
 
 # ------------------------------------------------------------------------------------------- pack

@@ -15,17 +15,21 @@ from xprep.prep.dataset.manifest import (
     conversation_counts,
     count,
     dataset_tokenizer,
+    is_sharded,
     read_manifest,
     token_dtype,
     verify_streams,
 )
 from xprep.prep.dataset.merge import append_dataset, merge_datasets
 from xprep.prep.dataset.remote import check_output_url, sync_dataset, synced_from, upload_dataset
+from xprep.prep.dataset.sharded import ShardedDataset, open_dataset, open_parts, verify_parts, write_sharded
 from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset, check_token_ids
 
 __all__ = [
-    "CONVERSATION_COUNTS", "CategoryTable", "DatasetWriter", "KEPT_TOKENIZER", "MAX_CATEGORY", "TokenDataset",
+    "CONVERSATION_COUNTS", "CategoryTable", "DatasetWriter", "KEPT_TOKENIZER", "MAX_CATEGORY", "ShardedDataset",
+    "TokenDataset",
     "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids", "conversation_counts",
-    "count", "dataset_tokenizer", "idx_path", "merge_datasets", "read_manifest", "sync_dataset", "synced_from",
-    "token_dtype", "upload_dataset", "verify_streams"
+    "count", "dataset_tokenizer", "idx_path", "is_sharded", "merge_datasets", "open_dataset", "open_parts",
+    "read_manifest", "sync_dataset", "synced_from",
+    "token_dtype", "upload_dataset", "verify_parts", "verify_streams", "write_sharded"
 ]

@@ -27,6 +27,8 @@ import numpy as np
 from xprep.prep.dataset import (
     TokenDataset,
     idx_path,
+    open_parts,
+    read_manifest,
     sync_dataset,  # fsspec itself loads only when a URL is read
     verify_streams,
 )
@@ -97,8 +99,13 @@ class PackEntry(EntryMeta):
         return slice(int(self.bin_offsets[b]), int(self.bin_offsets[b + 1]))
 
     def open_datasets(self, verify_data: bool = False) -> list[TokenDataset]:
-        """Every dataset this entry was packed from, in order; missing or changed ones are refused."""
+        """Every dataset this entry was packed from, in order (a sharded one as its shards); missing or changed ones
+        are refused."""
         return open_fingerprinted(self.meta.get("datasets", []), self.path, verify_data=verify_data)
+
+    def open_listed(self, verify_data: bool = False) -> list[list[TokenDataset]]:
+        """``open_datasets`` grouped by the dataset pack.json lists (``open_listed``)."""
+        return open_listed(self.meta.get("datasets", []), self.path, verify_data=verify_data)
 
     def write_arrays(self, directory: Path) -> None:
         for name in (*ARRAYS, TARGETS, NEXT):
@@ -286,7 +293,15 @@ class DatasetChanged(XprepError):
 
 def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it was packed",
                        verify_data: bool = False) -> list[TokenDataset]:
-    """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order.
+    """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order, a sharded one
+    as its shards: the plain datasets over which a pack's global document index runs (``open_listed``)."""
+    return [ds for group in open_listed(listed, where, since, verify_data) for ds in group]
+
+
+def open_listed(listed: list[dict], where: str | Path, since: str = "it was packed",
+                verify_data: bool = False) -> list[list[TokenDataset]]:
+    """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order: per dataset,
+    the plain datasets it is made of (itself, or a sharded one's shards in order).
 
     The one place a pack's inputs are opened (the pack build, ``xtrain``, ``xprep inspect``): a missing
     dataset is an XprepError, a re-tokenized or re-merged one (another fingerprint) a ``DatasetChanged``.
@@ -302,13 +317,14 @@ def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it w
         if not (path / MANIFEST).is_file():
             raise XprepError(f"{where}: input dataset #{i} {path} is missing; restore it or re-run "
                              "`xprep tokenize` and `xprep pack`")
-        ds = TokenDataset(path)
-        if ds.fingerprint != info["fingerprint"]:
+        manifest = read_manifest(path)
+        if manifest["fingerprint"] != info["fingerprint"]:
             raise DatasetChanged(f"{where}: dataset {path} changed since {since} (fingerprint "
-                                 f"{ds.fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
-        if verify_data:
+                                 f"{manifest['fingerprint'][:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
+        parts = open_parts(path, manifest)  # (a shard is checked against the fingerprint its sharded manifest lists)
+        for ds in parts if verify_data else ():
             verify_streams(ds.path, ds.manifest, "bin")
-        datasets.append(ds)
+        datasets.append(parts)
     return datasets
 
 
