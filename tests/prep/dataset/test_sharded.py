@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SHARED, requires_shared_data
-from prepkit import assert_same_files, read_small_batches, tokenize
+from prepkit import assert_same_files, read_small_batches, tokenize, validate
 from test_merge import invoke, mixed_inputs
 from xprep.prep.dataset import ShardedDataset, TokenDataset, merge_datasets, write_sharded
 from xprep.prep.errors import XprepError
@@ -21,8 +21,7 @@ from xprep.train.lineage import seen_report
 
 
 def pack_of(dataset, out, **options):
-    outcome = pack([dataset], out, PackConfig(**{"method": "multipack", "seq_len": 256, **options}))
-    return open_packed(out) if outcome is not None else open_packed(out)
+    return pack([dataset], out, PackConfig(**{"method": "multipack", "seq_len": 256, **options})).entry
 
 
 def assert_twins(sharded, merged, tmp_path, **options):
@@ -72,6 +71,7 @@ def test_a_sharded_dataset_and_its_merged_copy_are_twins(tmp_path, tiny_tokenize
     merged = merge_datasets([str(tmp_path / "sharded")], str(tmp_path / "merged"))  # xprep merge of the sharded one
     merge_datasets([str(tmp_path / f"s{i}") for i in range(3)], str(tmp_path / "merged-shards"))
     assert_same_files(tmp_path / "merged", tmp_path / "merged-shards")
+    validate(manifest, "sharded_dataset")
     assert manifest["categories"] == merged["categories"]
     assert {k: v for k, v in manifest["counts"].items()} == {k: v for k, v in merged["counts"].items()}
     assert len(ShardedDataset(tmp_path / "sharded")) == len(TokenDataset(tmp_path / "merged"))
@@ -96,6 +96,7 @@ def test_a_hand_made_sharded_dataset_of_real_data_packs_like_its_merged_copy(tmp
     code, _, err = invoke("merge", tmp_path / "sharded", "-o", tmp_path / "merged")
     assert code == 0, err
     assert not (tmp_path / "sharded" / "tokens.bin").exists()  # nothing copied
+    validate(json.loads((tmp_path / "sharded" / "manifest.json").read_text()), "sharded_dataset")
     assert_twins(tmp_path / "sharded", tmp_path / "merged", tmp_path, seq_len=512, overlong="split")
 
 
