@@ -264,6 +264,8 @@ def test_ray_refuses_options_it_cannot_honour(corpus, tmp_path):
                           (["--shard-size", "12 parsecs"], "--shard-size")):
         proc = xprep("tokenize", corpus["inputs"][0], "-o", tmp_path / "x", "--tokenizer", QWEN, "--ray", *extra)
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+    proc = xprep("tokenize", corpus["inputs"][0], "-o", tmp_path / "x", "--tokenizer", QWEN, "--merge")
+    assert proc.returncode == 2 and "--merge is for --ray" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # -- object stores --------------------------------------------------------------------------------------------
