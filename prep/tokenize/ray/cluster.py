@@ -141,7 +141,8 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
         reused = len(results)
         t0 = time.perf_counter()
         merge = None if sharded else Merge(job, shards, keys, results, staging, writer, tmp)
-        retried = _run_shards(ray, config, job, shards, keys, staging, results, merge.advance if merge else _nothing)
+        on_result = merge.advance if merge else lambda: writer.sync(keys, results, staging)
+        retried = _run_shards(ray, config, job, shards, keys, staging, results, on_result)
         t1 = time.perf_counter()
         manifest = writer.finish(config, job, shards, keys, results, staging) if sharded else merge.finish(config)
     t2 = time.perf_counter()
@@ -156,10 +157,6 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
           f"{merge.seconds:.2f} s ({merged / 1e6 / max(merge.seconds, 1e-9):,.0f} MB/s), {t2 - t1:.2f} s of it after "
           "the last shard", file=sys.stderr)
     return manifest, how
-
-
-def _nothing() -> None:
-    """No work after a shard's result: a sharded output takes its shards at the end."""
 
 
 def _bin_bytes(out: str, manifest: dict) -> int:
@@ -311,6 +308,14 @@ class ShardedOutput:
         self.out = check_output_dir(out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self._lock = OutputLock(self.out).acquire()
+        self._synced: set[int] = set()
+
+    def sync(self, keys: list[str], results: dict[int, ShardDone], staging: Staging) -> None:
+        """Make each newly finished shard durable while later ones still run (they were written without fsync:
+        ray/staging.py), so that ``finish`` has little left to write back."""
+        for k in sorted(set(results) - self._synced):
+            fsync_tree(staging.fetch(keys[k], ""))  # (a local staging area: the shard's own directory)
+            self._synced.add(k)
 
     def __enter__(self) -> ShardedOutput:
         return self
