@@ -107,6 +107,9 @@ def test_a_changed_shard_is_refused(tmp_path, tiny_tokenizer):
     write_sharded([tmp_path / "s0", tmp_path / "s1"], tmp_path / "sharded")
     code, out, _ = invoke("inspect", tmp_path / "sharded", "--json")
     assert code == 0 and json.loads(out)["documents"] == sum(len(TokenDataset(tmp_path / f"s{i}")) for i in range(2))
+    assert [s["path"] for s in json.loads(out)["shards"]] == ["../s0", "../s1"]
+    code, out, _ = invoke("inspect", tmp_path / "sharded")
+    assert code == 0 and "shards        2, read as one dataset" in out
     with pytest.raises(XprepError, match="is a sharded dataset"):
         TokenDataset(tmp_path / "sharded")
     manifest = json.loads((tmp_path / "s1" / "manifest.json").read_text())
