@@ -162,6 +162,9 @@ class _ChatTemplateOption(click.Option):
               help="With --ray: input bytes per task (JSON Lines files are cut at lines, Parquet at row groups).")
 @click.option("--max-retries", type=int, default=3, show_default=True,
               help="With --ray: times a task lost with its worker or node is run again.")
+@click.option("--merge", "merge_shards", is_flag=True,
+              help="With --ray: publish one merged dataset (the bytes of a run without --ray) rather than a sharded "
+                   "dataset over the tasks' shards (the default for a local -o).")
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="Where tokenizers converted from GPT-2, SentencePiece or tiktoken files and facts about "
                    "tokenizers are kept, to be reused [default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
@@ -178,7 +181,7 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
              category_field, mask_convention, category_names,
              append_eod, workers, backend, dtype, num_shards, shard_index, on_error, limit,
              eod_token, bos_token, role_map, allow_empty, progress_every, ray_address, shard_size, max_retries,
-             cache_dir, chat_render, worker_start):
+             merge_shards, cache_dir, chat_render, worker_start):
     """Tokenize INPUT files/dirs/globs (local, or fsspec URLs such as s3://bucket/data/*.jsonl.zst) into a
     Megatron-compatible token dataset (-o may be a URL too)."""
     from xprep.prep.sources import parse_size  # deferred: as below
@@ -194,7 +197,8 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
         append_eod=append_eod, workers=workers, backend=backend, dtype=dtype, num_shards=num_shards,
         shard_index=shard_index, on_error=on_error, limit=limit, eod_token=eod_token, bos_token=bos_token,
         role_map=role_map, allow_empty=allow_empty, progress_every=progress_every,
-        ray=ray_address, shard_size=parse_size(shard_size), max_retries=max_retries, cache_dir=cache_dir,
+        ray=ray_address, shard_size=parse_size(shard_size), max_retries=max_retries, merge=merge_shards,
+        cache_dir=cache_dir,
         chat_render=chat_render, worker_start=worker_start,
     )
     run_tokenize(config)
@@ -203,15 +207,17 @@ def tokenize(inputs, output, tokenizer, fmt, text_field, chat_template, train_on
 @xprep.command()
 @click.argument("datasets", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, help="Merged dataset directory.")
+@click.option("--sharded", is_flag=True,
+              help="Write a sharded dataset instead: a manifest listing DATASETS as its shards, nothing copied.")
 @_user_errors
-def merge(datasets, output):
-    """Concatenate token datasets (e.g. shards) into one, in the given order."""
-    from xprep.prep.dataset import merge_datasets  # deferred: numpy loads for this command only
+def merge(datasets, output, sharded):
+    """Concatenate token datasets (e.g. shards, or a sharded dataset's) into one, in the given order."""
+    from xprep.prep.dataset import merge_datasets, write_sharded  # deferred: numpy loads for this command only
 
-    manifest = merge_datasets(list(datasets), output)
+    manifest = (write_sharded if sharded else merge_datasets)(list(datasets), output)
     c = manifest["counts"]
-    click.echo(f"merged {len(datasets)} datasets into {output}: {c['documents']:,} documents, "
-               f"{c['tokens']:,} tokens")
+    click.echo(f"{'listed' if sharded else 'merged'} {len(datasets)} datasets into {output}: {c['documents']:,} "
+               f"documents, {c['tokens']:,} tokens")
 
 
 # ------------------------------------------------------------------------------------------- pack

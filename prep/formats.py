@@ -25,8 +25,9 @@ MASK_CONVENTIONS = (TARGET, PREDICTION)
 
 # The ``format`` field of what xprep writes.
 DATASET_FORMAT = "xprep-dataset"  # a token dataset's manifest.json
+SHARDED_FORMAT = "xprep-sharded-dataset"  # the manifest.json of a token dataset made of shard datasets
 PACK_FORMAT = "xprep-packed"  # a pack cache's manifest.json and each entry's pack.json
-OUTPUT_FORMATS = (DATASET_FORMAT, PACK_FORMAT)
+OUTPUT_FORMATS = (DATASET_FORMAT, SHARDED_FORMAT, PACK_FORMAT)
 
 # Streams of a token dataset: ``<stream>.bin/.idx`` pairs, keys of the manifest's ``streams``.
 TOKENS_STREAM = "tokens"

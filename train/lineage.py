@@ -149,8 +149,12 @@ def _tally(bins: PackBins, source: np.ndarray, doc: np.ndarray, start: np.ndarra
         by_source[name]["tokens"] += int(lens.sum())
         by_source[name]["documents"] += len(uniq)
         present = _categories_present(ds, flat, lens, inverse, len(uniq), cat_names)
-        documents += [{"dataset": str(ds.path), "document": int(d), "source": name, "categories": present[i],
-                       "tokens": int(tokens[i]), "pieces": int(pieces[i])} for i, d in enumerate(uniq.tolist())]
+        listed, index = bins.name_documents(uniq + bins.doc_base[k])  # a shard's documents: by the sharded dataset
+        shard = [{"shard": {"path": str(ds.path), "document": int(d)}} if str(ds.path) != bins.listed[j] else {}
+                 for j, d in zip(listed.tolist(), uniq.tolist(), strict=True)]
+        documents += [{"dataset": bins.listed[listed[i]], "document": int(index[i]), "source": name,
+                       "categories": present[i], "tokens": int(tokens[i]), "pieces": int(pieces[i]), **shard[i]}
+                      for i in range(len(uniq))]
     return {"documents": documents, "sources": list(by_source.values()),
             "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]))}
 

@@ -15,12 +15,20 @@ from xprep.prep.dataset.manifest import (
     conversation_counts,
     count,
     dataset_tokenizer,
+    is_sharded,
     read_manifest,
     token_dtype,
     verify_streams,
 )
 from xprep.prep.dataset.merge import append_dataset, merge_datasets
 from xprep.prep.dataset.remote import check_output_url, sync_dataset, synced_from, upload_dataset
+from xprep.prep.dataset.sharded import (
+    ShardedDataset,
+    open_dataset,
+    open_parts,
+    verify_parts,
+    write_sharded,
+)
 from xprep.prep.dataset.stream import (
     DEFAULT_CACHE_SIZE,
     DEFAULT_RETRY_S,
@@ -34,8 +42,9 @@ from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset, check_
 
 __all__ = [
     "BlockCache", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S", "DatasetWriter",
-    "KEPT_TOKENIZER", "MAX_CATEGORY", "StreamUnavailable", "StreamedDataset", "TokenDataset", "append_dataset",
-    "bin_path", "canonical_json", "check_output_url", "check_token_ids", "conversation_counts", "count",
-    "dataset_tokenizer", "idx_path", "merge_datasets", "open_block_cache", "read_manifest", "Retry", "sync_dataset",
-    "synced_from", "token_dtype", "upload_dataset", "verify_streams"
+    "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StreamUnavailable", "StreamedDataset",
+    "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids",
+    "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "merge_datasets",
+    "open_block_cache", "open_dataset", "open_parts", "read_manifest", "sync_dataset", "synced_from", "token_dtype",
+    "upload_dataset", "verify_parts", "verify_streams", "write_sharded"
 ]

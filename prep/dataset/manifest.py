@@ -14,7 +14,7 @@ from typing import Literal
 
 import numpy as np
 from xprep.prep.errors import XprepError
-from xprep.prep.formats import DATASET_FORMAT, LOSS_MASK_STREAM, MANIFEST, TOKENS_STREAM
+from xprep.prep.formats import DATASET_FORMAT, LOSS_MASK_STREAM, MANIFEST, SHARDED_FORMAT, TOKENS_STREAM
 from xprep.prep.io import file_sha256
 
 FORMAT_VERSION = 1
@@ -139,8 +139,14 @@ def numeric_category_names(manifest: dict) -> dict[int, str]:
     return {int(cid): name for cid, name in names.items()}
 
 
+def is_sharded(manifest: dict) -> bool:
+    """Whether ``manifest`` is a sharded dataset's (prep/dataset/sharded.py): a list of shard datasets, no streams."""
+    return manifest.get("format") == SHARDED_FORMAT
+
+
 def read_manifest(path: str | Path) -> dict:
-    """The manifest of the token dataset at ``path``, checked for its format, version and the fields readers use.
+    """The manifest of the token dataset at ``path`` (a plain or a sharded one: ``is_sharded``), checked for its
+    format, version and the fields readers use.
 
     Opens no stream: this is all a pack cache hit reads of its input datasets.
     """
@@ -152,11 +158,12 @@ def read_manifest(path: str | Path) -> dict:
         manifest = json.loads(mpath.read_bytes())
     except (OSError, ValueError) as e:  # cannot read, not UTF-8, not JSON
         raise XprepError(f"{mpath}: unreadable manifest ({e}); re-create the dataset") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != DATASET_FORMAT \
+    if not isinstance(manifest, dict) or manifest.get("format") not in (DATASET_FORMAT, SHARDED_FORMAT) \
             or manifest.get("version") != FORMAT_VERSION:
         raise XprepError(f"{mpath}: not an {DATASET_FORMAT} v{FORMAT_VERSION} manifest")
-    missing = [k for k in ("streams", "counts", "categories", "fingerprint", "tokenizer", "rejects")
-               if k not in manifest]
+    sharded = is_sharded(manifest)  # (its streams name dtypes only: the digests are each shard's)
+    missing = [k for k in ("streams", "counts", "categories", "fingerprint", "tokenizer", "rejects",
+                           *(("shards",) if sharded else ())) if k not in manifest]
     missing += [f"counts.{k}" for k in ("documents", "tokens", "loss_tokens", "categories")
                 if k not in manifest.get("counts", {})]
     if missing or TOKENS_STREAM not in manifest["streams"]:

@@ -18,6 +18,7 @@ from xprep.prep.dataset.manifest import (
     dataset_tokenizer,
     numeric_category_names,
 )
+from xprep.prep.dataset.sharded import open_parts
 from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import REJECTS, TOKENS_STREAM
@@ -27,9 +28,10 @@ SLICE_TOKENS = 16 << 20
 
 
 def merge_datasets(paths: list[str], output: str) -> dict:
-    """Merge ``paths`` in order into ``output``; returns the merged manifest."""
+    """Merge ``paths`` in order into ``output``; returns the merged manifest. A sharded dataset among them is its
+    shards, in order (so merging a sharded dataset alone makes its merged copy)."""
     check_output_dir(output)
-    datasets = [TokenDataset(p) for p in paths]
+    datasets = [ds for p in paths for ds in open_parts(p)]
     _check_shards(datasets)
     first = datasets[0].manifest
     for ds in datasets[1:]:

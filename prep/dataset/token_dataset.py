@@ -388,6 +388,9 @@ class TokenDataset:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
+        if self.manifest["format"] != DATASET_FORMAT:  # a sharded one: its readers open its shards (sharded.py)
+            raise XprepError(f"{self.path}: is a sharded dataset, which this command reads only through its shards "
+                             f"(its {MANIFEST} lists them); make one dataset of it: `xprep merge {self.path} -o OUT`")
         self.tokens = IndexedReader(self.path / TOKENS_STREAM)
         self.loss_mask = self._optional(LOSS_MASK_STREAM)
         self.category_ids = self._optional(CATEGORY_IDS_STREAM)

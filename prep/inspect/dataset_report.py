@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
-from xprep.prep.dataset import CONVERSATION_COUNTS, TokenDataset, conversation_counts, dataset_tokenizer
+from xprep.prep.dataset import CONVERSATION_COUNTS, conversation_counts, dataset_tokenizer, open_dataset
 from xprep.prep.errors import XprepError
 from xprep.prep.inspect.options import InspectOptions
 from xprep.prep.inspect.stats import default_over, histogram, length_stats, over_counts
@@ -21,7 +21,7 @@ def dataset_report(path: str | Path, options: InspectOptions | None = None) -> d
     """What ``xprep inspect DATASET`` shows, as a JSON-able dict (``xprep.prep.inspect.text`` makes the text)."""
     path = Path(path)
     options = options or InspectOptions()
-    ds = TokenDataset(path)
+    ds = open_dataset(path)  # plain or sharded: documents by their global index either way
     m = ds.manifest
     counts = m["counts"]
     conversations = conversation_counts(m)  # None: unknown (made before they were counted)
@@ -47,6 +47,8 @@ def dataset_report(path: str | Path, options: InspectOptions | None = None) -> d
         "rejects": m["rejects"],
         "sources": len(m.get("sources", [])),
         "source_files": [{k: s.get(k) for k in ("path", "size")} for s in m.get("sources", [])],
+        **({"shards": [{k: s[k] for k in ("path", "documents", "tokens")} for s in m["shards"]]} if "shards" in m
+           else {}),
         "over": over_counts(ds.lengths, options.over or default_over(ds.lengths)),
     }
     if options.sample:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xprep.prep.errors import XprepError
-from xprep.prep.formats import BLEND_JSON, DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON
+from xprep.prep.formats import BLEND_JSON, DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, SHARDED_FORMAT
 from xprep.prep.io import read_json
 
 KIND_NAMES = {"dataset": "token dataset", "packed": "pack cache", "run": "run directory"}
@@ -88,7 +88,7 @@ def kind_of(path: str | Path) -> str:
         if not isinstance(data, dict):
             raise XprepError(f"{manifest}: not a JSON object; the directory is corrupt: re-create it")
         fmt = data.get("format")
-        if fmt == DATASET_FORMAT:
+        if fmt in (DATASET_FORMAT, SHARDED_FORMAT):
             return "dataset"
         if fmt == PACK_FORMAT:
             return "packed"

@@ -162,7 +162,8 @@ def category_tokens(entry: PackEntry, opened: list[TokenDataset]) -> tuple[dict 
     Every overlong policy keeps a prefix of a document (nothing, its head, or all of it), so the
     removed tokens of document d are ``[covered[d], length[d])``.
     """
-    datasets = [(ds, d["first_document"]) for ds, d in zip(opened, entry.meta["datasets"], strict=True)]
+    firsts = np.cumsum([0, *(len(ds) for ds in opened)])[:-1].tolist()  # (a sharded input is opened as its shards)
+    datasets = list(zip(opened, firsts, strict=True))
     n_docs = sum(len(ds) for ds, _ in datasets)
     covered = np.bincount(np.asarray(entry.item_doc), weights=np.asarray(entry.item_len),
                           minlength=n_docs).astype(np.int64)

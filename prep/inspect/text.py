@@ -154,6 +154,8 @@ def render_dataset(r: dict, color: bool = False) -> str:
         f"  tokens        {r['tokens']:,}",
         f"  target tokens {r['loss_tokens']:,}  ({r['target_share']:.1%})",
     ]
+    if r.get("shards"):  # a sharded dataset (its documents are its shards', in order)
+        lines.append(f"  shards        {len(r['shards']):,}, read as one dataset (`xprep merge` copies them into one)")
     shape = r.get("conversations")
     if shape:
         lines += field("conversations", conversation_phrase(shape))

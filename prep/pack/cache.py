@@ -40,14 +40,14 @@ from xprep.prep.dataset import (
     canonical_json,
     read_manifest,
     synced_from,
-    verify_streams,
+    verify_parts,
 )
 from xprep.prep.errors import XprepError, machine_errors
 from xprep.prep.formats import BLEND_JSON, PACK_FORMAT, PACK_JSON, TOKENS_STREAM
 from xprep.prep.fs import is_url
 from xprep.prep.io import fsync_tree, write_json_atomic
 from xprep.prep.pack.config import PackConfig, split_counts
-from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted
+from xprep.prep.pack.entry import DamagedEntry, PackEntry, open_fingerprinted, open_listed
 from xprep.prep.pack.kernels import Packed, Targets, item_targets, pack_lengths, sample_targets
 from xprep.prep.pack.methods import packing_methods
 from xprep.prep.pack.mixfile import check_blend_config, read_phases, read_sources, shares, source_configs
@@ -115,7 +115,7 @@ def read_fingerprints(paths: list[str | Path]) -> list[dict]:
         manifest = read_manifest(p)
         # The fingerprint stands for the data only if the streams were not edited since: re-hash the
         # token index (all a pack depends on; ~12 bytes a document, ~0.1 s at 10M documents).
-        verify_streams(p, manifest, "idx", [TOKENS_STREAM])
+        verify_parts(p, manifest, "idx", [TOKENS_STREAM])  # (a sharded dataset's: each shard's)
         described = {"path": str(Path(p).resolve()), "fingerprint": manifest["fingerprint"]}
         url = synced_from(p)  # a copy of a dataset at a URL: where a machine without the copy syncs it from
         out.append({**described, "url": url} if url else described)
@@ -474,8 +474,9 @@ def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConf
     ``split``: what ``split_names`` gives plus the ``part`` to pack; None packs every document.
     """
     with building(root, name) as claim:
-        datasets = open_fingerprinted(inputs, root / name, since="`xprep pack` started")
-        lengths, described = _load_lengths(inputs, datasets)
+        groups = open_listed(inputs, root / name, since="`xprep pack` started")
+        datasets = [ds for group in groups for ds in group]  # a sharded input is its shards
+        lengths, described = _load_lengths(inputs, groups)
         t0 = time.perf_counter()
         docs = _part_documents(described, split)
         eod = chunk_eod(datasets, config)
@@ -506,14 +507,16 @@ def _part_documents(described: list[dict], split: dict | None) -> np.ndarray | N
     return np.flatnonzero(split_parts(described, shares) == PART_CODES[split["part"]])
 
 
-def _load_lengths(inputs: list[dict], datasets: list[TokenDataset]) -> tuple[np.ndarray, list[dict]]:
-    """Document lengths of all datasets concatenated (the global index), and their descriptions."""
+def _load_lengths(inputs: list[dict], groups: list[list[TokenDataset]]) -> tuple[np.ndarray, list[dict]]:
+    """Document lengths of all datasets concatenated (the global index), and their descriptions (``groups``: the
+    plain datasets of each input, ``open_listed``)."""
     parts, described, first = [], [], 0
-    for d, ds in zip(inputs, datasets, strict=True):
-        parts.append(ds.lengths)
-        described.append({**d, "documents": len(ds), "tokens": int(ds.manifest["counts"]["tokens"]),
+    for d, group in zip(inputs, groups, strict=True):
+        parts += [ds.lengths for ds in group]
+        n = sum(len(ds) for ds in group)
+        described.append({**d, "documents": n, "tokens": sum(int(ds.manifest["counts"]["tokens"]) for ds in group),
                           "first_document": first})
-        first += len(ds)
+        first += n
     return np.concatenate(parts) if parts else np.zeros(0, np.int32), described
 
 

@@ -28,6 +28,8 @@ from xprep.prep.dataset import (
     StreamedDataset,
     TokenDataset,
     idx_path,
+    open_parts,
+    read_manifest,
     sync_dataset,  # fsspec itself loads only when a URL is read
     verify_streams,
 )
@@ -99,9 +101,13 @@ class PackEntry(EntryMeta):
         return slice(int(self.bin_offsets[b]), int(self.bin_offsets[b + 1]))
 
     def open_datasets(self, verify_data: bool = False, stream: bool = False) -> list[TokenDataset]:
-        """Every dataset this entry was packed from, in order; missing or changed ones are refused (``stream``: see
-        ``open_fingerprinted``)."""
+        """Every dataset this entry was packed from, in order (a sharded one as its shards); missing or changed ones
+        are refused (``stream``: see ``open_listed``)."""
         return open_fingerprinted(self.meta.get("datasets", []), self.path, verify_data=verify_data, stream=stream)
+
+    def open_listed(self, verify_data: bool = False, stream: bool = False) -> list[list[TokenDataset]]:
+        """``open_datasets`` grouped by the dataset pack.json lists (``open_listed``)."""
+        return open_listed(self.meta.get("datasets", []), self.path, verify_data=verify_data, stream=stream)
 
     def write_arrays(self, directory: Path) -> None:
         for name in (*ARRAYS, TARGETS, NEXT):
@@ -289,7 +295,15 @@ class DatasetChanged(XprepError):
 
 def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it was packed",
                        verify_data: bool = False, stream: bool = False) -> list[TokenDataset]:
-    """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order.
+    """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order, a sharded one
+    as its shards: the plain datasets over which a pack's global document index runs (``open_listed``)."""
+    return [ds for group in open_listed(listed, where, since, verify_data, stream) for ds in group]
+
+
+def open_listed(listed: list[dict], where: str | Path, since: str = "it was packed",
+                verify_data: bool = False, stream: bool = False) -> list[list[TokenDataset]]:
+    """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order: per dataset,
+    the plain datasets it is made of (itself, or a sharded one's shards in order).
 
     The one place a pack's inputs are opened (the pack build, ``xtrain``, ``xprep inspect``): a missing
     dataset is an XprepError, a re-tokenized or re-merged one (another fingerprint) a ``DatasetChanged``.
@@ -302,18 +316,22 @@ def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it w
     for i, info in enumerate(listed):
         path = Path(info["path"])
         if is_url(info["path"]) or (stream and not (path / MANIFEST).is_file() and info.get("url")):
-            datasets.append(_check_fingerprint(StreamedDataset(info["path"] if is_url(info["path"]) else info["url"]),
-                                               info, where, since))
+            datasets.append([_check_fingerprint(StreamedDataset(info["path"] if is_url(info["path"]) else info["url"]),
+                                                info, where, since)])  # (a sharded dataset at a URL: not yet)
             continue
         if not (path / MANIFEST).is_file() and info.get("url"):
             path = _sync_again(info["url"], path)
         if not (path / MANIFEST).is_file():
             raise XprepError(f"{where}: input dataset #{i} {path} is missing; restore it or re-run "
                              "`xprep tokenize` and `xprep pack`")
-        ds = _check_fingerprint(TokenDataset(path), info, where, since)
-        if verify_data:
+        manifest = read_manifest(path)
+        if manifest["fingerprint"] != info["fingerprint"]:
+            raise DatasetChanged(f"{where}: dataset {path} changed since {since} (fingerprint "
+                                 f"{manifest['fingerprint'][:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
+        parts = open_parts(path, manifest)  # (a shard is checked against the fingerprint its sharded manifest lists)
+        for ds in parts if verify_data else ():
             verify_streams(ds.path, ds.manifest, "bin")
-        datasets.append(ds)
+        datasets.append(parts)
     return datasets
 
 

@@ -38,14 +38,23 @@ class PackBins:
         self.dataset_source: list[int] = []  # the source of each dataset
         self.part_base: list[int] = []  # global index of each source's first document
         self.part_docs: list[int] = []  # documents of each source
+        self.listed: list[str] = []  # the datasets the sources' pack.json list (a sharded one once), in order
+        listed_base: list[int] = []  # global index of each one's first document
         for s, part in enumerate(self.parts):
             self.part_base.append(sum(len(d) for d in self.datasets))
-            opened = part.open_datasets(verify_data, stream)  # (stream: datasets at URLs read in place)
+            groups = part.open_listed(verify_data, stream)  # (stream: datasets at URLs read in place)
+            opened = [ds for group in groups for ds in group]  # a sharded dataset is its shards
+            first = self.part_base[-1]
+            for info, group in zip(part.meta.get("datasets", []), groups, strict=True):
+                self.listed.append(str(info["path"]))
+                listed_base.append(first)
+                first += sum(len(d) for d in group)
             part.check_items(doc_lengths(opened))  # every item inside its document: the trainer slices by them
             self.datasets += opened
             self.dataset_source += [s] * len(opened)
             self.part_docs.append(sum(len(d) for d in opened))
         self.doc_base = np.cumsum([0, *(len(d) for d in self.datasets)]).astype(np.int64)
+        self.listed_base = np.array(listed_base, np.int64)
         self._arrays = [tuple(_view(getattr(p, n)) for n in ("bin_offsets", "item_doc", "item_start", "item_len"))
                         for p in self.parts]
         self._next = [None if p.bin_next_doc is None else _view(p.bin_next_doc) for p in self.parts]
@@ -75,6 +84,13 @@ class PackBins:
         if self._next[s] is None or int(self._next[s][i]) < 0:
             return -1
         return int(self._next[s][i]) + self.part_base[s]
+
+    def name_documents(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(listed dataset: an index into ``listed``, document index inside it) of global documents ``docs``: how a
+        report names a document, the same for a sharded dataset and its merged copy."""
+        docs = np.asarray(docs, np.int64)
+        which = np.searchsorted(self.listed_base, docs, side="right") - 1  # (an empty dataset shares its successor's)
+        return which, docs - self.listed_base[which]
 
     def bin_tokens(self, bins: list[int]) -> int:
         """Real (non-padding) tokens in these bins."""

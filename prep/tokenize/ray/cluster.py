@@ -1,9 +1,11 @@
 """``xprep tokenize --ray``: the same dataset, tokenized as shards on a Ray cluster.
 
 The driver plans shards (prep/sources/shards.py), runs each as one Ray task (``num_cpus=1``, retried by Ray
-up to ``--max-retries`` times when its worker or node is lost), and merges the finished shards in
-shard order through the same writer as a single run, so the published dataset is byte for byte the
-one the command writes without ``--ray``, manifest included.
+up to ``--max-retries`` times when its worker or node is lost), and publishes a sharded dataset
+(prep/dataset/sharded.py): the finished shards moved into the output in shard order under one manifest, nothing
+copied, so the job ends when its last shard does. With ``--merge`` (and always for a URL output) it merges the
+shards in shard order through the same writer as a single run instead, so the published dataset is byte for byte
+the one the command writes without ``--ray``, manifest included; either way readers see the same documents.
 
 Shards live in a staging area (prep/tokenize/ray/staging.py) beside the output, ``OUT.xprep-shards`` (a directory, or a
 URL for an object-store output), which every node must see. A task writes its shard dataset completely, then publishes
@@ -21,6 +23,7 @@ piece.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -33,9 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xprep.prep.dataset import DatasetWriter, TokenDataset, append_dataset, bin_path
+from xprep.prep.dataset import KEPT_TOKENIZER, DatasetWriter, TokenDataset, append_dataset, bin_path, write_sharded
 from xprep.prep.errors import XprepError
+from xprep.prep.formats import REJECTS
 from xprep.prep.fs import is_url
+from xprep.prep.io import OutputLock, TempDir, check_output_dir, fsync_dir, fsync_tree
 from xprep.prep.progress import Progress
 from xprep.prep.sources import Shard, plan_shard, plan_shards
 from xprep.prep.tokenize.config import TokenizeConfig
@@ -118,10 +123,12 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
     key_head = {**job.head, "on_error": config.on_error}
     keys = [s.key(job.sources, key_head) for s in shards]
     staging = Staging.beside(config.output)
-    # the output is locked (DatasetWriter) before the staging area is touched: a second run of the same command
-    # stops there, before it prunes the scratch of the first one's tasks
-    with DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer) as writer, \
-            tempfile.TemporaryDirectory() as tmp:
+    sharded = not (config.merge or is_url(config.output))
+    # the output is locked (DatasetWriter, ShardedOutput) before the staging area is touched: a second run of the
+    # same command stops there, before it prunes the scratch of the first one's tasks
+    output = ShardedOutput(out) if sharded else \
+        DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer)
+    with output as writer, tempfile.TemporaryDirectory() as tmp:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         if len(nodes) > 1:
             _check_shared(ray, nodes, staging, job, config)
@@ -133,17 +140,22 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
                 results[k] = done
         reused = len(results)
         t0 = time.perf_counter()
-        merge = Merge(job, shards, keys, results, staging, writer, tmp)
-        retried = _run_shards(ray, config, job, shards, keys, staging, results, merge.advance)
+        merge = None if sharded else Merge(job, shards, keys, results, staging, writer, tmp)
+        on_result = merge.advance if merge else lambda: writer.sync(keys, results, staging)
+        retried = _run_shards(ray, config, job, shards, keys, staging, results, on_result)
         t1 = time.perf_counter()
-        manifest = merge.finish(config)
+        manifest = writer.finish(config, job, shards, keys, results, staging) if sharded else merge.finish(config)
     t2 = time.perf_counter()
+    how = (f"ray: {len(shards)} shard{'s' if len(shards) != 1 else ''} on {len(nodes)} node"
+           f"{'s' if len(nodes) != 1 else ''}, {reused} reused, {retried} retried")
+    if sharded:
+        print(f"xprep tokenize: ray: shards ran in {t1 - t0:.2f} s; published as a sharded dataset in {t2 - t1:.2f} s "
+              "(`xprep merge` makes one merged copy of it)", file=sys.stderr)
+        return manifest, how + ", sharded"
     merged = _bin_bytes(out, manifest)
     print(f"xprep tokenize: ray: shards ran in {t1 - t0:.2f} s; the merge copied {merged / 1e6:,.1f} MB in "
           f"{merge.seconds:.2f} s ({merged / 1e6 / max(merge.seconds, 1e-9):,.0f} MB/s), {t2 - t1:.2f} s of it after "
           "the last shard", file=sys.stderr)
-    how = (f"ray: {len(shards)} shard{'s' if len(shards) != 1 else ''} on {len(nodes)} node"
-           f"{'s' if len(nodes) != 1 else ''}, {reused} reused, {retried} retried")
     return manifest, how
 
 
@@ -284,6 +296,85 @@ class Merge:
         manifest = self.writer.finish(manifest, self.categories)
         self.seconds += time.perf_counter() - t0
         return manifest
+
+
+class ShardedOutput:
+    """The output of ``--ray`` as a sharded dataset: locked from the start (as ``DatasetWriter`` locks it), then at
+    the end each finished shard moved, in shard order, from the staging area into a temporary sibling of the output
+    as ``shard-NNNNN``, its rejects' line numbers made the whole file's, the sharded manifest written over them, all
+    of it made durable, and the directory published by one rename. No token byte is copied."""
+
+    def __init__(self, out: str):
+        self.out = check_output_dir(out)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = OutputLock(self.out).acquire()
+        self._synced: set[int] = set()
+
+    def sync(self, keys: list[str], results: dict[int, ShardDone], staging: Staging) -> None:
+        """Make each newly finished shard durable while later ones still run (they were written without fsync:
+        ray/staging.py), so that ``finish`` has little left to write back."""
+        for k in sorted(set(results) - self._synced):
+            fsync_tree(staging.fetch(keys[k], ""))  # (a local staging area: the shard's own directory)
+            self._synced.add(k)
+
+    def __enter__(self) -> ShardedOutput:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._lock.release()
+
+    def finish(self, config: TokenizeConfig, job: Job, shards: list[Shard], keys: list[str],
+               results: dict[int, ShardDone], staging: Staging) -> dict:
+        _check_some_documents(config, results)
+        check_output_dir(self.out)  # again, under the lock
+        claim = TempDir(self.out.parent, f".{self.out.name}.tmp-{os.getpid()}-")
+        try:
+            parts = []
+            for k, key in enumerate(keys):
+                part = claim.path / f"shard-{k:05d}"
+                os.replace(staging.fetch(key, str(part)), part)  # (a local staging area: a rename)
+                _shift_rejects(part, _line_shift(job, shards, results, k))
+                parts.append(part)
+            extra = {"sources": [job.sources[p.source].describe() for p in plan_shard(job.sources, 1, 0)]}
+            if job.kept_tokenizer is not None:  # a converted tokenizer, which the shards were written without
+                shutil.copyfile(job.kept_tokenizer, claim.path / KEPT_TOKENIZER)
+                extra["tokenizer"] = {**job.head["tokenizer"], "path": KEPT_TOKENIZER}
+            manifest = write_sharded(parts, claim.path, extra)
+            fsync_tree(claim.path)  # the shards were written without fsync (ray/staging.py)
+            claim.release()
+            if self.out.exists():
+                self.out.rmdir()
+            os.replace(claim.path, self.out)
+            fsync_dir(self.out.parent)
+        except BaseException:
+            shutil.rmtree(claim.path, ignore_errors=True)
+            claim.release()
+            raise
+        return manifest
+
+
+def _check_some_documents(config: TokenizeConfig, results: dict[int, ShardDone]) -> None:
+    """As ``check_not_empty`` for a merged output: no document at all is a mistake unless ``--allow-empty``."""
+    if not config.allow_empty and not sum(r.documents for r in results.values()):
+        raise XprepError(f"{', '.join(config.inputs)}: no document to write; nothing was published (pass "
+                         "--allow-empty to write an empty dataset anyway)")
+
+
+def _shift_rejects(dataset: Path, shift: dict[str, int]) -> None:
+    """Renumber a shard's rejects.jsonl from its pieces' starts to whole files' lines (``_line_shift``), atomically."""
+    path = dataset / REJECTS
+    if not path.is_file() or not any(shift.values()):
+        return
+    lines = []
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["line"]:  # 0: the whole file
+                r["line"] += shift.get(r["source"], 0)
+            lines.append(json.dumps(r, ensure_ascii=False))
+    tmp = path.with_name(f".{REJECTS}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    os.replace(tmp, path)
 
 
 def _line_shift(job: Job, shards: list[Shard], results: dict[int, ShardDone], k: int) -> dict[str, int]:

@@ -21,9 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import REPO_ROOT, requires_shared_data
 from prepkit import assert_same_files, dir_bytes
+from xprep.prep.pack import PackConfig, pack
 from xprep.prep.sources.discover import resolve_inputs
 from xprep.prep.sources.shards import plan_shards
 
@@ -141,7 +143,7 @@ def test_ray_output_is_byte_identical_to_one_process(cluster, corpus, tmp_path, 
     out = tmp_path / "ds"
     size = _shard_size_for(corpus["inputs"], shards)
     address = "auto" if join == "auto" else cluster
-    proc = xprep("tokenize", *corpus["inputs"], "-o", out, "--tokenizer", QWEN, "--on-error", "skip",
+    proc = xprep("tokenize", *corpus["inputs"], "-o", out, "--tokenizer", QWEN, "--on-error", "skip", "--merge",
                  "--ray", address, "--shard-size", size, env={"RAY_ADDRESS": cluster} if join == "auto" else None)
     assert proc.returncode == 0, proc.stderr
     assert _shards_said(proc.stderr) == (shards, 0, 0)
@@ -169,7 +171,7 @@ def test_killed_worker_is_retried_and_output_unchanged(ray_head, corpus, tmp_pat
     (cluster, session), out = ray_head, tmp_path / "ds"
     size = _shard_size_for(corpus["inputs"], 17)
     proc = xprep_background("tokenize", *corpus["inputs"], "-o", out, "--tokenizer", QWEN, "--on-error", "skip",
-                            "--ray", cluster, "--shard-size", size)
+                            "--merge", "--ray", cluster, "--shard-size", size)
     killed: list[str] = []
     deadline = time.monotonic() + 120
     while not killed and proc.poll() is None and time.monotonic() < deadline:
@@ -187,6 +189,8 @@ def test_killed_worker_is_retried_and_output_unchanged(ray_head, corpus, tmp_pat
 
 
 def test_killed_driver_resumes_from_finished_shards(cluster, corpus, tmp_path):
+    """Without --merge: the resumed run publishes a sharded dataset (17 shards, nothing copied) whose `xprep merge`
+    is the one-process dataset byte for byte, and which packs into the bins of that dataset."""
     out = tmp_path / "ds"
     args = ["tokenize", *corpus["inputs"], "-o", out, "--tokenizer", QWEN, "--on-error", "skip", "--ray", cluster,
             "--shard-size", _shard_size_for(corpus["inputs"], 17)]
@@ -206,8 +210,17 @@ def test_killed_driver_resumes_from_finished_shards(cluster, corpus, tmp_path):
     assert again.returncode == 0, again.stderr
     shards, reused, _ = _shards_said(again.stderr)
     assert shards == 17 and finished - 1 <= reused < 17
-    assert_same_files(corpus["reference"], out)
     assert not markers.parent.exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "xprep-sharded-dataset" and len(manifest["shards"]) == 17
+    assert not (out / "tokens.bin").exists()
+    merged = xprep("merge", out, "-o", tmp_path / "merged")
+    assert merged.returncode == 0, merged.stderr
+    assert_same_files(corpus["reference"], tmp_path / "merged")  # manifest, rejects (renumbered lines), streams
+    packs = [pack([p], tmp_path / f"P{i}", PackConfig(method="multipack", seq_len=512, overlong="split"))
+             for i, p in enumerate((out, corpus["reference"]))]
+    for name in ("bin_offsets", "item_doc", "item_start", "item_len", "bin_targets"):
+        assert np.array_equal(*(np.load(p.entry.path / f"{name}.npy") for p in packs)), name
 
 
 def test_an_unreadable_file_under_skip_is_set_aside_as_without_ray(cluster, corpus, tmp_path):
@@ -220,7 +233,7 @@ def test_an_unreadable_file_under_skip_is_set_aside_as_without_ray(cluster, corp
     local = xprep("tokenize", *inputs, "-o", tmp_path / "a", "--tokenizer", QWEN, "--on-error", "skip")
     assert local.returncode == 0, local.stderr
     remote = xprep("tokenize", *inputs, "-o", tmp_path / "b", "--tokenizer", QWEN, "--on-error", "skip",
-                   "--ray", cluster, "--shard-size", _shard_size_for(inputs, 5))
+                   "--merge", "--ray", cluster, "--shard-size", _shard_size_for(inputs, 5))
     assert remote.returncode == 0, remote.stderr
     assert_same_files(tmp_path / "a", tmp_path / "b")
     assert "unreadable file" in (tmp_path / "b" / "rejects.jsonl").read_text()
@@ -251,6 +264,8 @@ def test_ray_refuses_options_it_cannot_honour(corpus, tmp_path):
                           (["--shard-size", "12 parsecs"], "--shard-size")):
         proc = xprep("tokenize", corpus["inputs"][0], "-o", tmp_path / "x", "--tokenizer", QWEN, "--ray", *extra)
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+    proc = xprep("tokenize", corpus["inputs"][0], "-o", tmp_path / "x", "--tokenizer", QWEN, "--merge")
+    assert proc.returncode == 2 and "--merge is for --ray" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # -- object stores --------------------------------------------------------------------------------------------

@@ -1,0 +1,240 @@
+"""Sharded token datasets: one manifest over N shard datasets, read as one dataset with documents in shard order.
+
+A sharded dataset is a directory whose ``manifest.json`` (format ``xprep-sharded-dataset``) lists its shards: each an
+ordinary token dataset (``.bin/.idx`` streams, its own manifest and digests, readable by Megatron), named by a path
+relative to the sharded directory and the fingerprint it had when listed. Global document ``g`` is local document
+``g - base[k]`` of shard ``k``, where ``base`` is the running sum of the shards' documents: the numbering of the
+copy ``xprep merge`` makes of it, whose categories are the same table too (each shard's names remapped in order of
+first use, as merge.py does).
+
+Its fingerprint is sha256 over the shards' fingerprints, in order. The merged copy's cannot be computed from the
+shards' manifests: it covers the sha256 of the merged ``.bin`` and ``.idx`` files, and a sha256 of a concatenation
+is no function of the parts' digests (the merged ``.idx`` moreover holds rebased pointers), so it takes reading
+every token byte. A sharded dataset and its merged copy therefore get different pack keys, and identical bins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from xprep.prep.dataset.manifest import (
+    CONVERSATION_COUNTS,
+    FORMAT_VERSION,
+    CategoryTable,
+    canonical_json,
+    conversation_counts,
+    is_sharded,
+    numeric_category_names,
+    read_manifest,
+    verify_streams,
+)
+from xprep.prep.dataset.token_dataset import TokenDataset
+from xprep.prep.errors import XprepError
+from xprep.prep.formats import MANIFEST, SHARDED_FORMAT, TOKENS_STREAM
+from xprep.prep.io import check_output_dir, write_json_atomic
+
+SAME = ("tokenizer", "special_tokens", "chat_template", "options")  # what every shard must share (as merge asks)
+
+
+def sharded_fingerprint(shard_fingerprints: Sequence[str]) -> str:
+    """sha256 over the format and the shards' fingerprints in order: what defines a sharded dataset's content."""
+    return hashlib.sha256(canonical_json({"format": SHARDED_FORMAT, "version": FORMAT_VERSION,
+                                          "shards": list(shard_fingerprints)})).hexdigest()
+
+
+def write_sharded(shards: Sequence[str | Path], output: str | Path, extra: dict | None = None) -> dict:
+    """Write the manifest of a sharded dataset at ``output`` over the token datasets ``shards`` (in order); returns it.
+
+    Reads only the shards' manifests and token indexes (checked against their digests): no token byte is copied.
+    The shards may lie anywhere; each is named relative to ``output``. ``extra``: fields to add (a Ray run's
+    ``sources``). The manifest is written atomically, the last thing: a directory without it is no dataset.
+    """
+    out = Path(output)
+    if (out / MANIFEST).exists():
+        check_output_dir(out)  # the error that says an output exists and what to do
+    manifests = [_shard_manifest(Path(p)) for p in shards]
+    if not manifests:
+        raise XprepError(f"-o {out}: a sharded dataset needs at least one shard")
+    first = manifests[0]
+    categories = CategoryTable(numeric_names=numeric_category_names(first))
+    for (path, m) in zip(shards, manifests, strict=True):
+        for key in SAME:
+            if m.get(key) != first.get(key):
+                raise XprepError(f"{path}: its {key} differs from {shards[0]}'s; only datasets made with the same "
+                                 "tokenizer, template and options can be shards of one dataset")
+        shard_categories(m, categories)
+    manifest = {k: first[k] for k in SAME if k in first}
+    manifest.update(format=SHARDED_FORMAT, version=FORMAT_VERSION, categories=categories.names)
+    manifest["tokenizer"] = _tokenizer(first, Path(shards[0]), out)
+    manifest["streams"] = _streams(manifests)
+    manifest["shards"] = [{"path": os.path.relpath(Path(p).resolve(), out.resolve()), "fingerprint": m["fingerprint"],
+                           "documents": m["counts"]["documents"], "tokens": m["counts"]["tokens"]}
+                          for p, m in zip(shards, manifests, strict=True)]
+    manifest["counts"] = _counts(manifests)
+    manifest["rejects"] = _rejects(manifests)
+    manifest["sources"] = _sources(manifests)
+    manifest.update(extra or {})
+    manifest["fingerprint"] = sharded_fingerprint([s["fingerprint"] for s in manifest["shards"]])
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / MANIFEST, manifest)
+    return manifest
+
+
+def _shard_manifest(path: Path) -> dict:
+    manifest = read_manifest(path)
+    if is_sharded(manifest):
+        raise XprepError(f"{path}: is itself a sharded dataset; list its shards instead (shards do not nest)")
+    verify_streams(path, manifest, "idx", [TOKENS_STREAM])
+    return manifest
+
+
+def shard_categories(manifest: dict, categories: CategoryTable) -> np.ndarray:
+    """The ids of a shard's categories in the sharded (= merged) table ``categories``, which grows by the new ones:
+    a name that is its own id (or the name ``--category-names`` gave that id) is a numeric id of pre-tokenized data,
+    kept verbatim (merge.py's rule)."""
+    keys = [None if cid == 0 or name is None else cid if name == categories.numeric_name(cid) else name
+            for cid, name in enumerate(manifest["categories"])]
+    return categories.remap(keys)
+
+
+def _tokenizer(first: dict, shard: Path, out: Path) -> dict:
+    """The shards' tokenizer entry; a tokenizer kept inside the first shard is named relative to ``out``."""
+    info = dict(first["tokenizer"])
+    if info.get("path") and not Path(info["path"]).is_absolute():
+        info["path"] = os.path.relpath((shard / info["path"]).resolve(), out.resolve())
+    return info
+
+
+def _streams(manifests: list[dict]) -> dict:
+    """The streams some shard has, with the widest dtype among the shards (no digests: those are each shard's)."""
+    streams: dict[str, dict] = {}
+    for m in manifests:
+        for name, s in m["streams"].items():
+            dtype = np.dtype(s["dtype"])
+            if name not in streams or dtype.itemsize > np.dtype(streams[name]["dtype"]).itemsize:
+                streams[name] = {"dtype": dtype.name}
+    return streams
+
+
+def _counts(manifests: list[dict]) -> dict:
+    """The shards' counts summed (per category by name)."""
+    counts = {k: sum(m["counts"][k] for m in manifests) for k in ("documents", "tokens", "loss_tokens")}
+    tops = [m["counts"]["max_token_id"] for m in manifests if m["counts"].get("max_token_id") is not None]
+    counts["max_token_id"] = max(tops) if tops else None
+    per: dict[str, dict] = {}
+    for m in manifests:
+        for name, c in m["counts"]["categories"].items():
+            entry = per.setdefault(name, {"tokens": 0, "loss_tokens": 0})
+            entry["tokens"] += c["tokens"]
+            entry["loss_tokens"] += c["loss_tokens"]
+    counts["categories"] = per
+    shapes = [conversation_counts(m) for m in manifests]
+    if all(s is not None for s in shapes) and sum(int(s[0]) for s in shapes):
+        counts["conversations"] = dict(zip(CONVERSATION_COUNTS, np.sum(shapes, axis=0).tolist(), strict=True))
+    return counts
+
+
+def _rejects(manifests: list[dict]) -> dict:
+    """Rejects counted over the shards; the records themselves stay in each shard's rejects.jsonl."""
+    by_reason: dict[str, int] = {}
+    for m in manifests:
+        for reason, n in (m["rejects"].get("by_reason") or {}).items():
+            by_reason[reason] = by_reason.get(reason, 0) + n
+    return {"count": sum(m["rejects"]["count"] for m in manifests), "by_reason": dict(sorted(by_reason.items())),
+            "file": None}
+
+
+def _sources(manifests: list[dict]) -> list[dict]:
+    """The shards' sources, a file cut over consecutive shards listed once (as merge.py lists them)."""
+    sources: list[dict] = []
+    for m in manifests:
+        for src in m.get("sources", []):
+            if not sources or sources[-1]["path"] != src["path"]:
+                sources.append(src)
+    return sources
+
+
+def open_parts(path: str | Path, manifest: dict | None = None) -> list[TokenDataset]:
+    """The plain datasets the dataset at ``path`` is made of, in document order: itself, or its shards (each checked
+    against the fingerprint the sharded manifest recorded)."""
+    path = Path(path)
+    manifest = manifest if manifest is not None else read_manifest(path)
+    if not is_sharded(manifest):
+        return [TokenDataset(path)]
+    shards = []
+    for k, shard in enumerate(manifest["shards"]):
+        where = path / shard["path"]
+        if not (where / MANIFEST).is_file():
+            raise XprepError(f"{path}: its shard #{k} {where} is missing; restore it, or re-create the sharded "
+                             "dataset")
+        ds = TokenDataset(where)
+        if ds.fingerprint != shard["fingerprint"]:
+            raise XprepError(f"{path}: its shard #{k} {where} changed since the sharded manifest was written "
+                             f"(fingerprint {ds.fingerprint[:16]} != {shard['fingerprint'][:16]}); re-create the "
+                             "sharded dataset from its shards")
+        shards.append(ds)
+    return shards
+
+
+def verify_parts(path: str | Path, manifest: dict, part: str, streams: Sequence[str] | None = None) -> None:
+    """``verify_streams`` on the dataset at ``path``, or on each of its shards."""
+    if not is_sharded(manifest):
+        verify_streams(path, manifest, part, streams)
+        return
+    for shard in manifest["shards"]:
+        where = Path(path) / shard["path"]
+        verify_streams(where, read_manifest(where), part, streams)
+
+
+class ShardedDataset:
+    """A sharded dataset opened as one: its manifest, its shards, and documents by global index (what ``xprep
+    inspect DATASET`` reads; the packer and the trainer take the shards themselves, ``open_parts``)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.shards = open_parts(self.path, self.manifest)
+        self.base = np.cumsum([0, *(len(s) for s in self.shards)]).astype(np.int64)
+        table = CategoryTable(numeric_names=numeric_category_names(self.manifest))
+        self._luts = [shard_categories(s.manifest, table) for s in self.shards]
+        self._lengths: np.ndarray | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def category_names(self) -> list[str | None]:
+        return self.manifest["categories"]
+
+    def __len__(self) -> int:
+        return int(self.base[-1])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Every document's length, shard after shard (a copy: 4 bytes a document)."""
+        if self._lengths is None:
+            self._lengths = np.concatenate([s.lengths for s in self.shards]) if self.shards else np.zeros(0, np.int32)
+        return self._lengths
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard, local index) of global document ``i``."""
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = int(np.searchsorted(self.base, i, side="right")) - 1
+        return k, i - int(self.base[k])
+
+    def document(self, i: int) -> dict[str, np.ndarray]:
+        """Global document ``i``, its category ids in this dataset's table."""
+        k, local = self.locate(i)
+        doc = self.shards[k].document(local)
+        return {**doc, "category_ids": self._luts[k][doc["category_ids"]]}
+
+
+def open_dataset(path: str | Path) -> TokenDataset | ShardedDataset:
+    """The token dataset at ``path``, plain or sharded."""
+    return ShardedDataset(path) if is_sharded(read_manifest(path)) else TokenDataset(path)
