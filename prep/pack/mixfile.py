@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 from xprep.prep.errors import XprepError
-from xprep.prep.formats import DATASET_FORMAT, LOSS_MASK_STREAM, MANIFEST, declared_format
+from xprep.prep.formats import DATASET_FORMAT, LOSS_MASK_STREAM, MANIFEST, SHARDED_FORMAT, declared_format
 from xprep.prep.fs import is_url
 from xprep.prep.io import read_json
 from xprep.prep.pack.blend import MAX_SOURCES
@@ -230,9 +230,9 @@ def check_dataset(source: Source, where: str) -> None:
         raise XprepError(f"{where}: source {source.name!r}: {source.path} is not a token dataset (no {MANIFEST}); "
                          "check the path (a mix file's relative paths are read from its directory)")
     fmt = declared_format(manifest)
-    if fmt != DATASET_FORMAT:
+    if fmt not in (DATASET_FORMAT, SHARDED_FORMAT):
         raise XprepError(f"{where}: source {source.name!r}: {source.path} holds a {fmt!r} manifest, not a token "
-                         "dataset's; blend token datasets (written by `xprep tokenize`)")
+                         "dataset's; blend token datasets (written by `xprep tokenize` or `xprep merge`)")
 
 
 def check_one_tokenizer(sources: list[Source]) -> None:

@@ -98,6 +98,16 @@ def test_a_hand_made_sharded_dataset_of_real_data_packs_like_its_merged_copy(tmp
     assert not (tmp_path / "sharded" / "tokens.bin").exists()  # nothing copied
     validate(json.loads((tmp_path / "sharded" / "manifest.json").read_text()), "sharded_dataset")
     assert_twins(tmp_path / "sharded", tmp_path / "merged", tmp_path, seq_len=512, overlong="split")
+    blends = []  # a blend source too: the sharded dataset blends as its merged copy does, bin for bin
+    for kind in ("sharded", "merged"):
+        code, _, err = invoke("pack", f"{tmp_path / kind}@0.7", f"{tmp_path / 's1'}@0.3", "-o", tmp_path / f"B{kind}",
+                              "--method", "multipack", "--seq-len", "512", "--total-tokens", "20000")
+        assert code == 0, err
+        blends.append(PackedDataset(tmp_path / f"B{kind}"))
+    assert len(blends[0]) == len(blends[1]) > 0
+    for i in range(len(blends[0])):
+        x, y = blends[0][i], blends[1][i]
+        assert all(torch.equal(x[k], y[k]) for k in x), i
 
 
 def test_a_changed_shard_is_refused(tmp_path, tiny_tokenizer):
