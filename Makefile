@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) -m bench.blend
 	$(PY) -m bench.html
 	$(PY) -m bench.distributed
+	$(PY) -m bench.stream
 	$(PY) -m bench.gpu
 
 lint: $(STAMP)
