@@ -15,7 +15,7 @@ repeated source's later epochs are shuffled beside the first part.
 Baseline, measured in the same run on the same mixtures: the previous implementation (one thread), kept below as
 ``previous_blend_bins`` (its kernels verbatim: a full argmax per bin, in two chains for bin counts, a helper
 call for every bin's index, and sizes read by bin id, i.e. at random in a repeated source's later epochs).
-With phases (issue 36): the same mixtures, the same total, in three phases of a third each (the mixture's weights,
+With phases: the same mixtures, the same total, in three phases of a third each (the mixture's weights,
 then every other source's weight halved and the others' raised by half, then the weights again: an anneal on a
 shifted mix, which asks each source about what the blend without phases does; ``blend.phased_blend``), timed
 in their own processes beside the blend without phases, with their ratio to it. Target: ≤ 2 s as well.

@@ -1,4 +1,4 @@
-"""Benchmark of training from object storage (issue 35): steps/s of ``xtrain run`` on a pack whose dataset is at an
+"""Benchmark of training from object storage: steps/s of ``xtrain run`` on a pack whose dataset is at an
 S3 endpoint with a latency injected on every request, against the same pack on local disk, and the bytes fetched
 against the bytes the bins read.
 

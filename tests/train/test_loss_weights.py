@@ -1,4 +1,4 @@
-"""Category and source weights in the loss (issue 36): ``--category-weight NAME=W``, ``--source-weight NAME=W``.
+"""Category and source weights in the loss: ``--category-weight NAME=W``, ``--source-weight NAME=W``.
 
 On real chat data (chitchat conversations of two topics, tokenized with the Qwen3 chat template, each topic its
 own category and blend source): the weighted loss of a run, the channel losses of a category at weight 0, what the

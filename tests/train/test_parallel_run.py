@@ -68,7 +68,7 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_cp2_curve_equals_one_process_and_resumes_under_another_mode_and_c(runs, tmp_path):
-    """The cp=2 job is SIGKILLed (rank 1, after step 11) and resumed in place on dp=2 (issue 35) after its step-10
+    """The cp=2 job is SIGKILLed (rank 1, after step 11) and resumed in place on dp=2 after its step-10
     checkpoint has also resumed under cp=4 (hybrid) and on one process: every curve is the one-process run's."""
     packed, one = runs
     killed = xtrain(str(packed), *COMMON, *CP2, "--cp-mode", "ring", "--output", str(tmp_path / "cp2"),
@@ -145,7 +145,7 @@ def test_resume_on_one_process_keeps_the_global_batch(tmp_path):
     other = CliRunner().invoke(xtrain_cli, ["run", *args, *one_process, "--steps", "6", "--global-batch-size", "4"])
     assert other.exit_code == 2 and "global batch of 2 bins" in other.stderr, other.stderr
     assert len(other.stderr.strip().splitlines()) == 1, other.stderr
-    # issue 35: --allow-new-global-batch continues from the 8 bins consumed, in steps of 4
+    # --allow-new-global-batch continues from the 8 bins consumed, in steps of 4
     new = CliRunner().invoke(xtrain_cli, ["run", *args, *one_process, "--steps", "6", "--global-batch-size", "4",
                                           "--allow-new-global-batch"])
     assert new.exit_code == 0, new.output
@@ -156,7 +156,7 @@ def test_resume_on_one_process_keeps_the_global_batch(tmp_path):
 
 
 def test_a_sigkilled_rank_ends_the_job_and_it_resumes_on_one_rank(tmp_path):
-    """dp=2 → dp=1 (issue 35) on a token-aware pack balanced for 2 ranks (--balance-dp 2, which starts on 2 ranks
+    """dp=2 → dp=1 on a token-aware pack balanced for 2 ranks (--balance-dp 2, which starts on 2 ranks
     only): the 2-rank job dies with rank 1 (SIGKILL after step 3), the run resumes on one process from step-2, and
     its losses are the uninterrupted 2-rank run's (the same bins in each global batch of 2)."""
     make_dataset(tmp_path / "ds", random_docs(40, 3, 40, vocab=128, seed=1), vocab_size=128)

@@ -1,4 +1,4 @@
-"""Preemption (issue 31): SIGTERM, SIGINT and SIGUSR1 stop `xtrain run` after the step in progress with a checkpoint
+"""Preemption: SIGTERM, SIGINT and SIGUSR1 stop `xtrain run` after the step in progress with a checkpoint
 of that step, a documented exit status and the run lock released; the same command then resumes, and the losses of
 the two attempts together equal an uninterrupted run's step for step. Ranks die with their launcher.
 

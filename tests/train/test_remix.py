@@ -1,4 +1,4 @@
-"""Phased mixes in training and re-mixing a run in flight (issue 36), on real data (State of the Union paragraphs
+"""Phased mixes in training and re-mixing a run in flight, on real data (State of the Union paragraphs
 and raw e-mails, Mistral's tokenizer), in real processes.
 
 What must hold: a run over a phase boundary, SIGKILLed after it and resumed, has the losses of an uninterrupted run;

@@ -1,4 +1,4 @@
-"""Sharded datasets (issue 35): a manifest over shard datasets reads as one dataset, the merged copy's twin."""
+"""Sharded datasets: a manifest over shard datasets reads as one dataset, the merged copy's twin."""
 
 from __future__ import annotations
 

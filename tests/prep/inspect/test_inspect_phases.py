@@ -1,4 +1,4 @@
-"""`xprep inspect` of a blend with phases (issue 36): the text report lists each phase's first bin (the consumed
+"""`xprep inspect` of a blend with phases: the text report lists each phase's first bin (the consumed
 samples at which a sequential run enters it), size and requested vs delivered shares; the HTML page draws them
 (stacked, per phase) with every number equal to the --json report's."""
 

@@ -1,4 +1,4 @@
-"""Phased mix files (issue 36): a mix file's ``phases:`` make one blend whose bins run phase after phase, each
+"""Phased mix files: a mix file's ``phases:`` make one blend whose bins run phase after phase, each
 phase following its own weights by Megatron's greedy rule, each source continuing its own order of bins where the
 previous phase left it. On real data (State of the Union paragraphs and raw e-mails, Mistral's tokenizer), and the
 kernel against a slow obvious reference."""

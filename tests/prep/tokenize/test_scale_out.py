@@ -226,7 +226,7 @@ def test_killed_driver_resumes_from_finished_shards(cluster, corpus, tmp_path):
 def test_an_unreadable_file_under_skip_is_set_aside_as_without_ray(cluster, corpus, tmp_path):
     """A .gz unreadable from its first byte, ahead of other shards: rejected as an unreadable file, the rest as one
     process does it (the shard that met it used to leave no line count for its piece, and every merge after it
-    broke). A .gz cut short is data lost, under skip too (issue 31): one line naming it, on Ray as without."""
+    broke). A .gz cut short is data lost, under skip too: one line naming it, on Ray as without."""
     damaged = tmp_path / "bad.jsonl.gz"
     damaged.write_bytes(b"not gzip at all" + corpus["inputs"][1].read_bytes()[:1000])
     inputs = [damaged, corpus["inputs"][0]]
