@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from xprep.prep.dataset.manifest import stream_mismatch
@@ -89,21 +91,29 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
     _origin_file(target).write_text(url + "\n")  # read by synced_from: a pack records where its inputs came from
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
-    try:
+    with staged_copy(target) as tmp:
         for entry in fs.ls(inner, detail=True):
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             if entry.get("type") == "file" and name != COMPLETE:
                 fs.get_file(f"{inner}/{name}", str(tmp / name))
         _check_digests(tmp, manifest, url)
+    return target
+
+
+@contextlib.contextmanager
+def staged_copy(target: Path) -> Iterator[Path]:
+    """A temporary sibling of ``target`` to fill, renamed into place as ``target`` when the block ends (so a copy
+    that exists is whole); when another process put a whole copy there first, that one stays. Removed on error."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
         try:
             os.replace(tmp, target)
-        except OSError:  # another process synced it first
+        except OSError:  # another process made it first
             if not (target / MANIFEST).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def synced_from(path: str | Path) -> str | None:

@@ -33,7 +33,7 @@ from typing import TypeVar
 import numpy as np
 from xprep.prep.dataset.indexed import implied_bin_size, parse_index
 from xprep.prep.dataset.manifest import count
-from xprep.prep.dataset.remote import read_complete_manifest
+from xprep.prep.dataset.remote import read_complete_manifest, staged_copy
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import CATEGORY_IDS_STREAM, LOSS_MASK_STREAM, MANIFEST, TOKENS_STREAM
@@ -440,21 +440,13 @@ def _fetch_indexes(url: str, manifest: dict, cache_dir: str | None, retry: Retry
         return target
     root.mkdir(parents=True, exist_ok=True)
     fs, inner = filesystem(url)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
-    try:
+    with staged_copy(target) as tmp:
         for name, info in manifest["streams"].items():
             data = retry.run(f"{url}/{name}.idx", lambda n=name: fs.cat_file(f"{inner}/{n}.idx"))
             if hashlib.sha256(data).hexdigest() != info.get("idx_sha256"):
                 raise XprepError(f"{url}/{name}.idx: differs from its manifest digest (being rewritten?); try again")
             (tmp / f"{name}.idx").write_bytes(data)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process fetched them first
-            if not (target / MANIFEST).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
