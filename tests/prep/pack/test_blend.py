@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -127,6 +128,18 @@ def test_a_cut_source_gives_a_seeded_random_subset_the_same_by_counts_and_by_siz
 
 
 # ------------------------------------------------------------------------------------ against a plain reference
+@pytest.fixture(autouse=True, scope="module")
+def one_numba_thread():
+    """This thread's kernels on one thread: these blends are small and make thousands of calls to a parallel kernel
+    (shuffled_order, the reference's too), each of which waits for numba's other thread, which a busy machine
+    schedules late (beside one busy process this file took 225 s, 144 s of CPU spinning, instead of 40 s). A
+    permutation does not depend on the thread count (prep/pack/shuffle.py); blend's own worker sets its own."""
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(threads)
+
+
 def reference_blend(bin_sizes: list, weights: np.ndarray, unit: int, total_tokens: int, seed: int) -> dict:
     """The greedy rule written out plainly, one bin at a time: every source's lag ``w_i · max(T, C) − t_i`` in
     Python floats (float64, a product then a difference), the first largest wins. Bin counts (all sources given

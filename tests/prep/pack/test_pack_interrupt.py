@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,19 +18,25 @@ from conftest import REPO_ROOT
 from xprep.prep.dataset.token_dataset import CategoryTable, DatasetWriter
 
 DOCUMENTS = 600_000  # short documents: packing them keeps the kernels busy for about a second
+FEW = 2_000  # the warm-up's: the same arrays' types, so the same kernels compiled (numba caches them by type)
 
 
-@pytest.fixture(scope="module")
-def many(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("interrupt") / "data"
+def write_data(path: Path, documents: int) -> Path:
+    """A dataset and a copy of it (another name, same data: a second source, so that a blend is built too)."""
     rng = np.random.default_rng(0)
-    lengths = rng.integers(2, 24, DOCUMENTS)
+    lengths = rng.integers(2, 24, documents)
     tokens = rng.integers(3, 200, int(lengths.sum())).astype(np.uint16)
     with DatasetWriter(path, 256) as w:
         w.append(tokens, lengths)
         w.finish({"tokenizer": {"path": "t", "vocab_size": 256, "pad_id": 0, "eod_id": 1, "sha256": "a" * 64}},
                  CategoryTable())
+    shutil.copytree(path, f"{path}_copy")
     return path
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory) -> Path:
+    return write_data(tmp_path_factory.mktemp("interrupt") / "data", DOCUMENTS)
 
 
 def default_sigint() -> None:
@@ -44,16 +51,13 @@ def pack_command(data: Path, out: Path) -> list[str]:
 
 
 def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(many, tmp_path):
-    copy = many.parent / "data_copy"
-    if not copy.exists():  # a second source (another name, same data) so that a blend is built too
-        import shutil
-
-        shutil.copytree(many, copy)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     out = tmp_path / "P"
-    for _ in range(2):  # the first compiles the kernels where numba's cache is cold: the second is what a run takes
+    # the first compiles the kernels where numba's cache is cold (on a few documents: compiling is the same work);
+    # the second is what a run takes
+    for data in (write_data(tmp_path / "few", FEW), many):
         started = time.perf_counter()
-        done = subprocess.run(pack_command(many, out), capture_output=True, text=True, env=env, timeout=600)
+        done = subprocess.run(pack_command(data, out), capture_output=True, text=True, env=env, timeout=600)
         assert done.returncode == 0, done.stderr
     whole = time.perf_counter() - started
     rng = random.Random(0)
