@@ -209,14 +209,16 @@ class PackedDataset:
         a document's first token (as its manifest counts, and ``xprep.prep.pack.kernels.sample_targets``)."""
         tokens, cats = np.zeros(len(docs), np.int64), np.zeros(len(docs), np.int64)
         learn = np.zeros(len(docs), np.bool_)
-        which = np.searchsorted(self._doc_base, docs, side="right") - 1
-        for k in np.unique(which).tolist():
-            src, sel = self._sources[k], which == k
-            at = src.offsets[docs[sel] - self._doc_base[k]] + starts[sel]
-            tokens[sel] = src.tokens[at]
-            learn[sel] = len(src.loss_mask) == 0
-            if len(src.category_ids) and not len(src.loss_mask):
-                found = src.category_ids[at].astype(np.int64)
+        for k, sel, at, _ in self._by_dataset(docs, starts):
+            src = self._sources[k]
+            streams = src.tokens, src.loss_mask, src.category_ids
+            if src.streamed is not None:  # a dataset at a URL: these tokens only, through the block cache
+                *streams, at, _ = src.streamed.gather(at, np.ones(len(at), np.int64), _NO_ENDS)
+            token_stream, mask_stream, category_stream = streams
+            tokens[sel] = token_stream[at]
+            learn[sel] = len(mask_stream) == 0
+            if len(category_stream) and not len(mask_stream):
+                found = category_stream[at].astype(np.int64)
                 remap = self._category_maps[k]
                 cats[sel] = found if remap is None else remap[found]
         return tokens, learn, cats

@@ -198,3 +198,21 @@ def test_retry_classifies_errors():
         Retry(budget_s=0.0, sleep=slept.append).run("s3://b/x", lambda: (_ for _ in ()).throw(ConnectionResetError()))
     with pytest.raises(ZeroDivisionError):  # a bug is no network error: raised at once
         retry.run("s3://b/x", lambda: 1 / 0)
+
+
+def test_a_causal_chunk_pack_of_a_url_reads_like_the_local_one(endpoint, local, tmp_path):
+    """--attention causal labels each document's last token with the next one's first: read through the block
+    cache too, where the dataset is at a URL (the tokens of the items and of those first tokens)."""
+    import torch
+    from xprep.prep.pack.cache import PackConfig, pack
+    from xprep.train.data import PackedDataset
+
+    config = PackConfig(method="chunk", seq_len=64, attention="causal")
+    pack(["s3://stream/ds"], tmp_path / "there", config)
+    pack([local["root"] / "ds"], tmp_path / "here", config)
+    there, here = PackedDataset(tmp_path / "there"), PackedDataset(tmp_path / "here")
+    assert there.cache is not None and here.cache is None and len(there) == len(here) > 1
+    for b in range(len(here)):
+        x, y = there[b], here[b]
+        assert all(torch.equal(x[k], y[k]) for k in y), b
+    there.close()
