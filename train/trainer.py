@@ -663,6 +663,24 @@ def _stop(signum: int, trainer: Trainer, ckpt: CheckpointManager, saved_at: int,
     """Every rank stops here, after the same step: a checkpoint of it, complete and published (after any save in
     flight) unless the newest one is of this step already, then ``Stopped`` with the status of ``signum``."""
     name = signal_name(signum)
+    where = _checkpoint_to_stop(trainer, ckpt, saved_at,
+                                f"{name} received: saving a checkpoint of step {trainer.step} before stopping"
+                                if is_main else None, out)
+    message = (f"stopped by {name} after step {trainer.step}/{plan.steps} ({where}); the same command, or "
+               f"`xtrain run -o {run_dir}`, resumes")
+    if is_main:
+        out.write(message + "\n")
+        out.flush()
+        attempts.note(run_dir, message)
+        record_stop(signum, message)
+    raise Stopped(signum, message, said=is_main)
+
+
+def _checkpoint_to_stop(trainer: Trainer, ckpt: CheckpointManager, saved_at: int, saying: str | None = None,
+                        out=None) -> str:
+    """Before every rank stops after the same step (a stop signal, or data that stays unreachable): a checkpoint of
+    that step, complete and published (after any save in flight), unless the newest one is of this step already or
+    the step was bad; ``saying`` is printed before a save. Returns where the run stands, for the stop's line."""
     if ckpt.no_save:
         where = "--no-save: no checkpoint written"
     elif trainer.step == 0:
@@ -672,20 +690,13 @@ def _stop(signum: int, trainer: Trainer, ckpt: CheckpointManager, saved_at: int,
     elif trainer.last_step_bad:  # nothing saved from a state reached through a bad step
         where = f"not saved: the step was bad; step-{saved_at} stays the latest"
     else:
-        if is_main:
-            out.write(f"{name} received: saving a checkpoint of step {trainer.step} before stopping\n")
+        if saying:
+            out.write(saying + "\n")
             out.flush()
         ckpt.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict(), blocking=True)
         where = f"checkpoint step-{trainer.step} saved"
     ckpt.finish()  # a save in flight, published before any rank goes on
-    message = (f"stopped by {name} after step {trainer.step}/{plan.steps} ({where}); the same command, or "
-               f"`xtrain run -o {run_dir}`, resumes")
-    if is_main:
-        out.write(message + "\n")
-        out.flush()
-        attempts.note(run_dir, message)
-        record_stop(signum, message)
-    raise Stopped(signum, message, said=is_main)
+    return where
 
 
 def _stage(prefetch: Prefetcher, trainer: Trainer, ckpt: CheckpointManager, saved_at: int) -> None:
@@ -700,14 +711,7 @@ def _stage(prefetch: Prefetcher, trainer: Trainer, ckpt: CheckpointManager, save
     failed = all_reduce_sum(torch.tensor([int(failure is not None)], device=trainer.device), trainer.dims)
     if not int(failed.item()):
         return
-    if ckpt.no_save or trainer.step == 0:
-        where = "no checkpoint written" if ckpt.no_save else "nothing trained yet"
-    elif saved_at == trainer.step or trainer.last_step_bad:
-        where = f"step-{saved_at} is the latest checkpoint"
-    else:
-        ckpt.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict(), blocking=True)
-        where = f"checkpoint step-{trainer.step} saved"
-    ckpt.finish()
+    where = _checkpoint_to_stop(trainer, ckpt, saved_at)
     said = failure or "another rank's data stayed unreachable"
     raise XprepError(f"{said}: stopped after step {trainer.step} ({where}); run the same command again once it "
                      "answers, to resume")
