@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from xprep.prep.dataset import staged_copy
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import BLEND_JSON
 from xprep.prep.io import read_json
@@ -54,18 +55,13 @@ def keep_blend(run_dir: Path, entry) -> None:
     dest = Path(run_dir) / KEPT / entry.path.name
     if (dest / BLEND_JSON).is_file():
         return
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with staged_copy(dest, (BLEND_JSON,)) as tmp:
         for name in (*ARRAYS, BLEND_JSON):
             try:
                 os.link(entry.path / name, tmp / name)
             except OSError:  # another file system, or no hard links: a copy
                 shutil.copy2(entry.path / name, tmp / name)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def find_remix(packed: str | Path, saved: dict, run_dir: Path) -> Remix | None:

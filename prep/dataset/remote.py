@@ -101,16 +101,17 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def staged_copy(target: Path) -> Iterator[Path]:
+def staged_copy(target: Path, markers: tuple[str, ...] = (MANIFEST,)) -> Iterator[Path]:
     """A temporary sibling of ``target`` to fill, renamed into place as ``target`` when the block ends (so a copy
-    that exists is whole); when another process put a whole copy there first, that one stays. Removed on error."""
+    that exists is whole); when another process put a whole copy there first (one holding any of ``markers``),
+    that one stays. Removed on error."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
         try:
             os.replace(tmp, target)
         except OSError:  # another process made it first
-            if not (target / MANIFEST).is_file():
+            if not any((target / m).is_file() for m in markers):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -11,12 +11,9 @@ own checks (prep/pack/entry.py) then apply to the local copy.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from xprep.prep.dataset import Retry
+from xprep.prep.dataset import Retry, staged_copy
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import BLEND_JSON, MANIFEST, PACK_JSON
 from xprep.prep.fs import cache_root, filesystem
@@ -61,17 +58,9 @@ def _fetch_entry(fs, inner: str, target: Path, retry: Retry) -> Path:
     if not any(m in names for m in ENTRY_MARKERS):  # an entry still being uploaded, or no entry: skipped
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with staged_copy(target, ENTRY_MARKERS) as tmp:
         for name, kind in names.items():
             if kind == "file":
                 data = retry.run(f"{url}/{name}", lambda n=name: fs.cat_file(f"{inner}/{n}"))
                 (tmp / name).write_bytes(data)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process fetched it first
-            if not any((target / m).is_file() for m in ENTRY_MARKERS):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
