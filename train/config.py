@@ -415,7 +415,7 @@ class EvalSection:
         if isinstance(self.bins, int) and self.bins > len(dataset):
             raise XprepError(f"{_flag(self, 'bins')} {self.bins}: the validation entry {path} has only "
                              f"{len(dataset):,} bins; lower it, or give 'all'")
-        n_bins = len(dataset) if self.bins == "all" else min(self.bins or DEFAULT_EVAL_BINS, len(dataset))
+        n_bins = self._bins(dataset)
         if n_bins == 0:
             if self.every is None and self.bins is None:  # an empty held-out part (--allow-empty): nothing asked
                 print(f"note: validation entry {path} has no bins: training without evaluation", file=sys.stderr)
@@ -423,6 +423,10 @@ class EvalSection:
             raise XprepError(f"validation entry {path}: has no bins; re-run `xprep pack ... --split` with a larger "
                              "validation share")
         return self._validation(dataset, dims, micro_batch_size, n_bins, DEFAULT_SET)
+
+    def _bins(self, dataset: PackedDataset) -> int:
+        """How many of a set's bins are evaluated: ``--eval-bins`` (at most all of them), or all."""
+        return len(dataset) if self.bins == "all" else min(self.bins or DEFAULT_EVAL_BINS, len(dataset))
 
     def _validation(self, dataset: PackedDataset, dims: ParallelDims, micro_batch_size: int, n_bins: int,
                     name: str) -> Validation:
@@ -434,7 +438,7 @@ class EvalSection:
                verify: bool) -> Validation:
         name, path = parse_named_set(text, _flag(self, option))
         dataset = open_named_set(name, path, _flag(self, option), train, dims.cp, verify)
-        n_bins = len(dataset) if self.bins == "all" else min(self.bins or DEFAULT_EVAL_BINS, len(dataset))
+        n_bins = self._bins(dataset)
         if n_bins == 0:
             raise XprepError(f"{_flag(self, option)} {text}: its pack has no bins; give a pack with bins")
         return self._validation(dataset, dims, micro_batch_size, n_bins, name)
@@ -456,7 +460,7 @@ class EvalSection:
         if path is None:
             return None
         dataset = open_validation(path, train, dims.cp, verify)
-        n_bins = len(dataset) if self.bins == "all" else min(self.bins or DEFAULT_EVAL_BINS, len(dataset))
+        n_bins = self._bins(dataset)
         return self._validation(dataset, dims, micro_batch_size, n_bins, DEFAULT_TEST) if n_bins else None
 
 
