@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 from xprep.prep.errors import XprepError
+from xprep.train.loss import IGNORE
 
-IGNORE = -100
 WEIGHTS = "loss_weights"  # the batch key of each token's weight (1, T), set by the trainer in a weighted run
 FLAGS = {"category": "--category-weight", "source": "--source-weight"}
 
