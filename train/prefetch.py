@@ -28,6 +28,7 @@ class Prefetcher:
         self.dataset, self.sampler, self.grad_accum, self.steps_ahead = dataset, sampler, grad_accum, steps_ahead
         self.cache = dataset.cache
         self._plan: list[list[tuple[int, np.ndarray]]] = []  # the next steps' blocks, nearest first (the thread's)
+        self._known: dict[int, list[tuple[int, np.ndarray]]] = {}  # each step's blocks, by its first sample
         self._cond = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None  # the thread's last error (the step's own read raises it again)
@@ -42,12 +43,22 @@ class Prefetcher:
         starts = first + np.arange(self.grad_accum, dtype=np.int64) * s.micro_batch_times_dp
         return s.bins_at((starts[:, None] + np.arange(s.micro_batch_size)).reshape(-1)).tolist()
 
+    def step_blocks(self, ahead: int) -> list[tuple[int, np.ndarray]]:
+        """(stream id, blocks) the step ``ahead`` steps after the next one reads: worked out once per step (each
+        is planned ``steps_ahead`` times before it runs), and forgotten once it has run."""
+        key = self.sampler.consumed_samples + ahead * self.grad_accum * self.sampler.micro_batch_times_dp
+        if key not in self._known:
+            self._known[key] = self.dataset.stream_blocks(self.step_bins(ahead))
+        return self._known[key]
+
     def stage(self) -> None:
         """The next step's blocks in the cache (the caller stops on ``StreamUnavailable``); the thread told to
         fetch the steps after it."""
-        for sid, blocks in self.dataset.stream_blocks(self.step_bins(0)):
+        done = self.sampler.consumed_samples
+        self._known = {k: v for k, v in self._known.items() if k >= done}
+        for sid, blocks in self.step_blocks(0):
             self.cache.fetch_ahead(sid, blocks, wait=True)
-        plan = [self.dataset.stream_blocks(self.step_bins(k)) for k in range(1, self.steps_ahead + 1)]
+        plan = [self.step_blocks(k) for k in range(1, self.steps_ahead + 1)]
         with self._cond:
             self._plan = plan
             self._cond.notify()
