@@ -18,7 +18,7 @@ from xprep.prep.dataset.manifest import (
     dataset_tokenizer,
     numeric_category_names,
 )
-from xprep.prep.dataset.sharded import open_parts
+from xprep.prep.dataset.sharded import SAME, joined_sources, open_parts, shard_categories
 from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import REJECTS, TOKENS_STREAM
@@ -35,7 +35,7 @@ def merge_datasets(paths: list[str], output: str) -> dict:
     _check_shards(datasets)
     first = datasets[0].manifest
     for ds in datasets[1:]:
-        for key in ("tokenizer", "special_tokens", "chat_template", "options"):
+        for key in SAME:
             if ds.manifest.get(key) != first.get(key):
                 raise XprepError(
                     f"{ds.path}: its {key} differs from {datasets[0].path}'s{_difference(key, ds.manifest, first)}; "
@@ -43,17 +43,13 @@ def merge_datasets(paths: list[str], output: str) -> dict:
                 )
     categories = CategoryTable(numeric_names=numeric_category_names(first))
     dtype = np.dtype(first["streams"][TOKENS_STREAM]["dtype"])
-    sources: list[dict] = []
     # a tokenizer kept inside the datasets (one path for all: checked above) is kept inside the merged one
     kept = dataset_tokenizer(datasets[0].path, first) if not Path(first["tokenizer"]["path"]).is_absolute() else None
     with DatasetWriter(output, first["tokenizer"]["vocab_size"], dtype, tokenizer=kept) as writer:
         for ds in datasets:
             append_dataset(ds, writer, categories)
-            for src in ds.manifest.get("sources", []):
-                if not sources or sources[-1]["path"] != src["path"]:
-                    sources.append(src)
-        manifest = {k: first[k] for k in ("tokenizer", "special_tokens", "chat_template", "options") if k in first}
-        manifest["sources"] = sources
+        manifest = {k: first[k] for k in SAME if k in first}
+        manifest["sources"] = joined_sources([ds.manifest for ds in datasets])
         return writer.finish(manifest, categories)
 
 
@@ -92,17 +88,9 @@ def append_dataset(ds: TokenDataset, writer: DatasetWriter, categories: Category
     ``line_shift`` adds, per source path, a number of lines to its rejects' line numbers (a Ray shard
     numbers the lines of a cut file from its own start; see prep/sources/shards.py).
     """
-    _copy(ds, writer, _category_lut(ds, categories))
+    _copy(ds, writer, shard_categories(ds.manifest, categories))
     _copy_rejects(ds, writer, line_shift or {})
     writer.add_conversations(conversation_counts(ds.manifest))
-
-
-def _category_lut(ds: TokenDataset, categories: CategoryTable) -> np.ndarray:
-    """The ids of ``ds``'s categories in the merged table; a name that is its own id (or the name
-    ``--category-names`` gave that id) is a numeric id kept verbatim from pre-tokenized data, and stays so."""
-    keys = [None if cid == 0 or name is None else cid if name == categories.numeric_name(cid) else name
-            for cid, name in enumerate(ds.category_names)]
-    return categories.remap(keys)
 
 
 def _copy(ds: TokenDataset, writer: DatasetWriter, lut: np.ndarray) -> None:

@@ -76,7 +76,7 @@ def write_sharded(shards: Sequence[str | Path], output: str | Path, extra: dict 
                           for p, m in zip(shards, manifests, strict=True)]
     manifest["counts"] = _counts(manifests)
     manifest["rejects"] = _rejects(manifests)
-    manifest["sources"] = _sources(manifests)
+    manifest["sources"] = joined_sources(manifests)
     manifest.update(extra or {})
     manifest["fingerprint"] = sharded_fingerprint([s["fingerprint"] for s in manifest["shards"]])
     out.mkdir(parents=True, exist_ok=True)
@@ -93,9 +93,9 @@ def _shard_manifest(path: Path) -> dict:
 
 
 def shard_categories(manifest: dict, categories: CategoryTable) -> np.ndarray:
-    """The ids of a shard's categories in the sharded (= merged) table ``categories``, which grows by the new ones:
-    a name that is its own id (or the name ``--category-names`` gave that id) is a numeric id of pre-tokenized data,
-    kept verbatim (merge.py's rule)."""
+    """The ids of a dataset's categories in the sharded or merged table ``categories``, which grows by the new
+    ones: a name that is its own id (or the name ``--category-names`` gave that id) is a numeric id of
+    pre-tokenized data, kept verbatim."""
     keys = [None if cid == 0 or name is None else cid if name == categories.numeric_name(cid) else name
             for cid, name in enumerate(manifest["categories"])]
     return categories.remap(keys)
@@ -148,8 +148,9 @@ def _rejects(manifests: list[dict]) -> dict:
             "file": None}
 
 
-def _sources(manifests: list[dict]) -> list[dict]:
-    """The shards' sources, a file cut over consecutive shards listed once (as merge.py lists them)."""
+def joined_sources(manifests: list[dict]) -> list[dict]:
+    """The datasets' sources in order, a file cut over consecutive shards listed once (a sharded manifest's and a
+    merged one's)."""
     sources: list[dict] = []
     for m in manifests:
         for src in m.get("sources", []):
