@@ -290,12 +290,16 @@ class Merge:
         """Publish: every shard appended, the single run's manifest written."""
         self.advance()
         t0 = time.perf_counter()
-        manifest = {**self.job.head, "sources": [self.job.sources[p.source].describe()
-                                                 for p in plan_shard(self.job.sources, 1, 0)]}
+        manifest = {**self.job.head, "sources": _run_sources(self.job)}
         check_not_empty(config, self.writer)
         manifest = self.writer.finish(manifest, self.categories)
         self.seconds += time.perf_counter() - t0
         return manifest
+
+
+def _run_sources(job: Job) -> list[dict]:
+    """The manifest's ``sources`` of the whole run, as one process would list them (each input once)."""
+    return [job.sources[p.source].describe() for p in plan_shard(job.sources, 1, 0)]
 
 
 class ShardedOutput:
@@ -335,7 +339,7 @@ class ShardedOutput:
                 os.replace(staging.fetch(key, str(part)), part)  # (a local staging area: a rename)
                 _shift_rejects(part, _line_shift(job, shards, results, k))
                 parts.append(part)
-            extra = {"sources": [job.sources[p.source].describe() for p in plan_shard(job.sources, 1, 0)]}
+            extra = {"sources": _run_sources(job)}
             if job.kept_tokenizer is not None:  # a converted tokenizer, which the shards were written without
                 shutil.copyfile(job.kept_tokenizer, claim.path / KEPT_TOKENIZER)
                 extra["tokenizer"] = {**job.head["tokenizer"], "path": KEPT_TOKENIZER}
