@@ -196,6 +196,8 @@ class Trainer:
         A bad step applies no update and leaves the lr schedule where it was (as Megatron-LM skips an
         iteration: the next step trains at the lr this one would have had); its batches stay consumed, so a
         resumed run sees the batches an uninterrupted one would. Every rank decides alike (``reduce_step``).
+        A step without a target token, or whose targets all weigh 0, applies no update either (its gradients are
+        zero, and AdamW would still move the weights by momentum and decay); its lr schedule advances.
         """
         reset_peak_memory(self.device)
         t0 = time.perf_counter()
@@ -206,8 +208,8 @@ class Trainer:
         self.bad_steps = self.bad_steps + 1 if bad else 0
         weightless = total.weighted is not None and total.weighted_loss is None and n_targets > 0
         if not bad:
-            if not weightless:  # every target weighs 0: no update (AdamW would still move by its momentum)
-                self.optimizer.step()
+            if n_targets > 0 and not weightless:  # nothing to learn: no update (AdamW would still move the weights
+                self.optimizer.step()             # by its momentum and decay, on zero gradients)
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 from click.testing import CliRunner
 from test_train_run import metrics
-from trainkit import make_dataset, random_docs, write_pack
+from trainkit import make_dataset, make_trainer, max_rel_diff, params, random_docs, write_pack
 from xprep.cli import xprep, xtrain
 from xprep.prep.pack.entry import MANIFEST
 from xprep.train.report import run_report
@@ -63,3 +64,17 @@ def test_a_step_without_targets_has_no_loss_and_is_never_the_best(tmp_path):
     assert report["checkpoints"]["best"] == f"step-{best}" and report["checkpoints"]["best_by"] == "loss"
     shown = CliRunner().invoke(xprep, ["inspect", str(run), "--json"])
     assert shown.exit_code == 0 and json.loads(shown.output)["steps_without_targets"] == 1
+
+
+def test_a_step_without_targets_applies_no_update(tmp_path):
+    """Its gradients are zero, but AdamW would still move every weight by its momentum and decay: it does not
+    step."""
+    trainer = make_trainer(no_target_pack(tmp_path), micro=1, accum=1, lr=1e-2)
+    before = []
+    for _ in range(3):
+        before.append(params(trainer.model))
+        m = trainer.train_step()
+        assert (m.targets == 0) == (m.step == 2) and not m.skipped
+    after = params(trainer.model)
+    assert max_rel_diff(before[1], before[0]) > 0 and max_rel_diff(after, before[2]) > 0  # steps 1 and 3 learn
+    assert all(torch.equal(before[2][k], before[1][k]) for k in before[1])  # step 2: not one weight moved
