@@ -55,8 +55,8 @@ from xprep.prep.dataset import (
 from xprep.prep.errors import XprepError
 from xprep.prep.pack import PackBins, PackEntry, check_chunk_cp, methods_of, open_entry
 from xprep.train.cp import padded_length, shard_batch
+from xprep.train.loss import IGNORE
 
-IGNORE = -100
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "category_ids", "source_ids", "cu_seqlens")
 
 
