@@ -16,11 +16,15 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xprep.prep.dataset.manifest import stream_mismatch
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST
 from xprep.prep.fs import cache_root, filesystem
+
+if TYPE_CHECKING:
+    from xprep.prep.dataset.stream import Retry
 
 COMPLETE = "COMPLETE"  # written last into a dataset at a URL: its content is the manifest's fingerprint
 # What named the sync cache before $XPREP_CACHE_DIR named every cache: still read, after it, so that a machine set up
@@ -55,22 +59,40 @@ def upload_dataset(local: str | Path, url: str) -> None:
                          "written, so no reader takes it for a dataset: run the command again") from None
 
 
-def read_complete_manifest(url: str) -> dict:
-    """The manifest of the dataset at ``url``, once its ``COMPLETE`` marker says it is whole."""
+def read_complete_manifest(url: str, retry: Retry | None = None) -> dict:
+    """The manifest of the dataset at ``url``, once its ``COMPLETE`` marker says it is whole. Read through ``retry``
+    (a fresh ``Retry`` when None): a refused access is one line naming the object, a dropped connection retried."""
+    retry = retry or _default_retry()
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
-    try:
-        marker = fs.cat_file(f"{inner}/{COMPLETE}").decode().strip()
-    except FileNotFoundError:
+    marker = retry.run(f"{url}/{COMPLETE}", lambda: _cat_if_there(fs, f"{inner}/{COMPLETE}"))
+    if marker is None:
         raise XprepError(f"{url}: no complete dataset there (no {COMPLETE} marker: not written by xprep, or its "
-                         "upload has not finished)") from None
+                         "upload has not finished)")
+    text = retry.run(f"{url}/{MANIFEST}", lambda: _cat_if_there(fs, f"{inner}/{MANIFEST}"))
     try:
-        manifest = json.loads(fs.cat_file(f"{inner}/{MANIFEST}"))
-    except (FileNotFoundError, ValueError) as e:
+        manifest = json.loads(text) if text is not None else None
+    except ValueError as e:
         raise XprepError(f"{url}/{MANIFEST}: unreadable ({e})") from None
-    if manifest.get("fingerprint") != marker:
+    if not isinstance(manifest, dict):
+        raise XprepError(f"{url}/{MANIFEST}: missing or not a JSON object; re-upload the dataset")
+    if manifest.get("fingerprint") != marker.decode().strip():
         raise XprepError(f"{url}: its {MANIFEST} does not match its {COMPLETE} marker (being rewritten?); try again")
     return manifest
+
+
+def _cat_if_there(fs, path: str) -> bytes | None:
+    """The bytes of ``path``, None when there is no such object (other errors raised, for ``Retry`` to sort)."""
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def _default_retry() -> Retry:
+    from xprep.prep.dataset.stream import Retry  # deferred: stream.py imports this module
+
+    return Retry()
 
 
 def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
@@ -79,7 +101,8 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
 
     Files are downloaded into a temporary sibling and renamed into place, so a copy that exists is whole.
     """
-    manifest = read_complete_manifest(url)
+    retry = _default_retry()
+    manifest = read_complete_manifest(url, retry)
     # DIR/datasets/FINGERPRINT/NAME: one copy per content; the URL's last part stays the dataset's name (blends
     # name their sources by it)
     root = cache_root(cache_dir, fallback=os.environ.get(OLD_SYNC_CACHE_ENV)) / "datasets"
@@ -92,10 +115,10 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     with staged_copy(target) as tmp:
-        for entry in fs.ls(inner, detail=True):
+        for entry in retry.run(url, lambda: fs.ls(inner, detail=True)):
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             if entry.get("type") == "file" and name != COMPLETE:
-                fs.get_file(f"{inner}/{name}", str(tmp / name))
+                retry.run(f"{url}/{name}", lambda n=name: fs.get_file(f"{inner}/{n}", str(tmp / n)))
         _check_digests(tmp, manifest, url)
     return target
 
