@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from xprep.prep.dataset.manifest import stream_mismatch
+from xprep.prep.dataset.manifest import is_sharded, stream_mismatch
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST
 from xprep.prep.fs import cache_root, filesystem
@@ -44,19 +44,38 @@ def check_output_url(url: str, option: str = "-o") -> None:
 
 
 def upload_dataset(local: str | Path, url: str) -> None:
-    """Copy a finished dataset directory to ``url``: data files, then the manifest, then the ``COMPLETE`` marker."""
+    """Copy a finished dataset directory to ``url``: data files, then the manifest, then the ``COMPLETE`` marker.
+
+    A sharded dataset (prep/dataset/sharded.py) goes shard by shard, each an ordinary dataset at its URL relative to
+    the manifest (one named outside its directory, ``../x``, goes to ``shard-NNNNN``), and its own manifest and
+    marker last, so that a reader never meets a sharded manifest naming a shard that is not whole."""
     local = Path(local)
+    text = (local / MANIFEST).read_bytes()
+    manifest = json.loads(text)
+    if is_sharded(manifest):
+        manifest = _upload_shards(local, manifest, url)
+        text = json.dumps(manifest, indent=1).encode()
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     names = sorted(p.name for p in local.iterdir() if p.is_file() and p.name != MANIFEST)
-    fingerprint = json.loads((local / MANIFEST).read_text())["fingerprint"]
     try:
-        for name in [*names, MANIFEST]:
+        for name in names:
             fs.put_file(str(local / name), f"{inner}/{name}")
-        fs.pipe_file(f"{inner}/{COMPLETE}", fingerprint.encode())
+        fs.pipe_file(f"{inner}/{MANIFEST}", text)
+        fs.pipe_file(f"{inner}/{COMPLETE}", manifest["fingerprint"].encode())
     except OSError as e:  # s3fs, gcsfs: a refused or dropped request is an OSError
         raise XprepError(f"-o {url}: the upload failed ({type(e).__name__}: {e}); no {COMPLETE} marker was "
                          "written, so no reader takes it for a dataset: run the command again") from None
+
+
+def _upload_shards(local: Path, manifest: dict, url: str) -> dict:
+    """Upload the shards of the sharded dataset at ``local``; its manifest with the shards' names at ``url``."""
+    shards = []
+    for k, shard in enumerate(manifest["shards"]):
+        name = shard["path"] if not shard["path"].startswith("..") else f"shard-{k:05d}"
+        upload_dataset(local / shard["path"], f"{url.rstrip('/')}/{Path(name).as_posix()}")
+        shards.append({**shard, "path": Path(name).as_posix()})
+    return {**manifest, "shards": shards}
 
 
 def read_complete_manifest(url: str, retry: Retry | None = None) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from xprep.prep.dataset.manifest import (
     read_manifest,
     verify_streams,
 )
+from xprep.prep.dataset.remote import read_complete_manifest
+from xprep.prep.dataset.stream import Retry, StreamedDataset
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST, SHARDED_FORMAT, TOKENS_STREAM
@@ -59,28 +62,40 @@ def write_sharded(shards: Sequence[str | Path], output: str | Path, extra: dict 
     manifests = [_shard_manifest(Path(p)) for p in shards]
     if not manifests:
         raise XprepError(f"-o {out}: a sharded dataset needs at least one shard")
+    names = [os.path.relpath(Path(p).resolve(), out.resolve()) for p in shards]
+    manifest = sharded_manifest(manifests, names, _tokenizer(manifests[0], Path(shards[0]), out), extra,
+                                [str(p) for p in shards])
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / MANIFEST, manifest)
+    return manifest
+
+
+def sharded_manifest(manifests: list[dict], names: list[str], tokenizer: dict, extra: dict | None = None,
+                     shown: list[str] | None = None) -> dict:
+    """The manifest of a sharded dataset over shards with these ``manifests``, named ``names`` (paths relative to
+    the sharded dataset, ``/``-separated for a URL), in order: what ``write_sharded`` writes, and a sharded dataset
+    written to a URL (prep/dataset/remote.py, ``xprep tokenize --ray -o URL``). ``tokenizer``: the entry to record;
+    ``shown``: the shards as messages name them (default: ``names``)."""
+    shown = shown or names
     first = manifests[0]
     categories = CategoryTable(numeric_names=numeric_category_names(first))
-    for (path, m) in zip(shards, manifests, strict=True):
+    for where, m in zip(shown, manifests, strict=True):
         for key in SAME:
             if m.get(key) != first.get(key):
-                raise XprepError(f"{path}: its {key} differs from {shards[0]}'s; only datasets made with the same "
+                raise XprepError(f"{where}: its {key} differs from {shown[0]}'s; only datasets made with the same "
                                  "tokenizer, template and options can be shards of one dataset")
         shard_categories(m, categories)
     manifest = {k: first[k] for k in SAME if k in first}
     manifest.update(format=SHARDED_FORMAT, version=FORMAT_VERSION, categories=categories.names)
-    manifest["tokenizer"] = _tokenizer(first, Path(shards[0]), out)
+    manifest["tokenizer"] = tokenizer
     manifest["streams"] = _streams(manifests)
-    manifest["shards"] = [{"path": os.path.relpath(Path(p).resolve(), out.resolve()), "fingerprint": m["fingerprint"],
-                           "documents": m["counts"]["documents"], "tokens": m["counts"]["tokens"]}
-                          for p, m in zip(shards, manifests, strict=True)]
+    manifest["shards"] = [{"path": name, "fingerprint": m["fingerprint"], "documents": m["counts"]["documents"],
+                           "tokens": m["counts"]["tokens"]} for name, m in zip(names, manifests, strict=True)]
     manifest["counts"] = _counts(manifests)
     manifest["rejects"] = _rejects(manifests)
     manifest["sources"] = joined_sources(manifests)
     manifest.update(extra or {})
     manifest["fingerprint"] = sharded_fingerprint([s["fingerprint"] for s in manifest["shards"]])
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / MANIFEST, manifest)
     return manifest
 
 
@@ -189,6 +204,32 @@ def verify_parts(path: str | Path, manifest: dict, part: str, streams: Sequence[
     for shard in manifest["shards"]:
         where = Path(path) / shard["path"]
         verify_streams(where, read_manifest(where), part, streams)
+
+
+def shard_url(url: str, name: str) -> str:
+    """The URL of the shard a sharded dataset at ``url`` names ``name`` (relative, ``..`` allowed)."""
+    scheme, _, rest = url.rstrip("/").partition("://")
+    return f"{scheme}://{posixpath.normpath(posixpath.join(rest, name))}"
+
+
+def open_url_parts(url: str, cache_dir: str | None = None, retry: Retry | None = None
+                   ) -> tuple[dict, list[StreamedDataset]]:
+    """The manifest of the dataset at ``url`` and the plain datasets it is made of, read in place (prep/dataset/
+    stream.py): itself, or its shards in order, each an ordinary dataset at its URL relative to the sharded one and
+    checked against the fingerprint listed there. What is fetched (manifests, indexes) goes into ``cache_dir``."""
+    retry = retry or Retry()
+    manifest = read_complete_manifest(url, retry)
+    if not is_sharded(manifest):
+        return manifest, [StreamedDataset(url, cache_dir, retry)]
+    parts = []
+    for k, shard in enumerate(manifest["shards"]):
+        ds = StreamedDataset(shard_url(url, shard["path"]), cache_dir, retry)
+        if ds.fingerprint != shard["fingerprint"]:
+            raise XprepError(f"{url}: its shard #{k} {ds.path} changed since the sharded manifest was written "
+                             f"(fingerprint {ds.fingerprint[:16]} != {shard['fingerprint'][:16]}); re-create the "
+                             "sharded dataset from its shards")
+        parts.append(ds)
+    return manifest, parts
 
 
 class ShardedDataset:

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 from xprep.prep.dataset import (
-    StreamedDataset,
     TokenDataset,
     canonical_json,
+    open_url_parts,
     read_manifest,
     synced_from,
     verify_parts,
@@ -109,7 +109,7 @@ def read_fingerprints(paths: list[str | Path], cache_dir: str | None = None) -> 
     out, tokenizers = [], {}
     for p in paths:
         if is_url(str(p)):  # read in place: its manifest and indexes fetched (and checked against their digests)
-            manifest = StreamedDataset(str(p), cache_dir).manifest
+            manifest, _ = open_url_parts(str(p), cache_dir)  # (a sharded one's: each shard's)
             out.append({"path": str(p), "fingerprint": manifest["fingerprint"]})
             tokenizers.setdefault((manifest.get("tokenizer") or {}).get("sha256"), str(p))
             continue

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 from xprep.prep.dataset import (
-    StreamedDataset,
     TokenDataset,
     idx_path,
     open_parts,
+    open_url_parts,
     read_manifest,
     sync_dataset,  # fsspec itself loads only when a URL is read
     verify_streams,
@@ -320,7 +320,9 @@ def open_listed(listed: list[dict], where: str | Path, since: str = "it was pack
         path = Path(info["path"])
         if is_url(info["path"]) or (stream and not (path / MANIFEST).is_file() and info.get("url")):
             url = info["path"] if is_url(info["path"]) else info["url"]
-            datasets.append([_check_fingerprint(StreamedDataset(url, cache_dir), info, where, since)])
+            manifest, parts = open_url_parts(url, cache_dir)  # (a sharded one: its shards, each at its URL)
+            _check_fingerprint(url, manifest["fingerprint"], info, where, since)
+            datasets.append(parts)
             continue
         if not (path / MANIFEST).is_file() and info.get("url"):
             path = _sync_again(info["url"], path, cache_dir)
@@ -338,11 +340,10 @@ def open_listed(listed: list[dict], where: str | Path, since: str = "it was pack
     return datasets
 
 
-def _check_fingerprint(ds: TokenDataset, info: dict, where: str | Path, since: str) -> TokenDataset:
-    if ds.fingerprint != info["fingerprint"]:
-        raise DatasetChanged(f"{where}: dataset {ds.path} changed since {since} (fingerprint "
-                             f"{ds.fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
-    return ds
+def _check_fingerprint(path: str, fingerprint: str, info: dict, where: str | Path, since: str) -> None:
+    if fingerprint != info["fingerprint"]:
+        raise DatasetChanged(f"{where}: dataset {path} changed since {since} (fingerprint "
+                             f"{fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
 
 
 def _sync_again(url: str, path: Path, cache_dir: str | None) -> Path:
