@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from xprep.prep.dataset import DatasetWriter, check_output_url, count, upload_dataset
 from xprep.prep.fs import is_url
@@ -69,7 +69,8 @@ def _tokenize_on_ray(config: TokenizeConfig) -> tuple[dict, Job, str]:
         try:
             job = preparing.result()
             say_inputs(job)
-            with local_output(config.output) as out:
+            in_place = is_url(config.output) and not config.merge  # shards placed at the URL as they finish
+            with nullcontext(config.output) if in_place else local_output(config.output) as out:
                 manifest, how = tokenize_on_ray(config, job, out, cluster)
             Staging.beside(config.output).remove()  # the dataset is published (uploaded): the shards can go
         finally:

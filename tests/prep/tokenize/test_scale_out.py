@@ -366,6 +366,9 @@ def test_s3_in_and_out_equals_local_and_packs_the_same(corpus, s3, tmp_path):
 
 
 def test_ray_with_object_store_staging(cluster, corpus, s3, tmp_path):
+    """--ray -o URL writes a sharded dataset there (each shard copied into place inside the store as it finishes, the
+    manifest and its marker last), which packs into the bins of the one-process dataset and whose `xprep merge` is
+    that dataset byte for byte (rejects renumbered); --merge uploads the merged copy itself."""
     fs = s3["fs"]
     fs.put_file(str(corpus["inputs"][0]), "corpus/ray/sotu.jsonl")
     fs.put_file(str(corpus["inputs"][1]), "corpus/ray/chat.jsonl")
@@ -375,10 +378,28 @@ def test_ray_with_object_store_staging(cluster, corpus, s3, tmp_path):
     many = xprep("tokenize", "s3://corpus/ray/*.jsonl", "-o", "s3://corpus/ray-out/ds", "--tokenizer", QWEN,
                  "--on-error", "skip", "--ray", "--shard-size", "1MB", env=env)
     assert one.returncode == 0 and many.returncode == 0, one.stderr + many.stderr
-    assert _shards_said(many.stderr)[0] > 3
-    local = tmp_path / "many"
-    fs.get("corpus/ray-out/ds/", str(local), recursive=True)
-    (local / "COMPLETE").unlink()
-    assert dir_bytes(local) == dir_bytes(tmp_path / "one")  # manifest included: same URLs, same listing
+    shards = _shards_said(many.stderr)[0]
+    assert shards > 3
+    manifest = json.loads(fs.cat_file("corpus/ray-out/ds/manifest.json"))
+    assert manifest["format"] == "xprep-sharded-dataset" and len(manifest["shards"]) == shards
+    assert fs.cat_file("corpus/ray-out/ds/COMPLETE").decode() == manifest["fingerprint"]
     assert not fs.exists("corpus/ray-out/ds.xprep-shards")
+    pack = ["--method", "multipack", "--seq-len", "4096", "--overlong", "split"]
+    there = xprep("pack", "s3://corpus/ray-out/ds", "-o", tmp_path / "p1", *pack,
+                  env={**s3["env"], "XPREP_CACHE_DIR": str(tmp_path / "cache")})
+    here = xprep("pack", tmp_path / "one", "-o", tmp_path / "p2", *pack)
+    assert there.returncode == 0 and here.returncode == 0, there.stderr + here.stderr
+    e1, e2 = (next(p for p in (tmp_path / d).iterdir() if p.is_dir()) for d in ("p1", "p2"))
+    assert {k: v for k, v in dir_bytes(e1).items() if k.endswith(".npy")} == \
+        {k: v for k, v in dir_bytes(e2).items() if k.endswith(".npy")}
+    fs.get("corpus/ray-out/ds/", str(tmp_path / "many"), recursive=True)
+    merged = xprep("merge", tmp_path / "many", "-o", tmp_path / "merged")
+    assert merged.returncode == 0, merged.stderr
+    assert dir_bytes(tmp_path / "merged") == dir_bytes(tmp_path / "one")
+    one_copy = xprep("tokenize", "s3://corpus/ray/*.jsonl", "-o", "s3://corpus/ray-out/merged", "--tokenizer", QWEN,
+                     "--on-error", "skip", "--ray", "--shard-size", "1MB", "--merge", env=env)
+    assert one_copy.returncode == 0, one_copy.stderr
+    fs.get("corpus/ray-out/merged/", str(tmp_path / "uploaded"), recursive=True)
+    (tmp_path / "uploaded" / "COMPLETE").unlink()
+    assert dir_bytes(tmp_path / "uploaded") == dir_bytes(tmp_path / "one")  # manifest included
 
