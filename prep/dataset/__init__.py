@@ -25,6 +25,7 @@ from xprep.prep.dataset.remote import (
     COMPLETE,
     check_output_url,
     read_complete_manifest,
+    read_item_ranges,
     staged_copy,
     sync_dataset,
     synced_from,
@@ -57,6 +58,6 @@ __all__ = [
     "StreamedDataset", "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url",
     "check_token_ids", "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded",
     "merge_datasets", "open_block_cache", "open_dataset", "open_parts", "open_url_parts", "read_complete_manifest",
-    "read_manifest", "shard_url", "sharded_manifest", "staged_copy", "sync_dataset", "synced_from", "token_dtype",
-    "upload_dataset", "verify_parts", "verify_streams", "write_sharded"
+    "read_item_ranges", "read_manifest", "shard_url", "sharded_manifest", "staged_copy", "sync_dataset",
+    "synced_from", "token_dtype", "upload_dataset", "verify_parts", "verify_streams", "write_sharded"
 ]
