@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import posixpath
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -120,7 +121,8 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
     """A local copy of the dataset at ``url`` under CACHE/datasets/FINGERPRINT/NAME, made once and reused: CACHE is
     ``cache_dir`` (``--cache-dir``), else ``$XPREP_CACHE_DIR``, else ``$XPREP_CACHE``, else ``~/.cache/xprep``.
 
-    Files are downloaded into a temporary sibling and renamed into place, so a copy that exists is whole.
+    Files are downloaded into a temporary sibling and renamed into place, so a copy that exists is whole. A sharded
+    dataset's shards are synced each as a dataset of its own, and the copy's manifest names them where they lie.
     """
     retry = _default_retry()
     manifest = read_complete_manifest(url, retry)
@@ -138,10 +140,33 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
     with staged_copy(target) as tmp:
         for entry in retry.run(url, lambda: fs.ls(inner, detail=True)):
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            if entry.get("type") == "file" and name != COMPLETE:
+            if entry.get("type") == "file" and name not in (COMPLETE, MANIFEST):
                 retry.run(f"{url}/{name}", lambda n=name: fs.get_file(f"{inner}/{n}", str(tmp / n)))
-        _check_digests(tmp, manifest, url)
+        if is_sharded(manifest):
+            manifest = {**manifest, "shards": [_sync_shard(url, k, s, cache_dir, target)
+                                               for k, s in enumerate(manifest["shards"])]}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        else:
+            retry.run(f"{url}/{MANIFEST}", lambda: fs.get_file(f"{inner}/{MANIFEST}", str(tmp / MANIFEST)))
+            _check_digests(tmp, manifest, url)
     return target
+
+
+def _sync_shard(url: str, k: int, shard: dict, cache_dir: str | None, target: Path) -> dict:
+    """Shard ``k`` of the sharded dataset at ``url`` synced (a dataset of its own), listed relative to ``target``."""
+    local = sync_dataset(shard_url(url, shard["path"]), cache_dir)
+    found = json.loads((local / MANIFEST).read_text())["fingerprint"]
+    if found != shard["fingerprint"]:
+        raise XprepError(f"{url}: its shard #{k} {shard_url(url, shard['path'])} changed since the sharded manifest "
+                         f"was written (fingerprint {found[:16]} != {shard['fingerprint'][:16]}); re-create the "
+                         "sharded dataset from its shards")
+    return {**shard, "path": os.path.relpath(local, target)}
+
+
+def shard_url(url: str, name: str) -> str:
+    """The URL of the shard a sharded dataset at ``url`` names ``name`` (relative, ``..`` allowed)."""
+    scheme, _, rest = url.rstrip("/").partition("://")
+    return f"{scheme}://{posixpath.normpath(posixpath.join(rest, name))}"
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import posixpath
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from xprep.prep.dataset.manifest import (
     read_manifest,
     verify_streams,
 )
-from xprep.prep.dataset.remote import read_complete_manifest
+from xprep.prep.dataset.remote import read_complete_manifest, shard_url
 from xprep.prep.dataset.stream import Retry, StreamedDataset
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
@@ -204,12 +203,6 @@ def verify_parts(path: str | Path, manifest: dict, part: str, streams: Sequence[
     for shard in manifest["shards"]:
         where = Path(path) / shard["path"]
         verify_streams(where, read_manifest(where), part, streams)
-
-
-def shard_url(url: str, name: str) -> str:
-    """The URL of the shard a sharded dataset at ``url`` names ``name`` (relative, ``..`` allowed)."""
-    scheme, _, rest = url.rstrip("/").partition("://")
-    return f"{scheme}://{posixpath.normpath(posixpath.join(rest, name))}"
 
 
 def open_url_parts(url: str, cache_dir: str | None = None, retry: Retry | None = None

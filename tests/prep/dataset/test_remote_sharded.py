@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from motokit import Endpoint, use_endpoint
 from trainkit import make_dataset, random_docs
 from xprep.cli import xprep, xtrain
-from xprep.prep.dataset import upload_dataset, write_sharded
+from xprep.prep.dataset import ShardedDataset, TokenDataset, upload_dataset, write_sharded
 from xprep.prep.pack.entry import ARRAYS, TARGETS, open_packed
 
 s3fs = pytest.importorskip("s3fs")
@@ -79,3 +79,15 @@ def test_a_sharded_dataset_at_a_url_reads_as_its_merged_copy(endpoint, tmp_path)
     for p in ("Purl", "Pmerged"):
         _invoke(xtrain, "run", tmp_path / p, *RUN, "--output", tmp_path / f"run-{p}")
     assert _losses(tmp_path / "run-Purl") == _losses(tmp_path / "run-Pmerged")
+
+
+def test_a_blend_copies_a_sharded_dataset_at_a_url_shard_by_shard(endpoint, tmp_path):
+    sharded, merged = sharded_dataset(tmp_path)
+    upload_dataset(sharded, "s3://shards/sh")
+    _invoke(xprep, "pack", "s3://shards/sh@1", "-o", tmp_path / "P", *PACK, "--cache-dir", tmp_path / "copies")
+    copy = next((tmp_path / "copies" / "datasets").glob("*/sh"))
+    assert [len(s) for s in ShardedDataset(copy).shards] == [15, 15, 15]  # each shard synced as a dataset
+    a, b = ShardedDataset(copy), TokenDataset(merged)
+    for i in range(len(b)):
+        x, y = a.document(i), b.document(i)
+        assert all(np.array_equal(x[k], y[k]) for k in y), i
