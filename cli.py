@@ -164,7 +164,8 @@ class _ChatTemplateOption(click.Option):
               help="With --ray: times a task lost with its worker or node is run again.")
 @click.option("--merge", "merge_shards", is_flag=True,
               help="With --ray: publish one merged dataset (the bytes of a run without --ray) rather than a sharded "
-                   "dataset over the tasks' shards (the default for a local -o).")
+                   "dataset over the tasks' shards (the default; for a URL -o, each shard is placed there as it "
+                   "finishes and the manifest last).")
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="Where tokenizers converted from GPT-2, SentencePiece or tiktoken files and facts about "
                    "tokenizers are kept, to be reused [default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")

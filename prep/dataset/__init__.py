@@ -22,11 +22,9 @@ from xprep.prep.dataset.manifest import (
 )
 from xprep.prep.dataset.merge import append_dataset, merge_datasets
 from xprep.prep.dataset.remote import (
-    COMPLETE,
     check_output_url,
-    read_complete_manifest,
+    mark_complete,
     read_item_ranges,
-    shard_url,
     staged_copy,
     sync_dataset,
     synced_from,
@@ -37,7 +35,7 @@ from xprep.prep.dataset.sharded import (
     open_dataset,
     open_parts,
     open_url_parts,
-    sharded_manifest,
+    publish_sharded_url,
     verify_parts,
     write_sharded,
 )
@@ -53,11 +51,11 @@ from xprep.prep.dataset.stream import (
 from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset, check_token_ids
 
 __all__ = [
-    "BlockCache", "COMPLETE", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S",
-    "DatasetWriter", "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StreamUnavailable",
-    "StreamedDataset", "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url",
-    "check_token_ids", "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded",
-    "merge_datasets", "open_block_cache", "open_dataset", "open_parts", "open_url_parts", "read_complete_manifest",
-    "read_item_ranges", "read_manifest", "shard_url", "sharded_manifest", "staged_copy", "sync_dataset",
-    "synced_from", "token_dtype", "upload_dataset", "verify_parts", "verify_streams", "write_sharded"
+    "BlockCache", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S", "DatasetWriter",
+    "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StreamUnavailable", "StreamedDataset",
+    "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids",
+    "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "mark_complete", "merge_datasets",
+    "open_block_cache", "open_dataset", "open_parts", "open_url_parts", "publish_sharded_url", "read_item_ranges",
+    "read_manifest", "staged_copy", "sync_dataset", "synced_from", "token_dtype", "upload_dataset", "verify_parts",
+    "verify_streams", "write_sharded"
 ]

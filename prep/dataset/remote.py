@@ -65,10 +65,17 @@ def upload_dataset(local: str | Path, url: str) -> None:
         for name in names:
             fs.put_file(str(local / name), f"{inner}/{name}")
         fs.pipe_file(f"{inner}/{MANIFEST}", text)
-        fs.pipe_file(f"{inner}/{COMPLETE}", manifest["fingerprint"].encode())
+        mark_complete(url, manifest["fingerprint"])
     except OSError as e:  # s3fs, gcsfs: a refused or dropped request is an OSError
         raise XprepError(f"-o {url}: the upload failed ({type(e).__name__}: {e}); no {COMPLETE} marker was "
                          "written, so no reader takes it for a dataset: run the command again") from None
+
+
+def mark_complete(url: str, fingerprint: str) -> None:
+    """Write the ``COMPLETE`` marker of the dataset at ``url`` (its manifest's ``fingerprint``): the last thing written
+    there, after which readers take it for a dataset."""
+    fs, inner = filesystem(url)
+    fs.pipe_file(f"{inner.rstrip('/')}/{COMPLETE}", fingerprint.encode())
 
 
 def _upload_shards(local: Path, manifest: dict, url: str) -> dict:

@@ -16,6 +16,7 @@ every token byte. A sharded dataset and its merged copy therefore get different 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,11 +33,12 @@ from xprep.prep.dataset.manifest import (
     read_manifest,
     verify_streams,
 )
-from xprep.prep.dataset.remote import read_complete_manifest, shard_url
+from xprep.prep.dataset.remote import mark_complete, read_complete_manifest, shard_url
 from xprep.prep.dataset.stream import Retry, StreamedDataset
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST, SHARDED_FORMAT, TOKENS_STREAM
+from xprep.prep.fs import filesystem
 from xprep.prep.io import check_output_dir, write_json_atomic
 
 SAME = ("tokenizer", "special_tokens", "chat_template", "options")  # what every shard must share (as merge asks)
@@ -69,11 +71,31 @@ def write_sharded(shards: Sequence[str | Path], output: str | Path, extra: dict 
     return manifest
 
 
+def publish_sharded_url(url: str, names: list[str], extra: dict | None = None) -> dict:
+    """Publish a sharded dataset at ``url`` over the datasets already there at ``url/NAME`` (each whole: its
+    ``COMPLETE`` marker written), in order: its manifest uploaded, then its own marker, last (an object store has no
+    rename: this order is what keeps a reader from meeting a manifest that names a shard not there yet). ``extra``:
+    fields to add (a Ray run's ``sources`` and kept tokenizer). Returns the manifest."""
+    url = url.rstrip("/")
+    manifests = [read_complete_manifest(shard_url(url, name)) for name in names]
+    if not manifests:
+        raise XprepError(f"-o {url}: a sharded dataset needs at least one shard")
+    manifest = sharded_manifest(manifests, names, dict(manifests[0]["tokenizer"]), extra)
+    fs, inner = filesystem(url)
+    try:
+        fs.pipe_file(f"{inner}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        mark_complete(url, manifest["fingerprint"])
+    except OSError as e:  # s3fs, gcsfs: a refused or dropped request is an OSError
+        raise XprepError(f"-o {url}: the upload failed ({type(e).__name__}: {e}); no COMPLETE marker was written, so "
+                         "no reader takes it for a dataset: run the command again") from None
+    return manifest
+
+
 def sharded_manifest(manifests: list[dict], names: list[str], tokenizer: dict, extra: dict | None = None,
                      shown: list[str] | None = None) -> dict:
     """The manifest of a sharded dataset over shards with these ``manifests``, named ``names`` (paths relative to
-    the sharded dataset, ``/``-separated for a URL), in order: what ``write_sharded`` writes, and a sharded dataset
-    written to a URL (prep/dataset/remote.py, ``xprep tokenize --ray -o URL``). ``tokenizer``: the entry to record;
+    the sharded dataset, ``/``-separated for a URL), in order: what ``write_sharded`` writes, and
+    ``publish_sharded_url``. ``tokenizer``: the entry to record;
     ``shown``: the shards as messages name them (default: ``names``)."""
     shown = shown or names
     first = manifests[0]

@@ -1,7 +1,8 @@
 """``xprep tokenize`` end to end: prepare, tokenize here or as shards on a Ray cluster, publish.
 
 The dataset is written into ``-o`` (atomically, prep/dataset/token_dataset.py), or for an object-store URL into a local
-temporary directory that is uploaded once whole, its completion marker last (prep/dataset/remote.py). Where the
+temporary directory that is uploaded once whole, its completion marker last (prep/dataset/remote.py); ``--ray``
+without ``--merge`` places its shards at the URL as they finish instead (prep/tokenize/ray/url_output.py). Where the
 records are tokenized does not change a byte of it: in this process (with ``--workers`` processes),
 as one ``--num-shards`` shard, or on Ray (prep/tokenize/ray/cluster.py).
 """

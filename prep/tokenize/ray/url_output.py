@@ -13,16 +13,10 @@ from __future__ import annotations
 
 import json
 
-from xprep.prep.dataset import (
-    COMPLETE,
-    KEPT_TOKENIZER,
-    check_output_url,
-    read_complete_manifest,
-    sharded_manifest,
-)
+from xprep.prep.dataset import KEPT_TOKENIZER, check_output_url, mark_complete, publish_sharded_url
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST, REJECTS
-from xprep.prep.fs import filesystem, join
+from xprep.prep.fs import filesystem
 from xprep.prep.tokenize.ray.staging import ShardDone, Staging
 
 
@@ -73,30 +67,25 @@ class ShardedURLOutput:
                     fs.copy(path, f"{dst}/{name}")
             if manifest is None:
                 raise XprepError(f"{source}: a finished shard without its {MANIFEST}; run the command again")
-            fs.pipe_file(f"{dst}/{COMPLETE}", manifest["fingerprint"].encode())
+            mark_complete(fs.unstrip_protocol(dst), manifest["fingerprint"])
         except OSError as e:
             raise XprepError(f"-o {self.url}: placing shard {k + 1} failed ({type(e).__name__}: {e}); run the "
                              "command again (finished shards are reused)") from None
 
     def finish(self, extra: dict, kept_tokenizer: str | None, shards: int) -> dict:
-        """Upload the sharded manifest over the ``shards`` placed shards, then its marker; returns the manifest.
-        ``extra``: fields to add (the run's ``sources``; with ``kept_tokenizer``, the file uploaded beside the
-        manifest, its ``tokenizer`` entry)."""
+        """Publish the sharded dataset over the ``shards`` placed shards: its manifest, then its marker
+        (``publish_sharded_url``); returns the manifest. ``extra``: fields to add (the run's ``sources``; with
+        ``kept_tokenizer``, the file uploaded beside the manifest first, its ``tokenizer`` entry)."""
         if self.placed != shards:
             raise XprepError(f"-o {self.url}: {shards - self.placed} shards were never placed; run the command again")
-        names = [shard_name(k) for k in range(shards)]
-        manifests = [read_complete_manifest(join(self.url, name)) for name in names]
         check_output_url(self.url)  # still free: nothing else published there meanwhile
-        try:
-            if kept_tokenizer is not None:
+        if kept_tokenizer is not None:
+            try:
                 self.fs.put_file(kept_tokenizer, f"{self.inner}/{KEPT_TOKENIZER}")
-            manifest = sharded_manifest(manifests, names, dict(manifests[0]["tokenizer"]), extra)
-            self.fs.pipe_file(f"{self.inner}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-            self.fs.pipe_file(f"{self.inner}/{COMPLETE}", manifest["fingerprint"].encode())
-        except OSError as e:
-            raise XprepError(f"-o {self.url}: the upload failed ({type(e).__name__}: {e}); no {COMPLETE} marker was "
-                             "written, so no reader takes it for a dataset: run the command again") from None
-        return manifest
+            except OSError as e:
+                raise XprepError(f"-o {self.url}: the upload failed ({type(e).__name__}: {e}); run the command "
+                                 "again (finished shards are reused)") from None
+        return publish_sharded_url(self.url, [shard_name(k) for k in range(shards)], extra)
 
 
 def shifted_rejects(rejects: bytes, shift: dict[str, int]) -> bytes:
