@@ -56,13 +56,14 @@ def _refused_once(endpoint: Endpoint, since: int, line: str) -> None:
 
 
 @pytest.mark.parametrize("denied", ["every object", "token streams"])
-def test_xprep_pack_with_denied_credentials_is_one_line(locked, tmp_path, monkeypatch, denied):
+@pytest.mark.parametrize("given", ["s3://locked/ds", "s3://locked/ds@1"])  # read in place; copied for a blend
+def test_xprep_pack_with_denied_credentials_is_one_line(locked, tmp_path, monkeypatch, denied, given):
     endpoint, credentials = locked
     use_endpoint(monkeypatch, endpoint, credentials[denied])
     monkeypatch.setenv("XPREP_CACHE_DIR", str(tmp_path / "cache"))
     since = len(endpoint.requests())
-    result = CliRunner().invoke(xprep, ["pack", "s3://locked/ds", "-o", str(tmp_path / "p"), "--method",
-                                        "multipack", "--seq-len", "64"])
+    result = CliRunner().invoke(xprep, ["pack", given, "-o", str(tmp_path / "p"), "--method", "multipack",
+                                        "--seq-len", "64"])
     _refused_once(endpoint, since, _one_line(result))
     assert not (tmp_path / "p").exists()  # a new -o is removed again: no entry, no temp directory
     assert not [p for p in (tmp_path / "cache").rglob("*") if ".tmp" in p.name]  # the index copy is whole or absent
