@@ -1,10 +1,14 @@
 """Datasets at URLs (``s3://``, ``gs://``; the file systems are ``prep/fs.py``'s):
 
 - a dataset is written to a URL from a finished local directory (``upload_dataset``), its files first and
-  the completion marker ``COMPLETE`` last, so a reader that finds the marker finds the whole dataset;
+  the completion marker ``COMPLETE`` last (``mark_complete``), so a reader that finds the marker finds the whole
+  dataset; a sharded dataset goes shard by shard, each an ordinary dataset at a URL relative to its manifest;
+- ``read_complete_manifest`` reads a manifest once the marker vouches for it, through ``Retry`` (stream.py): a
+  refused access or a missing object is one line naming the object, a dropped connection is retried;
 - ``sync_dataset`` brings a dataset at a URL into a local cache directory keyed by its fingerprint (files
   checked against the manifest's sizes), for commands that memory-map it: ``datasets/`` of the cache directory
-  (``prep.fs.cache_root``: ``--cache-dir``, else ``$XPREP_CACHE_DIR``, ...).
+  (``prep.fs.cache_root``: ``--cache-dir``, else ``$XPREP_CACHE_DIR``, ...);
+- ``read_item_ranges`` reads scattered items of a stream at a URL by range, in bounded batches.
 """
 
 from __future__ import annotations

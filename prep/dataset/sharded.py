@@ -94,9 +94,8 @@ def publish_sharded_url(url: str, names: list[str], extra: dict | None = None) -
 def sharded_manifest(manifests: list[dict], names: list[str], tokenizer: dict, extra: dict | None = None,
                      shown: list[str] | None = None) -> dict:
     """The manifest of a sharded dataset over shards with these ``manifests``, named ``names`` (paths relative to
-    the sharded dataset, ``/``-separated for a URL), in order: what ``write_sharded`` writes, and
-    ``publish_sharded_url``. ``tokenizer``: the entry to record;
-    ``shown``: the shards as messages name them (default: ``names``)."""
+    the sharded dataset, ``/``-separated for a URL), in order: what ``write_sharded`` and ``publish_sharded_url``
+    write. ``tokenizer``: the entry to record; ``shown``: the shards as messages name them (default: ``names``)."""
     shown = shown or names
     first = manifests[0]
     categories = CategoryTable(numeric_names=numeric_category_names(first))
