@@ -366,12 +366,12 @@ def _dataset_argument(path: str) -> str:
 
 def _local_dataset(path: str, cache_dir: str | None) -> str:
     """A dataset at a URL is synced into the local cache (once per fingerprint) and packed from there."""
-    from xprep.prep.dataset import sync_dataset  # deferred: fsspec, for URLs only
+    from xprep.prep.dataset import Retry, sync_dataset  # deferred: fsspec, for URLs only
     from xprep.prep.fs import is_url, local_path
 
     if not is_url(path):
         return local_path(path)
-    local = sync_dataset(path, cache_dir)
+    local = sync_dataset(path, cache_dir, Retry())
     click.echo(f"xprep pack: {path} → {local}", err=True)
     return str(local)
 

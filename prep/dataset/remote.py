@@ -3,8 +3,8 @@
 - a dataset is written to a URL from a finished local directory (``upload_dataset``), its files first and
   the completion marker ``COMPLETE`` last (``mark_complete``), so a reader that finds the marker finds the whole
   dataset; a sharded dataset goes shard by shard, each an ordinary dataset at a URL relative to its manifest;
-- ``read_complete_manifest`` reads a manifest once the marker vouches for it, through ``Retry`` (stream.py): a
-  refused access or a missing object is one line naming the object, a dropped connection is retried;
+- ``read_complete_manifest`` reads a manifest once the marker vouches for it, through the caller's ``Retry``
+  (stream.py; ``Retrier`` here): a refused access is one line naming the object, a dropped connection is retried;
 - ``sync_dataset`` brings a dataset at a URL into a local cache directory keyed by its fingerprint (files
   checked against the manifest's sizes), for commands that memory-map it: ``datasets/`` of the cache directory
   (``prep.fs.cache_root``: ``--cache-dir``, else ``$XPREP_CACHE_DIR``, ...);
@@ -19,9 +19,9 @@ import os
 import posixpath
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import numpy as np
 from xprep.prep.dataset.manifest import is_sharded, stream_mismatch
@@ -29,9 +29,7 @@ from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST
 from xprep.prep.fs import cache_root, filesystem
 
-if TYPE_CHECKING:
-    from xprep.prep.dataset.stream import RemoteStream, Retry
-
+T = TypeVar("T")
 RANGE_BATCH = 8 << 20  # bytes a batch of ``read_item_ranges`` (about)
 COMPLETE = "COMPLETE"  # written last into a dataset at a URL: its content is the manifest's fingerprint
 # What named the sync cache before $XPREP_CACHE_DIR named every cache: still read, after it, so that a machine set up
@@ -92,10 +90,29 @@ def _upload_shards(local: Path, manifest: dict, url: str) -> dict:
     return {**manifest, "shards": shards}
 
 
-def read_complete_manifest(url: str, retry: Retry | None = None) -> dict:
+class Retrier(Protocol):
+    """What reads at URLs go through: ``Retry`` (stream.py, which imports this module), or ``ONCE``."""
+
+    def run(self, what: str, call: Callable[[], T]) -> T: ...
+
+
+class _Once:
+    """One try, for callers without a ``Retry``: a refused access is still one line naming the object, in
+    ``Retry``'s words; anything else is raised as it is."""
+
+    def run(self, what: str, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except PermissionError as e:
+            raise XprepError(f"{what}: access denied ({e}); check the URL and the credentials for it") from None
+
+
+ONCE = _Once()
+
+
+def read_complete_manifest(url: str, retry: Retrier = ONCE) -> dict:
     """The manifest of the dataset at ``url``, once its ``COMPLETE`` marker says it is whole. Read through ``retry``
-    (a fresh ``Retry`` when None): a refused access is one line naming the object, a dropped connection retried."""
-    retry = retry or _default_retry()
+    (a ``Retry``: transient errors retried): a refused access is one line naming the object."""
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     marker = retry.run(f"{url}/{COMPLETE}", lambda: _cat_if_there(fs, f"{inner}/{COMPLETE}"))
@@ -122,20 +139,14 @@ def _cat_if_there(fs, path: str) -> bytes | None:
         return None
 
 
-def _default_retry() -> Retry:
-    from xprep.prep.dataset.stream import Retry  # deferred: stream.py imports this module
-
-    return Retry()
-
-
-def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
+def sync_dataset(url: str, cache_dir: str | None = None, retry: Retrier = ONCE) -> Path:
     """A local copy of the dataset at ``url`` under CACHE/datasets/FINGERPRINT/NAME, made once and reused: CACHE is
     ``cache_dir`` (``--cache-dir``), else ``$XPREP_CACHE_DIR``, else ``$XPREP_CACHE``, else ``~/.cache/xprep``.
 
     Files are downloaded into a temporary sibling and renamed into place, so a copy that exists is whole. A sharded
     dataset's shards are synced each as a dataset of its own, and the copy's manifest names them where they lie.
+    Reads go through ``retry`` (a ``Retry``: transient errors retried); a refused access is one line.
     """
-    retry = _default_retry()
     manifest = read_complete_manifest(url, retry)
     # DIR/datasets/FINGERPRINT/NAME: one copy per content; the URL's last part stays the dataset's name (blends
     # name their sources by it)
@@ -154,7 +165,7 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
             if entry.get("type") == "file" and name not in (COMPLETE, MANIFEST):
                 retry.run(f"{url}/{name}", lambda n=name: fs.get_file(f"{inner}/{n}", str(tmp / n)))
         if is_sharded(manifest):
-            manifest = {**manifest, "shards": [_sync_shard(url, k, s, cache_dir, target)
+            manifest = {**manifest, "shards": [_sync_shard(url, k, s, cache_dir, target, retry)
                                                for k, s in enumerate(manifest["shards"])]}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         else:
@@ -163,9 +174,9 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
     return target
 
 
-def _sync_shard(url: str, k: int, shard: dict, cache_dir: str | None, target: Path) -> dict:
+def _sync_shard(url: str, k: int, shard: dict, cache_dir: str | None, target: Path, retry: Retrier) -> dict:
     """Shard ``k`` of the sharded dataset at ``url`` synced (a dataset of its own), listed relative to ``target``."""
-    local = sync_dataset(shard_url(url, shard["path"]), cache_dir)
+    local = sync_dataset(shard_url(url, shard["path"]), cache_dir, retry)
     found = json.loads((local / MANIFEST).read_text())["fingerprint"]
     if found != shard["fingerprint"]:
         raise XprepError(f"{url}: its shard #{k} {shard_url(url, shard['path'])} changed since the sharded manifest "
@@ -197,13 +208,13 @@ def staged_copy(target: Path, markers: tuple[str, ...] = (MANIFEST,)) -> Iterato
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def read_item_ranges(stream: RemoteStream, lo: np.ndarray, hi: np.ndarray, batch_bytes: int = RANGE_BATCH
-                     ) -> Iterator[np.ndarray]:
-    """Items ``[lo[k], hi[k])`` of a stream at a URL (``RemoteStream``), fetched by range and yielded in order, in
-    batches of about ``batch_bytes`` (at most twice that; a longer range is cut): for readers that need scattered
-    parts of a stream in bounded memory (``xprep inspect``'s categories of the tokens a pack removed), never the
-    whole stream."""
-    size = stream.dtype.itemsize
+def read_item_ranges(url: str, dtype: np.dtype, lo: np.ndarray, hi: np.ndarray, retry: Retrier = ONCE,
+                     batch_bytes: int = RANGE_BATCH) -> Iterator[np.ndarray]:
+    """Items ``[lo[k], hi[k])`` of the ``.bin`` file at ``url`` (items of ``dtype``), fetched by range and yielded in
+    order, in batches of about ``batch_bytes`` (at most twice that; a longer range is cut): for readers that need
+    scattered parts of a stream in bounded memory (``xprep inspect``'s categories of the tokens a pack removed),
+    never the whole stream."""
+    size = np.dtype(dtype).itemsize
     step = max(1, batch_bytes // size)  # items a batch
     lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
     keep = hi > lo
@@ -214,15 +225,15 @@ def read_item_ranges(stream: RemoteStream, lo: np.ndarray, hi: np.ndarray, batch
     ends = np.minimum(starts + step, np.repeat(hi, pieces))
     batch = (np.cumsum(ends - starts) - (ends - starts)) // step  # a batch starts every ``step`` items
     cuts = np.flatnonzero(np.diff(batch)) + 1
-    fs, inner = filesystem(stream.url)
+    fs, inner = filesystem(url)
     for s, e in zip(np.split(starts * size, cuts), np.split(ends * size, cuts), strict=True):
         if not len(s):
             continue
-        data = stream.retry.run(stream.url, lambda s=s, e=e: _cat_ranges(fs, inner, s.tolist(), e.tolist()))
+        data = retry.run(url, lambda s=s, e=e: _cat_ranges(fs, inner, s.tolist(), e.tolist()))
         if sum(map(len, data)) != int((e - s).sum()):
-            raise XprepError(f"{stream.url}: a range came back short: the object is shorter than its index says "
+            raise XprepError(f"{url}: a range came back short: the object is shorter than its index says "
                              "(rewritten?); re-upload the dataset")
-        yield np.frombuffer(b"".join(data), stream.dtype)
+        yield np.frombuffer(b"".join(data), dtype)
 
 
 def _cat_ranges(fs, inner: str, starts: list[int], ends: list[int]) -> list[bytes]:

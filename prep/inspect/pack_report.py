@@ -196,7 +196,8 @@ def _category_counts(ds, lo: np.ndarray, hi: np.ndarray, size: int) -> np.ndarra
     if not getattr(ds, "streamed", False):
         return range_bincount(ds.category_ids.items, lo, hi, size)
     counts = np.zeros(size, np.int64)
-    for values in read_item_ranges(ds.category_ids, lo, hi):
+    stream = ds.category_ids
+    for values in read_item_ranges(stream.url, stream.dtype, lo, hi, stream.retry):
         counts += np.bincount(values, minlength=size)[:size]
     return counts
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from xprep.prep.dataset import (
+    Retry,
     TokenDataset,
     idx_path,
     open_parts,
@@ -349,7 +350,7 @@ def _check_fingerprint(path: str, fingerprint: str, info: dict, where: str | Pat
 def _sync_again(url: str, path: Path, cache_dir: str | None) -> Path:
     """A dataset packed from a URL, on a machine without the local copy the pack was made from (a training node,
     another user): synced into this machine's cache (``cache_dir``), which the fingerprint check then vouches for."""
-    local = sync_dataset(url, cache_dir)
+    local = sync_dataset(url, cache_dir, Retry())
     print(f"xprep: {path} is not on this machine: synced its dataset from {url} into {local}", file=sys.stderr)
     return local
 

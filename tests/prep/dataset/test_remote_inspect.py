@@ -64,7 +64,7 @@ def test_read_item_ranges_equals_slicing_the_whole_stream(url):
     rng = np.random.default_rng(1)
     lo = np.sort(rng.integers(0, len(whole), 30))
     hi = np.minimum(lo + rng.integers(0, 30, 30), len(whole))
-    batches = list(read_item_ranges(stream, lo, hi, batch_bytes=16))
+    batches = list(read_item_ranges(stream.url, stream.dtype, lo, hi, batch_bytes=16))
     assert max(b.nbytes for b in batches) <= 32 and len(batches) > 1  # bounded: at most twice the batch size
     expected = np.concatenate([whole[a:b] for a, b in zip(lo, hi, strict=True)])
     assert np.array_equal(np.concatenate(batches), expected)
