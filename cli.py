@@ -164,7 +164,8 @@ class _ChatTemplateOption(click.Option):
               help="With --ray: times a task lost with its worker or node is run again.")
 @click.option("--merge", "merge_shards", is_flag=True,
               help="With --ray: publish one merged dataset (the bytes of a run without --ray) rather than a sharded "
-                   "dataset over the tasks' shards (the default for a local -o).")
+                   "dataset over the tasks' shards (the default; for a URL -o, each shard is placed there as it "
+                   "finishes and the manifest last).")
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="Where tokenizers converted from GPT-2, SentencePiece or tiktoken files and facts about "
                    "tokenizers are kept, to be reused [default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
@@ -318,9 +319,9 @@ def _overlong_defaults(methods) -> str:
                    "data is re-packed; with three shares each part has Megatron's document count. The validation "
                    "and test parts are their own entries; a zero share means no such part.")
 @click.option("--cache-dir", default=None, metavar="DIR",
-              help="Where the datasets of a blend given as URLs (s3://…) are copied before packing, by fingerprint "
-                   "(a plain pack reads a dataset at a URL in place: its index, and its loss mask when it has one) "
-                   "[default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
+              help="Where what is fetched of datasets given as URLs (s3://…) is kept, by fingerprint: a plain "
+                   "pack reads a dataset at a URL in place and keeps its manifest and indexes there; a blend "
+                   "copies its URL datasets there whole [default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
 @click.option("--attention", type=click.Choice(["document", "causal"]), default="document", show_default=True,
               cls=_MethodsHelp, methods_help=lambda ms: (
                   f"Inside a {_named(ms, lambda m: m.fixed_length_samples, ' or ')} sample: document keeps its "
@@ -349,7 +350,8 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     # Packing runs numba kernels, which an interrupt cannot stop midway: run_interruptibly keeps Ctrl-C to one line
     outcome = outcome_report(run_interruptibly(lambda: run_pack(
         paths, output, config, force=force, allow_empty=allow_empty, log=lambda m: click.echo(m, err=True),
-        weights=weights, mix=mix, localize=lambda url: _local_dataset(url, cache_dir), source_options=options)))
+        weights=weights, mix=mix, localize=lambda url: _local_dataset(url, cache_dir), source_options=options,
+        cache_dir=cache_dir)))
     click.echo("\n".join(summary_lines(outcome)))
     for line in warning_lines(outcome):
         click.echo(line, err=True)
@@ -364,12 +366,12 @@ def _dataset_argument(path: str) -> str:
 
 def _local_dataset(path: str, cache_dir: str | None) -> str:
     """A dataset at a URL is synced into the local cache (once per fingerprint) and packed from there."""
-    from xprep.prep.dataset import sync_dataset  # deferred: fsspec, for URLs only
+    from xprep.prep.dataset import Retry, sync_dataset  # deferred: fsspec, for URLs only
     from xprep.prep.fs import is_url, local_path
 
     if not is_url(path):
         return local_path(path)
-    local = sync_dataset(path, cache_dir)
+    local = sync_dataset(path, cache_dir, Retry())
     click.echo(f"xprep pack: {path} → {local}", err=True)
     return str(local)
 

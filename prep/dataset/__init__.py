@@ -21,11 +21,21 @@ from xprep.prep.dataset.manifest import (
     verify_streams,
 )
 from xprep.prep.dataset.merge import append_dataset, merge_datasets
-from xprep.prep.dataset.remote import check_output_url, staged_copy, sync_dataset, synced_from, upload_dataset
+from xprep.prep.dataset.remote import (
+    check_output_url,
+    mark_complete,
+    read_item_ranges,
+    staged_copy,
+    sync_dataset,
+    synced_from,
+    upload_dataset,
+)
 from xprep.prep.dataset.sharded import (
     ShardedDataset,
     open_dataset,
     open_parts,
+    open_url_parts,
+    publish_sharded_url,
     verify_parts,
     write_sharded,
 )
@@ -44,7 +54,8 @@ __all__ = [
     "BlockCache", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S", "DatasetWriter",
     "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StreamUnavailable", "StreamedDataset",
     "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids",
-    "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "merge_datasets",
-    "open_block_cache", "open_dataset", "open_parts", "read_manifest", "staged_copy", "sync_dataset", "synced_from",
-    "token_dtype", "upload_dataset", "verify_parts", "verify_streams", "write_sharded"
+    "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "mark_complete", "merge_datasets",
+    "open_block_cache", "open_dataset", "open_parts", "open_url_parts", "publish_sharded_url", "read_item_ranges",
+    "read_manifest", "staged_copy", "sync_dataset", "synced_from", "token_dtype", "upload_dataset", "verify_parts",
+    "verify_streams", "write_sharded"
 ]

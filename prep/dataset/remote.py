@@ -1,10 +1,14 @@
 """Datasets at URLs (``s3://``, ``gs://``; the file systems are ``prep/fs.py``'s):
 
 - a dataset is written to a URL from a finished local directory (``upload_dataset``), its files first and
-  the completion marker ``COMPLETE`` last, so a reader that finds the marker finds the whole dataset;
+  the completion marker ``COMPLETE`` last (``mark_complete``), so a reader that finds the marker finds the whole
+  dataset; a sharded dataset goes shard by shard, each an ordinary dataset at a URL relative to its manifest;
+- ``read_complete_manifest`` reads a manifest once the marker vouches for it, through the caller's ``Retry``
+  (stream.py; ``Retrier`` here): a refused access is one line naming the object, a dropped connection is retried;
 - ``sync_dataset`` brings a dataset at a URL into a local cache directory keyed by its fingerprint (files
   checked against the manifest's sizes), for commands that memory-map it: ``datasets/`` of the cache directory
-  (``prep.fs.cache_root``: ``--cache-dir``, else ``$XPREP_CACHE_DIR``, ...).
+  (``prep.fs.cache_root``: ``--cache-dir``, else ``$XPREP_CACHE_DIR``, ...);
+- ``read_item_ranges`` reads scattered items of a stream at a URL by range, in bounded batches.
 """
 
 from __future__ import annotations
@@ -12,16 +16,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import posixpath
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol, TypeVar
 
-from xprep.prep.dataset.manifest import stream_mismatch
+import numpy as np
+from xprep.prep.dataset.manifest import is_sharded, stream_mismatch
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST
 from xprep.prep.fs import cache_root, filesystem
 
+T = TypeVar("T")
+RANGE_BATCH = 8 << 20  # bytes a batch of ``read_item_ranges`` (about)
 COMPLETE = "COMPLETE"  # written last into a dataset at a URL: its content is the manifest's fingerprint
 # What named the sync cache before $XPREP_CACHE_DIR named every cache: still read, after it, so that a machine set up
 # with it keeps finding its copies
@@ -40,46 +49,105 @@ def check_output_url(url: str, option: str = "-o") -> None:
 
 
 def upload_dataset(local: str | Path, url: str) -> None:
-    """Copy a finished dataset directory to ``url``: data files, then the manifest, then the ``COMPLETE`` marker."""
+    """Copy a finished dataset directory to ``url``: data files, then the manifest, then the ``COMPLETE`` marker.
+
+    A sharded dataset (prep/dataset/sharded.py) goes shard by shard, each an ordinary dataset at its URL relative to
+    the manifest (one named outside its directory, ``../x``, goes to ``shard-NNNNN``), and its own manifest and
+    marker last, so that a reader never meets a sharded manifest naming a shard that is not whole."""
     local = Path(local)
+    text = (local / MANIFEST).read_bytes()
+    manifest = json.loads(text)
+    if is_sharded(manifest):
+        manifest = _upload_shards(local, manifest, url)
+        text = json.dumps(manifest, indent=1).encode()
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     names = sorted(p.name for p in local.iterdir() if p.is_file() and p.name != MANIFEST)
-    fingerprint = json.loads((local / MANIFEST).read_text())["fingerprint"]
     try:
-        for name in [*names, MANIFEST]:
+        for name in names:
             fs.put_file(str(local / name), f"{inner}/{name}")
-        fs.pipe_file(f"{inner}/{COMPLETE}", fingerprint.encode())
+        fs.pipe_file(f"{inner}/{MANIFEST}", text)
+        mark_complete(url, manifest["fingerprint"])
     except OSError as e:  # s3fs, gcsfs: a refused or dropped request is an OSError
         raise XprepError(f"-o {url}: the upload failed ({type(e).__name__}: {e}); no {COMPLETE} marker was "
                          "written, so no reader takes it for a dataset: run the command again") from None
 
 
-def read_complete_manifest(url: str) -> dict:
-    """The manifest of the dataset at ``url``, once its ``COMPLETE`` marker says it is whole."""
+def mark_complete(url: str, fingerprint: str) -> None:
+    """Write the ``COMPLETE`` marker of the dataset at ``url`` (its manifest's ``fingerprint``): the last thing written
+    there, after which readers take it for a dataset."""
+    fs, inner = filesystem(url)
+    fs.pipe_file(f"{inner.rstrip('/')}/{COMPLETE}", fingerprint.encode())
+
+
+def _upload_shards(local: Path, manifest: dict, url: str) -> dict:
+    """Upload the shards of the sharded dataset at ``local``; its manifest with the shards' names at ``url``."""
+    shards = []
+    for k, shard in enumerate(manifest["shards"]):
+        name = shard["path"] if not shard["path"].startswith("..") else f"shard-{k:05d}"
+        upload_dataset(local / shard["path"], f"{url.rstrip('/')}/{Path(name).as_posix()}")
+        shards.append({**shard, "path": Path(name).as_posix()})
+    return {**manifest, "shards": shards}
+
+
+class Retrier(Protocol):
+    """What reads at URLs go through: ``Retry`` (stream.py, which imports this module), or ``ONCE``."""
+
+    def run(self, what: str, call: Callable[[], T]) -> T: ...
+
+
+class _Once:
+    """One try, for callers without a ``Retry``: a refused access is still one line naming the object, in
+    ``Retry``'s words; anything else is raised as it is."""
+
+    def run(self, what: str, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except PermissionError as e:
+            raise XprepError(f"{what}: access denied ({e}); check the URL and the credentials for it") from None
+
+
+ONCE = _Once()
+
+
+def read_complete_manifest(url: str, retry: Retrier = ONCE) -> dict:
+    """The manifest of the dataset at ``url``, once its ``COMPLETE`` marker says it is whole. Read through ``retry``
+    (a ``Retry``: transient errors retried): a refused access is one line naming the object."""
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
-    try:
-        marker = fs.cat_file(f"{inner}/{COMPLETE}").decode().strip()
-    except FileNotFoundError:
+    marker = retry.run(f"{url}/{COMPLETE}", lambda: _cat_if_there(fs, f"{inner}/{COMPLETE}"))
+    if marker is None:
         raise XprepError(f"{url}: no complete dataset there (no {COMPLETE} marker: not written by xprep, or its "
-                         "upload has not finished)") from None
+                         "upload has not finished)")
+    text = retry.run(f"{url}/{MANIFEST}", lambda: _cat_if_there(fs, f"{inner}/{MANIFEST}"))
     try:
-        manifest = json.loads(fs.cat_file(f"{inner}/{MANIFEST}"))
-    except (FileNotFoundError, ValueError) as e:
+        manifest = json.loads(text) if text is not None else None
+    except ValueError as e:
         raise XprepError(f"{url}/{MANIFEST}: unreadable ({e})") from None
-    if manifest.get("fingerprint") != marker:
+    if not isinstance(manifest, dict):
+        raise XprepError(f"{url}/{MANIFEST}: missing or not a JSON object; re-upload the dataset")
+    if manifest.get("fingerprint") != marker.decode().strip():
         raise XprepError(f"{url}: its {MANIFEST} does not match its {COMPLETE} marker (being rewritten?); try again")
     return manifest
 
 
-def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
+def _cat_if_there(fs, path: str) -> bytes | None:
+    """The bytes of ``path``, None when there is no such object (other errors raised, for ``Retry`` to sort)."""
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def sync_dataset(url: str, cache_dir: str | None = None, retry: Retrier = ONCE) -> Path:
     """A local copy of the dataset at ``url`` under CACHE/datasets/FINGERPRINT/NAME, made once and reused: CACHE is
     ``cache_dir`` (``--cache-dir``), else ``$XPREP_CACHE_DIR``, else ``$XPREP_CACHE``, else ``~/.cache/xprep``.
 
-    Files are downloaded into a temporary sibling and renamed into place, so a copy that exists is whole.
+    Files are downloaded into a temporary sibling and renamed into place, so a copy that exists is whole. A sharded
+    dataset's shards are synced each as a dataset of its own, and the copy's manifest names them where they lie.
+    Reads go through ``retry`` (a ``Retry``: transient errors retried); a refused access is one line.
     """
-    manifest = read_complete_manifest(url)
+    manifest = read_complete_manifest(url, retry)
     # DIR/datasets/FINGERPRINT/NAME: one copy per content; the URL's last part stays the dataset's name (blends
     # name their sources by it)
     root = cache_root(cache_dir, fallback=os.environ.get(OLD_SYNC_CACHE_ENV)) / "datasets"
@@ -92,12 +160,35 @@ def sync_dataset(url: str, cache_dir: str | None = None) -> Path:
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     with staged_copy(target) as tmp:
-        for entry in fs.ls(inner, detail=True):
+        for entry in retry.run(url, lambda: fs.ls(inner, detail=True)):
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            if entry.get("type") == "file" and name != COMPLETE:
-                fs.get_file(f"{inner}/{name}", str(tmp / name))
-        _check_digests(tmp, manifest, url)
+            if entry.get("type") == "file" and name not in (COMPLETE, MANIFEST):
+                retry.run(f"{url}/{name}", lambda n=name: fs.get_file(f"{inner}/{n}", str(tmp / n)))
+        if is_sharded(manifest):
+            manifest = {**manifest, "shards": [_sync_shard(url, k, s, cache_dir, target, retry)
+                                               for k, s in enumerate(manifest["shards"])]}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        else:
+            retry.run(f"{url}/{MANIFEST}", lambda: fs.get_file(f"{inner}/{MANIFEST}", str(tmp / MANIFEST)))
+            _check_digests(tmp, manifest, url)
     return target
+
+
+def _sync_shard(url: str, k: int, shard: dict, cache_dir: str | None, target: Path, retry: Retrier) -> dict:
+    """Shard ``k`` of the sharded dataset at ``url`` synced (a dataset of its own), listed relative to ``target``."""
+    local = sync_dataset(shard_url(url, shard["path"]), cache_dir, retry)
+    found = json.loads((local / MANIFEST).read_text())["fingerprint"]
+    if found != shard["fingerprint"]:
+        raise XprepError(f"{url}: its shard #{k} {shard_url(url, shard['path'])} changed since the sharded manifest "
+                         f"was written (fingerprint {found[:16]} != {shard['fingerprint'][:16]}); re-create the "
+                         "sharded dataset from its shards")
+    return {**shard, "path": os.path.relpath(local, target)}
+
+
+def shard_url(url: str, name: str) -> str:
+    """The URL of the shard a sharded dataset at ``url`` names ``name`` (relative, ``..`` allowed)."""
+    scheme, _, rest = url.rstrip("/").partition("://")
+    return f"{scheme}://{posixpath.normpath(posixpath.join(rest, name))}"
 
 
 @contextlib.contextmanager
@@ -115,6 +206,43 @@ def staged_copy(target: Path, markers: tuple[str, ...] = (MANIFEST,)) -> Iterato
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_item_ranges(url: str, dtype: np.dtype, lo: np.ndarray, hi: np.ndarray, retry: Retrier = ONCE,
+                     batch_bytes: int = RANGE_BATCH) -> Iterator[np.ndarray]:
+    """Items ``[lo[k], hi[k])`` of the ``.bin`` file at ``url`` (items of ``dtype``), fetched by range and yielded in
+    order, in batches of about ``batch_bytes`` (at most twice that; a longer range is cut): for readers that need
+    scattered parts of a stream in bounded memory (``xprep inspect``'s categories of the tokens a pack removed),
+    never the whole stream."""
+    size = np.dtype(dtype).itemsize
+    step = max(1, batch_bytes // size)  # items a batch
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+    keep = hi > lo
+    lo, hi = lo[keep], hi[keep]
+    pieces = -(-(hi - lo) // step)  # each range cut into pieces of at most ``step`` items
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    starts = np.repeat(lo, pieces) + (np.arange(int(pieces.sum()), dtype=np.int64) - first) * step
+    ends = np.minimum(starts + step, np.repeat(hi, pieces))
+    batch = (np.cumsum(ends - starts) - (ends - starts)) // step  # a batch starts every ``step`` items
+    cuts = np.flatnonzero(np.diff(batch)) + 1
+    fs, inner = filesystem(url)
+    for s, e in zip(np.split(starts * size, cuts), np.split(ends * size, cuts), strict=True):
+        if not len(s):
+            continue
+        data = retry.run(url, lambda s=s, e=e: _cat_ranges(fs, inner, s.tolist(), e.tolist()))
+        if sum(map(len, data)) != int((e - s).sum()):
+            raise XprepError(f"{url}: a range came back short: the object is shorter than its index says "
+                             "(rewritten?); re-upload the dataset")
+        yield np.frombuffer(b"".join(data), dtype)
+
+
+def _cat_ranges(fs, inner: str, starts: list[int], ends: list[int]) -> list[bytes]:
+    """Byte ranges of one file (concurrent requests where the file system can); the first error raised."""
+    data = fs.cat_ranges([inner] * len(starts), starts, ends, on_error="return")
+    for d in data:
+        if isinstance(d, BaseException):
+            raise d
+    return data
 
 
 def synced_from(path: str | Path) -> str | None:

@@ -16,6 +16,7 @@ every token byte. A sharded dataset and its merged copy therefore get different 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,9 +33,12 @@ from xprep.prep.dataset.manifest import (
     read_manifest,
     verify_streams,
 )
+from xprep.prep.dataset.remote import mark_complete, read_complete_manifest, shard_url
+from xprep.prep.dataset.stream import Retry, StreamedDataset
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import MANIFEST, SHARDED_FORMAT, TOKENS_STREAM
+from xprep.prep.fs import filesystem
 from xprep.prep.io import check_output_dir, write_json_atomic
 
 SAME = ("tokenizer", "special_tokens", "chat_template", "options")  # what every shard must share (as merge asks)
@@ -59,28 +63,59 @@ def write_sharded(shards: Sequence[str | Path], output: str | Path, extra: dict 
     manifests = [_shard_manifest(Path(p)) for p in shards]
     if not manifests:
         raise XprepError(f"-o {out}: a sharded dataset needs at least one shard")
+    names = [os.path.relpath(Path(p).resolve(), out.resolve()) for p in shards]
+    manifest = sharded_manifest(manifests, names, _tokenizer(manifests[0], Path(shards[0]), out), extra,
+                                [str(p) for p in shards])
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / MANIFEST, manifest)
+    return manifest
+
+
+def publish_sharded_url(url: str, names: list[str], extra: dict | None = None) -> dict:
+    """Publish a sharded dataset at ``url`` over the datasets already there at ``url/NAME`` (each whole: its
+    ``COMPLETE`` marker written), in order: its manifest uploaded, then its own marker, last (an object store has no
+    rename: this order is what keeps a reader from meeting a manifest that names a shard not there yet). ``extra``:
+    fields to add (a Ray run's ``sources`` and kept tokenizer). Returns the manifest."""
+    url = url.rstrip("/")
+    manifests = [read_complete_manifest(shard_url(url, name)) for name in names]
+    if not manifests:
+        raise XprepError(f"-o {url}: a sharded dataset needs at least one shard")
+    manifest = sharded_manifest(manifests, names, dict(manifests[0]["tokenizer"]), extra)
+    fs, inner = filesystem(url)
+    try:
+        fs.pipe_file(f"{inner}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        mark_complete(url, manifest["fingerprint"])
+    except OSError as e:  # s3fs, gcsfs: a refused or dropped request is an OSError
+        raise XprepError(f"-o {url}: the upload failed ({type(e).__name__}: {e}); no COMPLETE marker was written, so "
+                         "no reader takes it for a dataset: run the command again") from None
+    return manifest
+
+
+def sharded_manifest(manifests: list[dict], names: list[str], tokenizer: dict, extra: dict | None = None,
+                     shown: list[str] | None = None) -> dict:
+    """The manifest of a sharded dataset over shards with these ``manifests``, named ``names`` (paths relative to
+    the sharded dataset, ``/``-separated for a URL), in order: what ``write_sharded`` and ``publish_sharded_url``
+    write. ``tokenizer``: the entry to record; ``shown``: the shards as messages name them (default: ``names``)."""
+    shown = shown or names
     first = manifests[0]
     categories = CategoryTable(numeric_names=numeric_category_names(first))
-    for (path, m) in zip(shards, manifests, strict=True):
+    for where, m in zip(shown, manifests, strict=True):
         for key in SAME:
             if m.get(key) != first.get(key):
-                raise XprepError(f"{path}: its {key} differs from {shards[0]}'s; only datasets made with the same "
+                raise XprepError(f"{where}: its {key} differs from {shown[0]}'s; only datasets made with the same "
                                  "tokenizer, template and options can be shards of one dataset")
         shard_categories(m, categories)
     manifest = {k: first[k] for k in SAME if k in first}
     manifest.update(format=SHARDED_FORMAT, version=FORMAT_VERSION, categories=categories.names)
-    manifest["tokenizer"] = _tokenizer(first, Path(shards[0]), out)
+    manifest["tokenizer"] = tokenizer
     manifest["streams"] = _streams(manifests)
-    manifest["shards"] = [{"path": os.path.relpath(Path(p).resolve(), out.resolve()), "fingerprint": m["fingerprint"],
-                           "documents": m["counts"]["documents"], "tokens": m["counts"]["tokens"]}
-                          for p, m in zip(shards, manifests, strict=True)]
+    manifest["shards"] = [{"path": name, "fingerprint": m["fingerprint"], "documents": m["counts"]["documents"],
+                           "tokens": m["counts"]["tokens"]} for name, m in zip(names, manifests, strict=True)]
     manifest["counts"] = _counts(manifests)
     manifest["rejects"] = _rejects(manifests)
     manifest["sources"] = joined_sources(manifests)
     manifest.update(extra or {})
     manifest["fingerprint"] = sharded_fingerprint([s["fingerprint"] for s in manifest["shards"]])
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / MANIFEST, manifest)
     return manifest
 
 
@@ -189,6 +224,26 @@ def verify_parts(path: str | Path, manifest: dict, part: str, streams: Sequence[
     for shard in manifest["shards"]:
         where = Path(path) / shard["path"]
         verify_streams(where, read_manifest(where), part, streams)
+
+
+def open_url_parts(url: str, cache_dir: str | None = None, retry: Retry | None = None
+                   ) -> tuple[dict, list[StreamedDataset]]:
+    """The manifest of the dataset at ``url`` and the plain datasets it is made of, read in place (prep/dataset/
+    stream.py): itself, or its shards in order, each an ordinary dataset at its URL relative to the sharded one and
+    checked against the fingerprint listed there. What is fetched (manifests, indexes) goes into ``cache_dir``."""
+    retry = retry or Retry()
+    manifest = read_complete_manifest(url, retry)
+    if not is_sharded(manifest):
+        return manifest, [StreamedDataset(url, cache_dir, retry)]
+    parts = []
+    for k, shard in enumerate(manifest["shards"]):
+        ds = StreamedDataset(shard_url(url, shard["path"]), cache_dir, retry)
+        if ds.fingerprint != shard["fingerprint"]:
+            raise XprepError(f"{url}: its shard #{k} {ds.path} changed since the sharded manifest was written "
+                             f"(fingerprint {ds.fingerprint[:16]} != {shard['fingerprint'][:16]}); re-create the "
+                             "sharded dataset from its shards")
+        parts.append(ds)
+    return manifest, parts
 
 
 class ShardedDataset:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from xprep.prep.dataset import TokenDataset
+from xprep.prep.dataset import TokenDataset, read_item_ranges
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import BLEND_JSON
 from xprep.prep.inspect.stats import count_histogram, fill_histogram, length_stats, ratio_histogram
@@ -183,11 +183,23 @@ def _add_dataset_categories(totals: dict[str, int], ds, covered: np.ndarray) -> 
     elif len(cut):
         reader = ds.category_ids
         base = reader.pointers[cut] // reader.dtype.itemsize
-        removed = range_bincount(reader.items, base + covered[cut], base + lengths[cut], len(names))
+        removed = _category_counts(ds, base + covered[cut], base + lengths[cut], len(names))
     for cid, (name, counts) in enumerate(_named_counts(ds)):
         if counts:  # categories with no tokens in the dataset stay out; emptied ones show as 0
             key = name if name is not None else str(cid)
             totals[key] = totals.get(key, 0) + counts - int(removed[cid])
+
+
+def _category_counts(ds, lo: np.ndarray, hi: np.ndarray, size: int) -> np.ndarray:
+    """Occurrences of each category id in items ``[lo[k], hi[k])`` of the dataset's category stream: a local one
+    through its memory map, one at a URL (``StreamedDataset``) fetched by range in bounded batches, never whole."""
+    if not getattr(ds, "streamed", False):
+        return range_bincount(ds.category_ids.items, lo, hi, size)
+    counts = np.zeros(size, np.int64)
+    stream = ds.category_ids
+    for values in read_item_ranges(stream.url, stream.dtype, lo, hi, stream.retry):
+        counts += np.bincount(values, minlength=size)[:size]
+    return counts
 
 
 def _named_counts(ds) -> list[tuple[str | None, int]]:

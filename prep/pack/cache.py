@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 from xprep.prep.dataset import (
-    StreamedDataset,
     TokenDataset,
     canonical_json,
+    open_url_parts,
     read_manifest,
     synced_from,
     verify_parts,
@@ -100,15 +100,16 @@ def layout_of(config: PackConfig) -> str:
 # --------------------------------------------------------------------------------------------- keys
 
 
-def read_fingerprints(paths: list[str | Path]) -> list[dict]:
+def read_fingerprints(paths: list[str | Path], cache_dir: str | None = None) -> list[dict]:
     """Path and fingerprint of each dataset, from its manifest (cheap: of the streams, only the token index is read).
 
-    Datasets packed together must share a tokenizer: their token ids end up in the same batches.
+    Datasets packed together must share a tokenizer: their token ids end up in the same batches. A dataset at a URL
+    has its manifest and indexes fetched into ``cache_dir`` (``--cache-dir``; None: ``prep.fs.cache_root``'s).
     """
     out, tokenizers = [], {}
     for p in paths:
         if is_url(str(p)):  # read in place: its manifest and indexes fetched (and checked against their digests)
-            manifest = StreamedDataset(str(p)).manifest
+            manifest, _ = open_url_parts(str(p), cache_dir)  # (a sharded one's: each shard's)
             out.append({"path": str(p), "fingerprint": manifest["fingerprint"]})
             tokenizers.setdefault((manifest.get("tokenizer") or {}).get("sha256"), str(p))
             continue
@@ -157,7 +158,7 @@ class PackOutcome:
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
          log: Callable[[str], None] | None = None, allow_empty: bool = False, weights: list[float] | None = None,
          mix: str | None = None, make_current: bool = True, localize: Callable[[str], str] | None = None,
-         source_options: list[dict] | None = None) -> PackOutcome:
+         source_options: list[dict] | None = None, cache_dir: str | None = None) -> PackOutcome:
     """Return the cache entry for these datasets and options, building it unless it exists.
 
     A pack of 0 bins (no documents, or all empty or dropped) is refused before anything is published,
@@ -165,31 +166,34 @@ def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, for
     record it as PACKED/manifest.json's current entry (a blend's sources are not: only the blend is).
     ``localize``: a dataset URL named in the ``mix`` file → the local copy to pack (see ``read_sources``).
     ``source_options``: each ``DATASET@WEIGHT:key=value`` argument's options (a blend's ``method``/``overlong``).
+    ``cache_dir`` (``--cache-dir``): where the indexes of datasets at URLs are fetched (None: ``prep.fs.cache_root``).
     A full disk (a permission, a read-only filesystem) is the one-line error naming ``-o``; the entry being built
     is removed, and nothing is published.
     """
     with machine_errors(str(output), "-o"):
         return _pack(datasets, output, config, force, log, allow_empty, weights, mix, make_current, localize,
-                     source_options)
+                     source_options, cache_dir)
 
 
 def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
           log: Callable[[str], None] | None, allow_empty: bool, weights: list[float] | None, mix: str | None,
-          make_current: bool, localize: Callable[[str], str] | None, source_options: list[dict] | None) -> PackOutcome:
+          make_current: bool, localize: Callable[[str], str] | None, source_options: list[dict] | None,
+          cache_dir: str | None = None) -> PackOutcome:
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
     if weights is not None or mix is not None:
-        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, localize, source_options)
+        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, localize, source_options,
+                           cache_dir)
     new_root = not Path(output).exists()
     root = prepare_root(Path(output))
     try:
-        inputs = read_fingerprints(datasets)
+        inputs = read_fingerprints(datasets, cache_dir)
         check_sizing(config)
         split = split_names(config, inputs)
         check_split_counts(config, inputs, allow_empty)
-        held = {part: _entry(root, inputs, config.for_validation(), force, allow_empty, log, split, part)[0]
+        held = {part: _entry(root, inputs, config.for_validation(), force, allow_empty, log, split, part, cache_dir)[0]
                 for part in held_out_parts(config)}
-        entry, hit = _entry(root, inputs, config, force, allow_empty, log, split, TRAIN)
+        entry, hit = _entry(root, inputs, config, force, allow_empty, log, split, TRAIN, cache_dir)
     except BaseException:
         if new_root:
             remove_if_only_locks(root)
@@ -203,15 +207,16 @@ def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, fo
 
 
 def _entry(root: Path, inputs: list[dict], config: PackConfig, force: bool, allow_empty: bool,
-           log: Callable[[str], None], split: dict | None, part: str) -> tuple[PackEntry, bool]:
+           log: Callable[[str], None], split: dict | None, part: str, cache_dir: str | None = None
+           ) -> tuple[PackEntry, bool]:
     """The entry of one part (the whole pack without --split): found, or built under its lock."""
     key = cache_key(config, inputs, part if split else None)
     name = entry_name(config, key)
-    entry = None if force else _open_existing(root / name, key, inputs, log)
+    entry = None if force else _open_existing(root / name, key, inputs, log, cache_dir)
     hit = entry is not None
     if not hit:
         entry, hit = _build_once(root, name, key, inputs, config, force, allow_empty, log,
-                                 split and {**split, "part": part})
+                                 split and {**split, "part": part}, cache_dir)
     check_not_empty(entry.meta["stats"], config, allow_empty, part if split else None)  # an --allow-empty hit
     return entry, hit
 
@@ -309,8 +314,8 @@ def split_parts(datasets: list[dict], split: tuple[float, ...]) -> np.ndarray:
 
 def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
                 log: Callable[[str], None], weights: list[float] | None, mix: str | None, allow_empty: bool,
-                localize: Callable[[str], str] | None = None, source_options: list[dict] | None = None
-                ) -> PackOutcome:
+                localize: Callable[[str], str] | None = None, source_options: list[dict] | None = None,
+                cache_dir: str | None = None) -> PackOutcome:
     """A blend (prep/pack/mixture.py): every source packed alone by the plain path (its own entry, shared with
     other mixtures), then the blend entry ordering their bins, built under its lock and made current."""
     t0 = time.perf_counter()
@@ -322,7 +327,7 @@ def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConf
     for s, c in zip(sources, configs, strict=True):
         try:
             outcomes.append(pack([s.path], output, c, force=force, log=log, allow_empty=allow_empty,
-                                 make_current=False))
+                                 make_current=False, cache_dir=cache_dir))
         except XprepError as e:
             raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
     entries = [o.entry for o in outcomes]
@@ -400,16 +405,18 @@ def _build_blend(root: Path, name: str, sources: list, entries: list[PackEntry],
 
 
 def _build_once(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig, force: bool,
-                allow_empty: bool, log: Callable[[str], None], split: dict | None = None) -> tuple[PackEntry, bool]:
+                allow_empty: bool, log: Callable[[str], None], split: dict | None = None,
+                cache_dir: str | None = None) -> tuple[PackEntry, bool]:
     """Build under the entry's lock; whoever waited for a builder finds its entry (a hit)."""
     with locked(root / f".{name}.lock", lambda: log(f"another `xprep pack` is building {name}: waiting")):
-        entry = None if force else _open_existing(root / name, key, inputs, log)
+        entry = None if force else _open_existing(root / name, key, inputs, log, cache_dir)
         if entry is not None:
             return entry, True
-        return _build(root, name, key, inputs, config, allow_empty, split), False
+        return _build(root, name, key, inputs, config, allow_empty, split, cache_dir), False
 
 
-def _open_existing(path: Path, key: str, inputs: list[dict], log: Callable[[str], None]) -> PackEntry | None:
+def _open_existing(path: Path, key: str, inputs: list[dict], log: Callable[[str], None],
+                   cache_dir: str | None = None) -> PackEntry | None:
     """The complete entry at ``path``, None if absent or damaged (its arrays unreadable, or breaking the layout's
     invariants or the documents of ``inputs``: said through ``log``, then rebuilt); an entry whose pack.json does
     not open, or names another key, is an error."""
@@ -418,7 +425,7 @@ def _open_existing(path: Path, key: str, inputs: list[dict], log: Callable[[str]
     try:
         entry = PackEntry.open(path)
         if entry.meta.get("key") == key:
-            entry.check_items(doc_lengths(open_fingerprinted(inputs, path)))
+            entry.check_items(doc_lengths(open_fingerprinted(inputs, path, cache_dir=cache_dir)))
     except DamagedEntry as e:
         log(f"{path}: damaged pack entry ({e.problem}): building it again")
         return None
@@ -468,13 +475,13 @@ def check_not_empty(stats: dict, config: PackConfig, allow_empty: bool, part: st
 
 
 def _build(root: Path, name: str, key: str, inputs: list[dict], config: PackConfig,
-           allow_empty: bool = False, split: dict | None = None) -> PackEntry:
+           allow_empty: bool = False, split: dict | None = None, cache_dir: str | None = None) -> PackEntry:
     """Pack into a fresh temp directory and publish it by rename (the caller holds the lock).
 
     ``split``: what ``split_names`` gives plus the ``part`` to pack; None packs every document.
     """
     with building(root, name) as claim:
-        groups = open_listed(inputs, root / name, since="`xprep pack` started")
+        groups = open_listed(inputs, root / name, since="`xprep pack` started", cache_dir=cache_dir)
         datasets = [ds for group in groups for ds in group]  # a sharded input is its shards
         lengths, described = _load_lengths(inputs, groups)
         t0 = time.perf_counter()

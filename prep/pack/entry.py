@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 from xprep.prep.dataset import (
-    StreamedDataset,
+    Retry,
     TokenDataset,
     idx_path,
     open_parts,
+    open_url_parts,
     read_manifest,
     sync_dataset,  # fsspec itself loads only when a URL is read
     verify_streams,
@@ -294,14 +295,16 @@ class DatasetChanged(XprepError):
 
 
 def open_fingerprinted(listed: list[dict], where: str | Path, since: str = "it was packed",
-                       verify_data: bool = False, stream: bool = False) -> list[TokenDataset]:
+                       verify_data: bool = False, stream: bool = False, cache_dir: str | None = None
+                       ) -> list[TokenDataset]:
     """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order, a sharded one
     as its shards: the plain datasets over which a pack's global document index runs (``open_listed``)."""
-    return [ds for group in open_listed(listed, where, since, verify_data, stream) for ds in group]
+    return [ds for group in open_listed(listed, where, since, verify_data, stream, cache_dir) for ds in group]
 
 
 def open_listed(listed: list[dict], where: str | Path, since: str = "it was packed",
-                verify_data: bool = False, stream: bool = False) -> list[list[TokenDataset]]:
+                verify_data: bool = False, stream: bool = False, cache_dir: str | None = None
+                ) -> list[list[TokenDataset]]:
     """Open the datasets ``listed`` ({"path", "fingerprint"} each, as pack.json lists them), in order: per dataset,
     the plain datasets it is made of (itself, or a sharded one's shards in order).
 
@@ -310,17 +313,20 @@ def open_listed(listed: list[dict], where: str | Path, since: str = "it was pack
     ``verify_data`` also re-hashes each ``.bin`` against the manifest, which catches an in-place edit of the
     token files at the cost of reading them once. ``where`` names the pack in messages, ``since`` when the
     fingerprints were taken. A dataset listed by URL is read in place (``StreamedDataset``); so is one packed from a
-    URL whose local copy this machine lacks, when ``stream`` (training), else it is synced again.
+    URL whose local copy this machine lacks, when ``stream`` (training), else it is synced again. What is fetched
+    goes into ``cache_dir`` (``--cache-dir``; None: ``prep.fs.cache_root``'s).
     """
     datasets = []
     for i, info in enumerate(listed):
         path = Path(info["path"])
         if is_url(info["path"]) or (stream and not (path / MANIFEST).is_file() and info.get("url")):
-            datasets.append([_check_fingerprint(StreamedDataset(info["path"] if is_url(info["path"]) else info["url"]),
-                                                info, where, since)])  # (a sharded dataset at a URL: not yet)
+            url = info["path"] if is_url(info["path"]) else info["url"]
+            manifest, parts = open_url_parts(url, cache_dir)  # (a sharded one: its shards, each at its URL)
+            _check_fingerprint(url, manifest["fingerprint"], info, where, since)
+            datasets.append(parts)
             continue
         if not (path / MANIFEST).is_file() and info.get("url"):
-            path = _sync_again(info["url"], path)
+            path = _sync_again(info["url"], path, cache_dir)
         if not (path / MANIFEST).is_file():
             raise XprepError(f"{where}: input dataset #{i} {path} is missing; restore it or re-run "
                              "`xprep tokenize` and `xprep pack`")
@@ -335,17 +341,16 @@ def open_listed(listed: list[dict], where: str | Path, since: str = "it was pack
     return datasets
 
 
-def _check_fingerprint(ds: TokenDataset, info: dict, where: str | Path, since: str) -> TokenDataset:
-    if ds.fingerprint != info["fingerprint"]:
-        raise DatasetChanged(f"{where}: dataset {ds.path} changed since {since} (fingerprint "
-                             f"{ds.fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
-    return ds
+def _check_fingerprint(path: str, fingerprint: str, info: dict, where: str | Path, since: str) -> None:
+    if fingerprint != info["fingerprint"]:
+        raise DatasetChanged(f"{where}: dataset {path} changed since {since} (fingerprint "
+                             f"{fingerprint[:16]} != {info['fingerprint'][:16]}); re-run `xprep pack`")
 
 
-def _sync_again(url: str, path: Path) -> Path:
+def _sync_again(url: str, path: Path, cache_dir: str | None) -> Path:
     """A dataset packed from a URL, on a machine without the local copy the pack was made from (a training node,
-    another user): synced into this machine's cache ($XPREP_CACHE), which the fingerprint check then vouches for."""
-    local = sync_dataset(url)
+    another user): synced into this machine's cache (``cache_dir``), which the fingerprint check then vouches for."""
+    local = sync_dataset(url, cache_dir, Retry())
     print(f"xprep: {path} is not on this machine: synced its dataset from {url} into {local}", file=sys.stderr)
     return local
 

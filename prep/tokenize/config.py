@@ -44,7 +44,7 @@ class TokenizeConfig:
     ray: str | None = None  # --ray: "auto" or HOST:PORT of a Ray cluster to run the shards on (tokenize/ray/cluster.py)
     shard_size: int = 256 * 10**6  # --shard-size: bytes of input per Ray task
     max_retries: int = 3  # --max-retries: of a Ray task lost with its worker or node
-    merge: bool = False  # --merge: --ray publishes one merged dataset, not a sharded one (always for a URL -o)
+    merge: bool = False  # --merge: --ray publishes one merged dataset, not a sharded one
     cache_dir: str | None = None  # --cache-dir: converted tokenizers and tokenizer facts (None: prep.fs.cache_root's)
     # --chat-render: which chat renderer runs (xprep.prep.chat.CHAT_RENDERS); the output is the same whichever
     # does, so it is in no fingerprint, manifest field or cache key

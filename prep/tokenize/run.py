@@ -1,7 +1,8 @@
 """``xprep tokenize`` end to end: prepare, tokenize here or as shards on a Ray cluster, publish.
 
 The dataset is written into ``-o`` (atomically, prep/dataset/token_dataset.py), or for an object-store URL into a local
-temporary directory that is uploaded once whole, its completion marker last (prep/dataset/remote.py). Where the
+temporary directory that is uploaded once whole, its completion marker last (prep/dataset/remote.py); ``--ray``
+without ``--merge`` places its shards at the URL as they finish instead (prep/tokenize/ray/url_output.py). Where the
 records are tokenized does not change a byte of it: in this process (with ``--workers`` processes),
 as one ``--num-shards`` shard, or on Ray (prep/tokenize/ray/cluster.py).
 """
@@ -13,7 +14,7 @@ import shutil
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from xprep.prep.dataset import DatasetWriter, check_output_url, count, upload_dataset
 from xprep.prep.fs import is_url
@@ -69,7 +70,8 @@ def _tokenize_on_ray(config: TokenizeConfig) -> tuple[dict, Job, str]:
         try:
             job = preparing.result()
             say_inputs(job)
-            with local_output(config.output) as out:
+            in_place = is_url(config.output) and not config.merge  # shards placed at the URL as they finish
+            with nullcontext(config.output) if in_place else local_output(config.output) as out:
                 manifest, how = tokenize_on_ray(config, job, out, cluster)
             Staging.beside(config.output).remove()  # the dataset is published (uploaded): the shards can go
         finally:

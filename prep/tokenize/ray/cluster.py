@@ -3,9 +3,10 @@
 The driver plans shards (prep/sources/shards.py), runs each as one Ray task (``num_cpus=1``, retried by Ray
 up to ``--max-retries`` times when its worker or node is lost), and publishes a sharded dataset
 (prep/dataset/sharded.py): the finished shards moved into the output in shard order under one manifest, nothing
-copied, so the job ends when its last shard does. With ``--merge`` (and always for a URL output) it merges the
-shards in shard order through the same writer as a single run instead, so the published dataset is byte for byte
-the one the command writes without ``--ray``, manifest included; either way readers see the same documents.
+copied, so the job ends when its last shard does; for a URL output each shard is copied into place inside the store
+as it finishes (ray/url_output.py). With ``--merge`` it merges the shards in shard order through the same writer as
+a single run instead, so the published dataset is byte for byte the one the command writes without ``--ray``,
+manifest included; either way readers see the same documents.
 
 Shards live in a staging area (prep/tokenize/ray/staging.py) beside the output, ``OUT.xprep-shards`` (a directory, or a
 URL for an object-store output), which every node must see. A task writes its shard dataset completely, then publishes
@@ -23,7 +24,6 @@ piece.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -47,6 +47,7 @@ from xprep.prep.tokenize.config import TokenizeConfig
 from xprep.prep.tokenize.job import Job
 from xprep.prep.tokenize.pool import Pipeline
 from xprep.prep.tokenize.ray.staging import ShardDone, ShardOutcome, Staging
+from xprep.prep.tokenize.ray.url_output import ShardedURLOutput, shard_name, shifted_rejects
 from xprep.prep.tokenize.write import BadInput, check_not_empty, write_all
 
 
@@ -123,17 +124,21 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
     key_head = {**job.head, "on_error": config.on_error}
     keys = [s.key(job.sources, key_head) for s in shards]
     staging = Staging.beside(config.output)
-    sharded = not (config.merge or is_url(config.output))
+    sharded = not config.merge
+    results: dict[int, ShardDone] = {}
     # the output is locked (DatasetWriter, ShardedOutput) before the staging area is touched: a second run of the
-    # same command stops there, before it prunes the scratch of the first one's tasks
-    output = ShardedOutput(out) if sharded else \
-        DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer)
+    # same command stops there, before it prunes the scratch of the first one's tasks (a URL has no lock)
+    if sharded and is_url(out):
+        output = ShardedURLOutput(out, lambda k: _line_shift(job, shards, results, k))
+    elif sharded:
+        output = ShardedOutput(out)
+    else:
+        output = DatasetWriter(out, job.info.vocab_size, job.dtype, tokenizer=job.kept_tokenizer)
     with output as writer, tempfile.TemporaryDirectory() as tmp:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         if len(nodes) > 1:
             _check_shared(ray, nodes, staging, job, config)
         staging.prune(set(keys))
-        results: dict[int, ShardDone] = {}
         for k, key in enumerate(keys):
             done = staging.reusable(key, len(shards[k].pieces))
             if done is not None:
@@ -144,7 +149,8 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
         on_result = merge.advance if merge else lambda: writer.sync(keys, results, staging)
         retried = _run_shards(ray, config, job, shards, keys, staging, results, on_result)
         t1 = time.perf_counter()
-        manifest = writer.finish(config, job, shards, keys, results, staging) if sharded else merge.finish(config)
+        manifest = _finish_sharded(writer, config, job, shards, keys, results, staging) if sharded else \
+            merge.finish(config)
     t2 = time.perf_counter()
     how = (f"ray: {len(shards)} shard{'s' if len(shards) != 1 else ''} on {len(nodes)} node"
            f"{'s' if len(nodes) != 1 else ''}, {reused} reused, {retried} retried")
@@ -297,6 +303,24 @@ class Merge:
         return manifest
 
 
+def _finish_sharded(writer, config, job, shards, keys, results, staging) -> dict:
+    """Publish the sharded output (``ShardedOutput``, or ``ShardedURLOutput`` for a URL): its manifest."""
+    if not isinstance(writer, ShardedURLOutput):
+        return writer.finish(config, job, shards, keys, results, staging)
+    _check_some_documents(config, results)
+    writer.sync(keys, results, staging)
+    return writer.finish(_sharded_extra(job), job.kept_tokenizer, len(shards))
+
+
+def _sharded_extra(job: Job) -> dict:
+    """What a sharded output's manifest adds to its shards': the run's sources, and the converted tokenizer kept
+    beside the manifest (the shards were written without it)."""
+    extra = {"sources": _run_sources(job)}
+    if job.kept_tokenizer is not None:
+        extra["tokenizer"] = {**job.head["tokenizer"], "path": KEPT_TOKENIZER}
+    return extra
+
+
 def _run_sources(job: Job) -> list[dict]:
     """The manifest's ``sources`` of the whole run, as one process would list them (each input once)."""
     return [job.sources[p.source].describe() for p in plan_shard(job.sources, 1, 0)]
@@ -335,15 +359,13 @@ class ShardedOutput:
         try:
             parts = []
             for k, key in enumerate(keys):
-                part = claim.path / f"shard-{k:05d}"
+                part = claim.path / shard_name(k)
                 os.replace(staging.fetch(key, str(part)), part)  # (a local staging area: a rename)
                 _shift_rejects(part, _line_shift(job, shards, results, k))
                 parts.append(part)
-            extra = {"sources": _run_sources(job)}
             if job.kept_tokenizer is not None:  # a converted tokenizer, which the shards were written without
                 shutil.copyfile(job.kept_tokenizer, claim.path / KEPT_TOKENIZER)
-                extra["tokenizer"] = {**job.head["tokenizer"], "path": KEPT_TOKENIZER}
-            manifest = write_sharded(parts, claim.path, extra)
+            manifest = write_sharded(parts, claim.path, _sharded_extra(job))
             fsync_tree(claim.path)  # the shards were written without fsync (ray/staging.py)
             claim.release()
             if self.out.exists():
@@ -369,15 +391,8 @@ def _shift_rejects(dataset: Path, shift: dict[str, int]) -> None:
     path = dataset / REJECTS
     if not path.is_file() or not any(shift.values()):
         return
-    lines = []
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["line"]:  # 0: the whole file
-                r["line"] += shift.get(r["source"], 0)
-            lines.append(json.dumps(r, ensure_ascii=False))
     tmp = path.with_name(f".{REJECTS}.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in lines))
+    tmp.write_bytes(shifted_rejects(path.read_bytes(), shift))
     os.replace(tmp, path)
 
 

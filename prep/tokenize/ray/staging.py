@@ -69,6 +69,10 @@ class Staging:
     def _path(self, *parts: str) -> str:
         return join(self.root, *parts) if self.remote else os.path.join(self.root, *parts)
 
+    def shard_url(self, key: str) -> str:
+        """Where the finished shard ``key`` lies (a URL, or a directory)."""
+        return self._path("shards", key)
+
     def marker(self, key: str) -> str:
         return self._path("shards", f"{key}.done")
 

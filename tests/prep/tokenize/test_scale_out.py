@@ -366,6 +366,10 @@ def test_s3_in_and_out_equals_local_and_packs_the_same(corpus, s3, tmp_path):
 
 
 def test_ray_with_object_store_staging(cluster, corpus, s3, tmp_path):
+    """--ray -o URL writes a sharded dataset there (each shard copied into place inside the store as it finishes, the
+    manifest and its marker last) whose `xprep merge` is the one-process dataset byte for byte (rejects renumbered).
+    (That a sharded dataset at a URL packs like its merged copy: tests/prep/dataset/test_remote_sharded.py, without
+    Ray; --merge with a URL -o is the upload of a local dataset test_s3_in_and_out_... covers.)"""
     fs = s3["fs"]
     fs.put_file(str(corpus["inputs"][0]), "corpus/ray/sotu.jsonl")
     fs.put_file(str(corpus["inputs"][1]), "corpus/ray/chat.jsonl")
@@ -375,10 +379,14 @@ def test_ray_with_object_store_staging(cluster, corpus, s3, tmp_path):
     many = xprep("tokenize", "s3://corpus/ray/*.jsonl", "-o", "s3://corpus/ray-out/ds", "--tokenizer", QWEN,
                  "--on-error", "skip", "--ray", "--shard-size", "1MB", env=env)
     assert one.returncode == 0 and many.returncode == 0, one.stderr + many.stderr
-    assert _shards_said(many.stderr)[0] > 3
-    local = tmp_path / "many"
-    fs.get("corpus/ray-out/ds/", str(local), recursive=True)
-    (local / "COMPLETE").unlink()
-    assert dir_bytes(local) == dir_bytes(tmp_path / "one")  # manifest included: same URLs, same listing
+    shards = _shards_said(many.stderr)[0]
+    assert shards > 3
+    manifest = json.loads(fs.cat_file("corpus/ray-out/ds/manifest.json"))
+    assert manifest["format"] == "xprep-sharded-dataset" and len(manifest["shards"]) == shards
+    assert fs.cat_file("corpus/ray-out/ds/COMPLETE").decode() == manifest["fingerprint"]
     assert not fs.exists("corpus/ray-out/ds.xprep-shards")
+    fs.get("corpus/ray-out/ds/", str(tmp_path / "many"), recursive=True)
+    merged = xprep("merge", tmp_path / "many", "-o", tmp_path / "merged")
+    assert merged.returncode == 0, merged.stderr
+    assert dir_bytes(tmp_path / "merged") == dir_bytes(tmp_path / "one")  # manifest and rejects included
 
