@@ -236,7 +236,8 @@ def test_a_split_blend_holds_out_every_source_and_validates_on_each_held_out_bin
 def test_inspect_takes_a_blend_entry_directory(data, tmp_path):
     out = blend(data, tmp_path / "P", {"web": 0.5, "code": 0.5})
     result = CliRunner().invoke(xprep, ["inspect", str(out.entry.path)])
-    assert result.exit_code == 0 and result.stdout.startswith(f"blend {out.entry.path}"), result.output
+    flowed = " ".join(result.stdout.split())  # (a long path is wrapped onto a line of its own)
+    assert result.exit_code == 0 and flowed.startswith(f"blend {out.entry.path}"), result.output
 
 
 def test_a_failed_blend_leaves_the_current_entry_alone(data, tmp_path):
