@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from numba import njit
+from xprep.prep.dataset import read_item_ranges
 from xprep.prep.errors import XprepError
 from xprep.prep.pack import PackBins, open_entry, range_bincount
 from xprep.train.ckpt_files import LATEST, TRAINER_JSON
@@ -27,6 +28,7 @@ from xprep.train.samplers import BinSampler, RandomBinSampler
 
 CHECKPOINTS = "checkpoints"  # of a run directory: checkpoints/latest names step-<N>/trainer.json (train/ckpt_files.py)
 SAMPLERS = {"sequential": BinSampler, RandomBinSampler.kind: RandomBinSampler}
+CATEGORY_CHUNK = 8 << 20  # category ids of a URL dataset fetched for the lineage at a time (about)
 CONFIG_SAMPLERS = {"sequential": BinSampler, "random": RandomBinSampler}  # config.json's --sampler
 
 
@@ -139,16 +141,15 @@ def _tally(bins: PackBins, source: np.ndarray, doc: np.ndarray, start: np.ndarra
         local, starts, lens = doc[sel] - bins.doc_base[k], start[sel], length[sel]
         cat_names = [n if n is not None else str(i) for i, n in enumerate(ds.category_names)]
         flat = ds.tokens.offsets()[local] + starts
-        counts = _category_counts(ds, flat, lens, len(cat_names))
-        for cid in np.flatnonzero(counts):
-            categories[cat_names[cid]] = categories.get(cat_names[cid], 0) + int(counts[cid])
         name = names[bins.dataset_source[k]]
         uniq, inverse = np.unique(local, return_inverse=True)
         tokens = np.bincount(inverse, weights=lens).astype(np.int64)
         pieces = np.bincount(inverse)
         by_source[name]["tokens"] += int(lens.sum())
         by_source[name]["documents"] += len(uniq)
-        present = _categories_present(ds, flat, lens, inverse, len(uniq), cat_names)
+        counts, present = _categories_taken(ds, flat, lens, inverse, len(uniq), cat_names)
+        for cid in np.flatnonzero(counts):
+            categories[cat_names[cid]] = categories.get(cat_names[cid], 0) + int(counts[cid])
         listed, index = bins.name_documents(uniq + bins.doc_base[k])  # a shard's documents: by the sharded dataset
         shard = [{"shard": {"path": str(ds.path), "document": int(d)}} if str(ds.path) != bins.listed[j] else {}
                  for j, d in zip(listed.tolist(), uniq.tolist(), strict=True)]
@@ -159,30 +160,45 @@ def _tally(bins: PackBins, source: np.ndarray, doc: np.ndarray, start: np.ndarra
             "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]))}
 
 
-def _category_counts(ds, flat: np.ndarray, lens: np.ndarray, size: int) -> np.ndarray:
+def _categories_taken(ds, flat, lens, inverse, n_docs: int, cat_names: list[str]
+                      ) -> tuple[np.ndarray, list[list[str]]]:
+    """The tokens taken per category id, and the category names among each document's tokens taken: one numba
+    pass over the items' category ids (a dataset without categories: all in its first)."""
     if ds.category_ids is None:
-        out = np.zeros(size, np.int64)
-        out[0] = int(lens.sum())
-        return out
-    return range_bincount(ds.category_ids.items, flat, flat + lens, size)
-
-
-def _categories_present(ds, flat, lens, inverse, n_docs: int, cat_names: list[str]) -> list[list[str]]:
-    """The category names among each document's tokens taken (one numba pass over the items' tokens)."""
-    if ds.category_ids is None:
-        return [[cat_names[0]] for _ in range(n_docs)]
-    present = _present_kernel(ds.category_ids.items, flat, lens, inverse, n_docs, len(cat_names))
+        counts = np.zeros(len(cat_names), np.int64)
+        counts[0] = int(lens.sum())
+        return counts, [[cat_names[0]] for _ in range(n_docs)]
+    counts = np.zeros(len(cat_names), np.int64)
+    present = np.zeros((n_docs, len(cat_names)), np.bool_)
+    for items, starts, part in _category_chunks(ds, flat, lens):
+        counts += range_bincount(items, starts, starts + lens[part], len(cat_names))
+        _present_kernel(items, starts, lens[part], inverse[part], present)
     rows, row_of_doc = np.unique(present, axis=0, return_inverse=True)  # few distinct sets: name each once
     named = [[cat_names[c] for c in np.flatnonzero(r)] for r in rows]
-    return [named[r] for r in row_of_doc.reshape(-1).tolist()]
+    return counts, [named[r] for r in row_of_doc.reshape(-1).tolist()]
+
+
+def _category_chunks(ds, flat: np.ndarray, lens: np.ndarray):
+    """``(items, starts, part)``: category ids holding the ranges ``[flat[k], flat[k] + lens[k])`` of ``k`` in the
+    slice ``part`` at ``starts``. A local dataset: its memory map, whole, in one. One at a URL (``StreamedDataset``):
+    the ranges fetched by range, about ``CATEGORY_CHUNK`` ids at a time (a run's lineage reads what it trained on,
+    which may be far more than memory holds), never the whole stream."""
+    if not getattr(ds, "streamed", False):
+        yield ds.category_ids.items, flat, slice(0, len(flat))
+        return
+    stream, n, budget = ds.category_ids, lens.astype(np.int64), CATEGORY_CHUNK
+    chunk = (np.cumsum(n) - n) // budget  # the chunk each range starts in
+    bounds = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), len(n)]
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        part, lo = slice(a, b), flat[a:b]
+        fetched = read_item_ranges(stream.url, stream.dtype, lo, lo + n[part], stream.retry, 4 * budget)
+        yield np.concatenate([np.zeros(0, stream.dtype), *fetched]), np.cumsum(n[part]) - n[part], part
 
 
 @njit(cache=True)
-def _present_kernel(items, flat, lens, inverse, n_docs, n_categories):
-    """``out[d, c]``: whether category ``c`` is among the tokens of the items of document ``d``."""
-    out = np.zeros((n_docs, n_categories), np.bool_)
+def _present_kernel(items, flat, lens, inverse, out):
+    """Set ``out[d, c]`` where category ``c`` is among the tokens of an item of document ``d``."""
     for k in range(len(flat)):
         d = inverse[k]
         for t in range(flat[k], flat[k] + lens[k]):
             out[d, items[t]] = True
-    return out
