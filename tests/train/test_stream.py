@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from test_train_run import metrics
@@ -109,18 +110,27 @@ def endpoint(tmp_path, monkeypatch, local):
 
 
 def test_a_pack_at_a_url_trains_like_the_local_pack_in_a_bounded_cache(endpoint, local, tmp_path, monkeypatch):
-    cache_size = 2048  # bytes: the 60 documents take 4.5 kB of streams, so blocks are evicted
-    seen = []
-    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [lambda t: seen.append(
-        (t.dataset.cache.disk_bytes(), t.dataset.cache.fetched_bytes))])
+    """A random sampler: the exact ranges of the next steps' documents are fetched ahead (about the bytes the bins
+    need, not the blocks around them), the steps never fetch themselves, the cache stays within --cache-size."""
+    cache_size = 2048  # bytes: the 60 documents take 4.5 kB of streams, so ranges are evicted
+    seen, needed = [], []
+
+    def on_step(t) -> None:
+        cache = t.dataset.cache
+        seen.append((cache.disk_bytes(), cache.fetched_bytes, cache.demand_reads))
+        bins = t.sampler.bins_at(np.arange(t.sampler.consumed_samples, dtype=np.int64))  # (one rank: all of them)
+        needed.append(int(t.dataset.bins.items_of(bins)[3].sum()) * 4)  # tokens (uint16), loss mask, categories
+
+    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [on_step])
     run = tmp_path / "run"
     result = CliRunner().invoke(xtrain, ["run", "s3://stream/packed", *RUN, "--output", str(run), "--cache-size",
                                          str(cache_size), "--prefetch-steps", "2"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert [m["loss"] for m in metrics(run)] == local["losses"]
-    assert len(seen) == 6 and max(disk for disk, _ in seen) <= cache_size
+    assert len(seen) == 6 and max(disk for disk, _, _ in seen) <= cache_size
     assert seen[-1][1] > cache_size  # more was fetched than the cache holds: it evicted
-    assert not list((tmp_path / "cache" / "blocks").iterdir())  # the run's block cache is removed at its end
+    assert seen[-1][1] <= 1.2 * needed[-1] and seen[-1][2] == 0
+    assert not list((tmp_path / "cache" / "ranges").iterdir())  # the run's range cache is removed at its end
 
 
 def test_endpoint_down_mid_run_stops_with_a_checkpoint_and_resumes(endpoint, local, tmp_path, monkeypatch):
