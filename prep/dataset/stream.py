@@ -4,7 +4,8 @@
   checked against the ``COMPLETE`` marker) and the ``.idx`` files are fetched once into the cache directory, under
   ``datasets/FINGERPRINT/NAME/`` as ``sync_dataset``'s copies are, and checked against the manifest's digests; each
   ``.bin`` is sized from the file system and checked against its index. Token bytes are read by range only:
-  ``gather`` returns the ranges a micro-batch needs, side by side, through a ``RangeCache``.
+  ``gather`` returns the ranges a micro-batch needs, side by side, through a ``RangeCache``; ``verify`` re-hashes
+  the ``.bin`` files against the manifest by reading each once (``--verify-data``).
 - ``RangeCache`` keeps byte ranges of the ``.bin`` files on local disk, never more than its capacity
   (``--cache-size``): the exact ranges the next steps read (``fetch_ahead``, the trainer's prefetcher; neighbours a
   small gap apart fetched as one, ``prep/dataset/ranges.py``) are kept until their step has run, others are
@@ -46,6 +47,7 @@ T = TypeVar("T")
 StepRanges = list[tuple[int, np.ndarray, np.ndarray]]  # (stream id, sorted disjoint byte ranges) a step reads
 
 MAX_IDLE_PIECES = 4096  # pieces no planned step needs, kept for a re-read (a validation pass, the next epoch)
+VERIFY_CHUNK = 16 << 20  # bytes of one request while ``--verify-data`` re-hashes a ``.bin``
 DEFAULT_CACHE_SIZE = 2 * 10**9  # --cache-size
 DEFAULT_RETRY_S = 120.0  # --stream-timeout
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.2, 5.0
@@ -533,6 +535,7 @@ class StreamedDataset(TokenDataset):
             size = self.retry.run(f"{self.path}/{name}.bin", lambda n=name: fs.info(f"{inner}/{n}.bin")["size"])
             streams[name] = RemoteStream(f"{self.path}/{name}", (local / f"{name}.idx").read_bytes(), size,
                                          self.retry)
+        self._by_name = streams
         self.tokens = streams[TOKENS_STREAM]
         self.loss_mask = streams.get(LOSS_MASK_STREAM)
         self.category_ids = streams.get(CATEGORY_IDS_STREAM)
@@ -584,6 +587,19 @@ class StreamedDataset(TokenDataset):
     def _gather_one(self, sid: int, stream: RemoteStream, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         k = stream.dtype.itemsize
         return self.cache.read(sid, lo * k, hi * k).view(stream.dtype)
+
+    def verify(self) -> None:
+        """Refuse ``.bin`` objects whose sha256 is not the one the manifest recorded (``--verify-data``, as
+        ``verify_streams`` does locally): each is read once, in order, ``VERIFY_CHUNK`` bytes a request, hashed as
+        it arrives (nothing written, constant memory)."""
+        for name, stream in self._by_name.items():
+            digest = hashlib.sha256()
+            for lo in range(0, stream.nbytes, VERIFY_CHUNK):
+                digest.update(stream._fetch(lo, min(lo + VERIFY_CHUNK, stream.nbytes)))
+            if digest.hexdigest() != (self.manifest["streams"][name] or {}).get("bin_sha256"):
+                raise XprepError(f"{stream.url}: changed since {self.path}/{MANIFEST} was written (its sha256 "
+                                 "differs): the object was rewritten in place; write the dataset there again, "
+                                 "then re-run `xprep pack`")
 
     def __getstate__(self) -> dict:
         return {"path": self.path}

@@ -308,16 +308,20 @@ def open_listed(listed: list[dict], where: str | Path, since: str = "it was pack
     The one place a pack's inputs are opened (the pack build, ``xtrain``, ``xprep inspect``): a missing
     dataset is an XprepError, a re-tokenized or re-merged one (another fingerprint) a ``DatasetChanged``.
     ``verify_data`` also re-hashes each ``.bin`` against the manifest, which catches an in-place edit of the
-    token files at the cost of reading them once. ``where`` names the pack in messages, ``since`` when the
-    fingerprints were taken. A dataset listed by URL is read in place (``StreamedDataset``); so is one packed from a
-    URL whose local copy this machine lacks, when ``stream`` (training), else it is synced again.
+    token files at the cost of reading them once (at a URL: fetching them once, ``StreamedDataset.verify``).
+    ``where`` names the pack in messages, ``since`` when the fingerprints were taken. A dataset listed by URL is
+    read in place (``StreamedDataset``); so is one packed from a URL whose local copy this machine lacks, when
+    ``stream`` (training), else it is synced again.
     """
     datasets = []
     for i, info in enumerate(listed):
         path = Path(info["path"])
         if is_url(info["path"]) or (stream and not (path / MANIFEST).is_file() and info.get("url")):
-            datasets.append([_check_fingerprint(StreamedDataset(info["path"] if is_url(info["path"]) else info["url"]),
-                                                info, where, since)])  # (a sharded dataset at a URL: not yet)
+            streamed = _check_fingerprint(StreamedDataset(info["path"] if is_url(info["path"]) else info["url"]),
+                                          info, where, since)  # (a sharded dataset at a URL: not yet)
+            if verify_data:
+                streamed.verify()
+            datasets.append([streamed])
             continue
         if not (path / MANIFEST).is_file() and info.get("url"):
             path = _sync_again(info["url"], path)

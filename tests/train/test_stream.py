@@ -180,6 +180,21 @@ def test_xprep_pack_of_a_url_reads_its_index_and_loss_mask_only(endpoint, local,
     assert {f.name: f.read_bytes() for f in there.glob("*.npy")} == {f.name: f.read_bytes() for f in here.glob("*.npy")}
 
 
+def test_verify_data_rehashes_the_objects_at_the_url(endpoint, tmp_path):
+    """--verify-data means for a dataset read in place what it means on local disk: each .bin's sha256 against its
+    manifest, each object read once. An object rewritten in place with its size unchanged (which the sizes the index
+    implies cannot tell) is then refused in one line."""
+    from xprep.prep.dataset import StreamedDataset
+
+    StreamedDataset("s3://stream/ds").verify()  # the dataset as written
+    fs = s3fs.S3FileSystem()
+    data = bytearray(fs.cat("stream/ds/loss_mask.bin"))
+    data[3] ^= 1
+    fs.pipe("stream/ds/loss_mask.bin", bytes(data))
+    line = user_error("s3://stream/packed", *RUN, "--verify-data", "--output", str(tmp_path / "run"))
+    assert "s3://stream/ds/loss_mask.bin: changed since" in line and "rewritten in place" in line, line
+
+
 def test_a_missing_object_is_one_line(endpoint, tmp_path):
     s3fs.S3FileSystem().rm("stream/ds/tokens.bin")
     line = user_error("s3://stream/packed", *RUN, "--output", str(tmp_path / "run"))
