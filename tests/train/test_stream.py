@@ -11,6 +11,7 @@ by range through a bounded block cache, fetched ahead by a thread.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -32,6 +33,8 @@ from xprep.train import trainer as trainer_module
 
 s3fs = pytest.importorskip("s3fs")
 MOTO = Path(sys.executable).parent / "moto_server"
+ROOT = Path(__file__).resolve().parents[2]
+FAULT_WORKER = ROOT / "tests" / "_train_fault_worker.py"  # `xtrain run` with the fault the environment names
 RUN = ["--steps", "6", "--micro-batch-size", "2", "--sampler", "random", "--save-every", "100"]
 
 
@@ -159,6 +162,41 @@ def test_endpoint_down_mid_run_stops_with_a_checkpoint_and_resumes(endpoint, loc
     assert f"resuming at step {stopped[1]}" in again.stderr, again.stderr
     by_step = {m["step"]: m["loss"] for m in metrics(run)}
     assert [by_step[s] for s in range(1, 7)] == local["losses"]
+
+
+def test_two_ranks_stream_like_local_disk_and_stop_together_when_the_endpoint_dies(endpoint, local, tmp_path):
+    """`--nproc-per-node 2`: each rank reads its own bins from the endpoint, with the losses of the same 2-rank run on
+    local disk. Rank 0 kills the endpoint after step 2: whichever rank's read fails, the ranks agree (one all-reduce
+    before each step) and stop after step 2 together, one checkpoint of it, each with one line and no traceback; on
+    a new server the same command resumes and ends with the losses of the uninterrupted run."""
+    ranks = [*RUN, "--nproc-per-node", "2", "--dp", "2", "--stream-timeout", "2", "--prefetch-steps", "0"]
+    env = {"FSSPEC_S3": json.dumps({**fsspec.config.conf["s3"]}), "OMP_NUM_THREADS": "1"}  # (the ranks' s3fs)
+    here = launch(str(local["packed"]), *ranks, "--output", str(tmp_path / "here"))
+    assert here.returncode == 0, here.stderr
+    run = tmp_path / "run"
+    args = ["s3://stream/packed", *ranks, "--output", str(run)]
+    stopped = launch(*args, env={**env, "XTRAIN_TEST_SIGNAL": f"KILL,2,pid-{endpoint.proc.pid}"})
+    assert stopped.returncode == 2 and "Traceback" not in stopped.stderr, stopped.stderr
+    said = [line for line in stopped.stderr.splitlines() if line.startswith("error: ")]  # each rank's, the launcher's
+    assert said and said[-1] == stopped.stderr.strip().splitlines()[-1], stopped.stderr
+    for line in said:  # (a rank whose own read worked says another rank's did not)
+        assert re.search(r"(s3://stream/ds/.*: unreachable|another rank's data stayed unreachable).*: stopped after "
+                         r"step 2 \(checkpoint step-2 saved\)", line), stopped.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-2"]
+
+    endpoint.start()
+    endpoint.upload()
+    again = launch(*args, env=env)
+    assert again.returncode == 0 and "resuming at step 2" in again.stderr, again.stderr
+    by_step = {m["step"]: m["loss"] for m in metrics(run)}
+    assert [by_step[s] for s in range(1, 7)] == [m["loss"] for m in metrics(tmp_path / "here")]
+
+
+def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`xtrain run ARGS` in a process of its own (which starts the ranks), through the fault worker when ``env``
+    names a fault."""
+    return subprocess.run([sys.executable, str(FAULT_WORKER), "run", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def test_xprep_pack_of_a_url_reads_its_index_and_loss_mask_only(endpoint, local, tmp_path):
