@@ -154,14 +154,14 @@ class RangeCache:
     """Byte ranges of files at URLs, on local disk under ``directory``, at most ``capacity`` bytes there.
 
     The cache holds *pieces*: disjoint byte ranges of each file, one file on disk each, fetched in one request each.
-    ``fetch_ahead`` fetches the ranges a planned step reads (the trainer's prefetcher coalesces them first,
-    ``coalesce_ranges``) and pins every piece they touch until that step has run (``release``), so one prefetch
-    never evicts another's; it fetches nothing when the pinned pieces would no longer fit. ``read`` returns any
-    ranges, from disk, waiting for pieces being fetched, and fetching what no piece holds itself (a *demand* fetch,
-    which the prefetcher is there to avoid; kept if there is room). Pieces no step pins are evicted least recently
-    read first, and beyond ``MAX_IDLE_PIECES`` of them. Every fetched range's byte count is checked against the
-    size its stream's index implies. Thread-safe: the prefetcher's thread and the training loop share one cache;
-    the network is used outside the lock.
+    ``fetch_ahead`` fetches the ranges planned steps read (``StreamedDataset.ranges``: coalesced), a batch of steps
+    in one set of concurrent requests, and pins every piece each step touches until it has run (``release``), so
+    one prefetch never evicts another's; it fetches nothing of a step whose pieces would no longer fit. ``read``
+    returns any ranges, from disk, waiting for pieces being fetched, and fetching what no piece holds itself (a
+    *demand* fetch, which the prefetcher is there to avoid; kept if there is room). Pieces no step pins are evicted
+    least recently read first, and beyond ``MAX_IDLE_PIECES`` of them. Every fetched range's byte count is checked
+    against the size its stream's index implies. Thread-safe: the prefetcher's thread and the training loop share
+    one cache; the network is used outside the lock.
     """
 
     def __init__(self, directory: Path, capacity: int, retry: Retry | None = None):

@@ -136,6 +136,22 @@ def test_a_pack_at_a_url_trains_like_the_local_pack_in_a_bounded_cache(endpoint,
     assert not list((tmp_path / "cache" / "ranges").iterdir())  # the run's range cache is removed at its end
 
 
+def test_a_cache_smaller_than_a_step_still_trains_and_says_what_it_costs(endpoint, local, tmp_path, monkeypatch):
+    """--cache-size below one step's bytes: the start says so (and what size would hold the window); each step reads
+    what does not fit itself, keeping none of it; the losses are the local ones, the disk never above the size."""
+    peak = []
+    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [lambda t: peak.append(t.dataset.cache.disk_bytes())])
+    run = tmp_path / "run"
+    result = CliRunner().invoke(xtrain, ["run", "s3://stream/packed", *RUN, "--output", str(run), "--cache-size",
+                                         "300", "--prefetch-steps", "4"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert [m["loss"] for m in metrics(run)] == local["losses"] and max(peak) <= 300
+    said = re.search(r"--cache-size 300 bytes holds less than --prefetch-steps 4 \+ 1 steps of data at URLs "
+                     r"\(([\d,]+) bytes; .*\): each step waits on the network for what does not fit; give it "
+                     r"--cache-size \1 or more", result.stderr)
+    assert said, result.stderr
+
+
 def test_endpoint_down_mid_run_stops_with_a_checkpoint_and_resumes(endpoint, local, tmp_path, monkeypatch):
     def kill_after_step_2(t) -> None:
         if t.step == 2:
