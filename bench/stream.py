@@ -16,8 +16,9 @@ one connection per request in flight) for ``--latency-ms`` before passing it on.
 step after ``WARMUP_STEPS`` to the last, so the start (the pack's files and indexes fetched once, the model built)
 is not in them. Goals: stream / local ≥ 0.9 (the prefetcher hides the latency), and bytes fetched ≤ 1.2 × the
 bytes of the bins trained on. The prefetcher fetches the exact byte ranges of the next steps' documents (tokens
-and loss mask), neighbours a small gap apart as one request (prep/dataset/ranges.py), so both cases fetch about
-what they read; ``--cache-size`` down to the window (``--prefetch-steps`` + 1 steps: ~16 KB here) keeps that.
+and loss mask), neighbours a small gap apart as one request (prep/dataset/stream.py ``coalesce_ranges``), so both
+cases fetch about what they read, down to a ``--cache-size`` of about the window (``--prefetch-steps`` + 1 steps:
+~16 KB here; the steps/s want some room beyond it, as a step's bytes vary).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def upload(root: Path, local_packs: dict[str, Path]) -> None:
 
 # ------------------------------------------------------------------------------------------- runs
 def train(packed: str, run_dir: Path, steps: int, sampler: str, extra: dict) -> dict:
-    """One ``xtrain run`` in this process: steps/s after the warm-up, and the range cache's figures."""
+    """One ``xtrain run`` in this process: steps/s after the warm-up, and the block cache's figures."""
     from xprep.train import trainer as trainer_module
     from xprep.train.config import resolve_config
 

@@ -46,11 +46,11 @@ from xprep.prep.dataset import (
     DEFAULT_CACHE_SIZE,
     DEFAULT_RETRY_S,
     MAX_CATEGORY,
+    BlockCache,
     CategoryTable,
-    RangeCache,
     StreamedDataset,
     TokenDataset,
-    open_range_cache,
+    open_block_cache,
 )
 from xprep.prep.errors import XprepError
 from xprep.prep.pack import PackBins, PackEntry, check_chunk_cp, methods_of, open_entry
@@ -90,7 +90,7 @@ class PackedDataset:
     bins are full samples that CP zigzags whole (``cp_sample_len``): they stay as they are, and
     any C with 2·C dividing the sample length will do.
 
-    Datasets at URLs are read in place (prep/dataset/stream.py): by range, through one range cache of
+    Datasets at URLs are read in place (prep/dataset/stream.py): by range, through one block cache of
     ``cache_size`` bytes on local disk (``cache``; None when every dataset is local), retrying transient errors
     for ``stream_timeout`` seconds. train/prefetch.py fetches the ranges of the next steps ahead.
     """
@@ -212,7 +212,7 @@ class PackedDataset:
         for k, sel, at, _ in self._by_dataset(docs, starts):
             src = self._sources[k]
             streams = src.tokens, src.loss_mask, src.category_ids
-            if src.streamed is not None:  # a dataset at a URL: these tokens only, through the range cache
+            if src.streamed is not None:  # a dataset at a URL: these tokens only, through the block cache
                 *streams, at, _ = src.streamed.gather(at, np.ones(len(at), np.int64), _NO_ENDS)
             token_stream, mask_stream, category_stream = streams
             tokens[sel] = token_stream[at]
@@ -247,7 +247,7 @@ class PackedDataset:
         for k, sel, flat, ends in self._by_dataset(docs, starts):
             src = self._sources[k]
             tokens, mask, cats = src.tokens, src.loss_mask, src.category_ids
-            if src.streamed is not None:  # a dataset at a URL: only these items' tokens, through the range cache
+            if src.streamed is not None:  # a dataset at a URL: only these items' tokens, through the block cache
                 tokens, mask, cats, flat, ends = src.streamed.gather(flat, lens[sel], ends)
             fill_items_upto(tokens, mask, cats, flat, lens[sel], dst[sel], ends, out)
             remap = self._category_maps[k]
@@ -279,7 +279,7 @@ class PackedDataset:
         return out
 
     def close(self) -> None:
-        """Remove the range cache (a local pack has none)."""
+        """Remove the block cache (a local pack has none)."""
         if self.cache is not None:
             self.cache.close()
 
@@ -366,12 +366,12 @@ def _source(ds: TokenDataset) -> _Source:
 _NO_STREAM = np.zeros(0, np.uint8)
 
 
-def _stream_cache(datasets: list[TokenDataset], cache_size: int, retry_s: float) -> RangeCache | None:
-    """One range cache for the datasets at URLs (None: there are none), which read through it from then on."""
+def _stream_cache(datasets: list[TokenDataset], cache_size: int, retry_s: float) -> BlockCache | None:
+    """One block cache for the datasets at URLs (None: there are none), which read through it from then on."""
     streamed = [ds for ds in datasets if isinstance(ds, StreamedDataset)]
     if not streamed:
         return None
-    cache = open_range_cache(cache_size, retry_s)
+    cache = open_block_cache(cache_size, retry_s)
     for ds in streamed:
         ds.retry = cache.retry
         ds.attach(cache)

@@ -2,12 +2,12 @@
 
 The bins every step reads are known in advance: the sampler's order is a function of its consumed samples, so the
 exact byte ranges of every document piece a step reads are too (tokens, loss mask, categories), coalesced where a
-small gap apart (``xprep.prep.dataset.ranges.coalesce_ranges``). ``Prefetcher.stage`` runs in the training loop
+small gap apart (``xprep.prep.dataset.stream.coalesce_ranges``). ``Prefetcher.stage`` runs in the training loop
 before every step: it unpins the ranges of the steps that have run, makes sure the ranges of the step about to run
-are in the range cache (fetched now, retried, if the thread has not fetched them yet; ``StreamUnavailable`` past the
+are in the block cache (fetched now, retried, if the thread has not fetched them yet; ``StreamUnavailable`` past the
 retry budget, and the loop then stops with a checkpoint before the step has changed anything), then hands the
 ranges of the ``steps_ahead`` steps after it to a thread that fetches them, nearest first, while the step computes.
-In steady state the step reads only local bytes: ``RangeCache.demand_reads`` counts the ranges the step had to
+In steady state the step reads only local bytes: ``BlockCache.demand_reads`` counts the ranges the step had to
 fetch itself.
 
 A cache smaller than the window (``steps_ahead`` + 1 steps of data) still trains: the thread fetches as many whole
@@ -20,11 +20,13 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from xprep.prep.dataset import RangeCache, StepRanges
+from xprep.prep.dataset import BlockCache
 from xprep.train.data import PackedDataset
 from xprep.train.samplers import BinSampler
 
 DEFAULT_PREFETCH_STEPS = 4  # --prefetch-steps
+
+StepRanges = list[tuple[int, np.ndarray, np.ndarray]]  # (stream id, sorted disjoint byte ranges) a step reads
 
 
 class Prefetcher:
@@ -34,7 +36,7 @@ class Prefetcher:
                  steps_left: int | None = None):
         assert dataset.cache is not None, "a prefetcher is for packs with datasets at URLs"
         self.dataset, self.sampler, self.grad_accum, self.steps_ahead = dataset, sampler, grad_accum, steps_ahead
-        self.cache: RangeCache = dataset.cache
+        self.cache: BlockCache = dataset.cache
         # the first sample after the run's last step (``steps_left`` from now): nothing past it is fetched
         self.end = None if steps_left is None else self.step_start(steps_left)
         # the thread tops the window up every ``refill`` steps, ``refill`` steps at a time: steps read in order

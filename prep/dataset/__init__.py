@@ -32,20 +32,19 @@ from xprep.prep.dataset.sharded import (
 from xprep.prep.dataset.stream import (
     DEFAULT_CACHE_SIZE,
     DEFAULT_RETRY_S,
-    RangeCache,
+    BlockCache,
     Retry,
-    StepRanges,
     StreamedDataset,
     StreamUnavailable,
-    open_range_cache,
+    open_block_cache,
 )
 from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset, check_token_ids
 
 __all__ = [
-    "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S", "DatasetWriter", "RangeCache",
-    "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StepRanges", "StreamUnavailable", "StreamedDataset",
+    "BlockCache", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S", "DatasetWriter",
+    "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StreamUnavailable", "StreamedDataset",
     "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids",
     "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "merge_datasets",
-    "open_range_cache", "open_dataset", "open_parts", "read_manifest", "staged_copy", "sync_dataset", "synced_from",
+    "open_block_cache", "open_dataset", "open_parts", "read_manifest", "staged_copy", "sync_dataset", "synced_from",
     "token_dtype", "upload_dataset", "verify_parts", "verify_streams", "write_sharded"
 ]

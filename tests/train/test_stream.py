@@ -133,7 +133,7 @@ def test_a_pack_at_a_url_trains_like_the_local_pack_in_a_bounded_cache(endpoint,
     assert len(seen) == 6 and max(disk for disk, _, _ in seen) <= cache_size
     assert seen[-1][1] > cache_size  # more was fetched than the cache holds: it evicted
     assert seen[-1][1] <= 1.2 * needed[-1] and seen[-1][2] == 0
-    assert not list((tmp_path / "cache" / "ranges").iterdir())  # the run's range cache is removed at its end
+    assert not list((tmp_path / "cache" / "blocks").iterdir())  # the run's block cache is removed at its end
 
 
 def test_a_cache_smaller_than_a_step_still_trains_and_says_what_it_costs(endpoint, local, tmp_path, monkeypatch):

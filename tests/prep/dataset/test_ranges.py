@@ -1,6 +1,6 @@
-"""Byte ranges (prep/dataset/ranges.py) against slow obvious references, and the range cache of datasets at URLs
-(prep/dataset/stream.py ``RangeCache``) over fsspec's in-memory file system: exact bytes, exact ranges fetched, the
-capacity never exceeded, pinned ranges never evicted.
+"""Byte ranges (prep/dataset/stream.py: ``coalesce_ranges`` and its helpers) against slow obvious references, and
+the block cache of datasets at URLs (``BlockCache``) over fsspec's in-memory file system: exact bytes, exact
+ranges fetched, the capacity never exceeded, pinned ranges never evicted.
 """
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from __future__ import annotations
 import fsspec
 import numpy as np
 import pytest
-from xprep.prep.dataset.ranges import coalesce_ranges, expand_ranges, merge_ranges, runs, subtract_ranges
-from xprep.prep.dataset.stream import RangeCache
+from xprep.prep.dataset.stream import BlockCache, coalesce_ranges, expand_ranges, merge_ranges, runs, subtract_ranges
 
 
 def covered(lo, hi, size: int) -> np.ndarray:
@@ -74,7 +73,7 @@ def test_exact_ranges_fetched_ahead_are_read_without_the_network(stored, tmp_pat
     """A random sampler's steps: each step's ranges fetched ahead (coalesced) are what is fetched, about the bytes the
     steps read, and the reads then fetch nothing; the disk never holds more than the capacity."""
     url, data = stored
-    cache = RangeCache(tmp_path / "c", capacity=4_000)
+    cache = BlockCache(tmp_path / "c", capacity=4_000)
     sid = cache.add_file(url, len(data))
     rng = np.random.default_rng(1)
     needed, peak = 0, 0
@@ -92,7 +91,7 @@ def test_exact_ranges_fetched_ahead_are_read_without_the_network(stored, tmp_pat
 
 def test_pinned_ranges_are_never_evicted_and_a_full_cache_fetches_nothing(stored, tmp_path):
     url, data = stored
-    cache = RangeCache(tmp_path / "c", capacity=1_000)
+    cache = BlockCache(tmp_path / "c", capacity=1_000)
     sid = cache.add_file(url, len(data))
     def step(a: int) -> list:
         return [(sid, np.array([a]), np.array([a + 400]))]
@@ -113,7 +112,7 @@ def test_pinned_ranges_are_never_evicted_and_a_full_cache_fetches_nothing(stored
 def test_reads_across_pieces_and_holes(stored, tmp_path):
     """Ranges held partly by several pieces, partly by none: the right bytes, the holes fetched once, exactly."""
     url, data = stored
-    cache = RangeCache(tmp_path / "c", capacity=10**6)
+    cache = BlockCache(tmp_path / "c", capacity=10**6)
     sid = cache.add_file(url, len(data))
     assert cache.fetch_ahead([(0, [(sid, np.array([100, 300]), np.array([200, 400]))])])
     lo, hi = np.array([150, 50, 350]), np.array([350, 120, 360])  # two pieces and the hole between; 50..100
@@ -126,7 +125,7 @@ def test_steps_read_in_order_come_in_one_request_a_stream(stored, tmp_path):
     """A batch of steps whose ranges follow each other (a sequential sampler over an order-preserving pack) is one
     request a stream, pinned until the last of those steps has run."""
     url, data = stored
-    cache = RangeCache(tmp_path / "c", capacity=10**6)
+    cache = BlockCache(tmp_path / "c", capacity=10**6)
     a, b = cache.add_file(url, len(data)), cache.add_file(url, len(data))
     steps = [(s, [(a, np.array([100 * s]), np.array([100 * s + 100])),
                   (b, np.array([50 * s]), np.array([50 * s + 50]))]) for s in range(4)]
