@@ -7,7 +7,8 @@ The faults are read from this environment here, never by xtrain itself (children
   XTRAIN_TEST_KILL_AFTER_STEP=N  SIGKILL this process after step N   [only rank XTRAIN_TEST_KILL_RANK if set]
   XTRAIN_TEST_FAIL_RANK=R        rank R raises instead of starting step XTRAIN_TEST_FAIL_STEP (≥ 2) [default 2]
   XTRAIN_TEST_SIGNAL=NAME,N,TO   after step N send signal NAME (TERM, INT, USR1, KILL) to TO: "self" (this process),
-                                 "launcher" (rank 0's parent), or "rank-R" (rank R only sends it, to itself)
+                                 "launcher" (rank 0's parent), "rank-R" (rank R only sends it, to itself), or
+                                 "pid-P" (rank 0 sends it to process P: a test's server)
   XTRAIN_TEST_SIGNAL_IN_SAVE=NAME  every checkpoint save sends NAME to this process while DCP writes (then goes on)
   XTRAIN_TEST_PARAMS_DIR=DIR     after every step, rank 0 saves the whole parameters to DIR/step-N.pt
   XTRAIN_TEST_KILL_PUBLISHING=step-N  SIGKILL this process inside the publication of step-N: its `latest` written
@@ -65,6 +66,8 @@ def send_after(name: str, step: int, to: str):
             os.kill(os.getpid(), sig)
         elif to == "launcher" and trainer.dims.rank == 0:
             os.kill(os.getppid(), sig)
+        elif to.startswith("pid-") and trainer.dims.rank == 0:
+            os.kill(int(to[4:]), sig)
     return callback
 
 

@@ -92,7 +92,7 @@ class PackedDataset:
 
     Datasets at URLs are read in place (prep/dataset/stream.py): by range, through one block cache of
     ``cache_size`` bytes on local disk (``cache``; None when every dataset is local), retrying transient errors
-    for ``stream_timeout`` seconds. train/prefetch.py fetches the blocks of the next steps ahead.
+    for ``stream_timeout`` seconds. train/prefetch.py fetches the ranges of the next steps ahead.
     """
 
     def __init__(self, packed: str | Path, verify_data: bool = False, cp_size: int = 1,
@@ -268,14 +268,14 @@ class PackedDataset:
             local = docs[sel] - self._doc_base[k]
             yield k, sel, src.offsets[local] + starts[sel], (src.offsets[local + 1] if self.lookahead else _NO_ENDS)
 
-    def stream_blocks(self, bins: list[int]) -> list[tuple[int, np.ndarray]]:
-        """(stream id, blocks) of ``cache`` that reading ``bins`` takes from datasets at URLs: what is fetched
-        ahead (train/prefetch.py)."""
+    def stream_ranges(self, bins: list[int]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(stream id, byte ranges) of ``cache`` that reading ``bins`` takes from datasets at URLs, coalesced: what is
+        fetched ahead (train/prefetch.py)."""
         _, docs, starts, lens = self.bins.items_of(np.asarray(bins, np.int64))
         out = []
         for k, sel, flat, ends in self._by_dataset(docs, starts):
             if self._sources[k].streamed is not None:
-                out += self._sources[k].streamed.blocks(flat, lens[sel], ends)
+                out += self._sources[k].streamed.ranges(flat, lens[sel], ends)
         return out
 
     def close(self) -> None:

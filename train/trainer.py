@@ -587,8 +587,11 @@ def _train(cfg: TrainConfig, dims: ParallelDims, device: torch.device, setup: Ru
         else None
     control = StopControl(dims, device, cfg.checkpoint.save_every_minutes)
     saved_at = trainer.step  # of the newest checkpoint (the one resumed from; 0: the initial state, none needed)
-    prefetch = Prefetcher(dataset, trainer.sampler, plan.grad_accum, cfg.data.prefetch_steps) \
+    prefetch = Prefetcher(dataset, trainer.sampler, plan.grad_accum, cfg.data.prefetch_steps,
+                          plan.steps - trainer.step) \
         if dataset.cache is not None else None  # datasets at URLs: the next steps' bytes fetched ahead
+    if prefetch is not None and dims.is_main and (note := prefetch.note()):
+        out.write(note + "\n")
     control.arm()
     try:
         while trainer.step < plan.steps:

@@ -311,10 +311,11 @@ def open_listed(listed: list[dict], where: str | Path, since: str = "it was pack
     The one place a pack's inputs are opened (the pack build, ``xtrain``, ``xprep inspect``): a missing
     dataset is an XprepError, a re-tokenized or re-merged one (another fingerprint) a ``DatasetChanged``.
     ``verify_data`` also re-hashes each ``.bin`` against the manifest, which catches an in-place edit of the
-    token files at the cost of reading them once. ``where`` names the pack in messages, ``since`` when the
-    fingerprints were taken. A dataset listed by URL is read in place (``StreamedDataset``); so is one packed from a
-    URL whose local copy this machine lacks, when ``stream`` (training), else it is synced again. What is fetched
-    goes into ``cache_dir`` (``--cache-dir``; None: ``prep.fs.cache_root``'s).
+    token files at the cost of reading them once (at a URL: fetching them once, ``StreamedDataset.verify``).
+    ``where`` names the pack in messages, ``since`` when the fingerprints were taken. A dataset listed by URL is
+    read in place (``StreamedDataset``); so is one packed from a URL whose local copy this machine lacks, when
+    ``stream`` (training), else it is synced again. What is fetched goes into ``cache_dir`` (``--cache-dir``; None:
+    ``prep.fs.cache_root``'s).
     """
     datasets = []
     for i, info in enumerate(listed):
@@ -323,6 +324,8 @@ def open_listed(listed: list[dict], where: str | Path, since: str = "it was pack
             url = info["path"] if is_url(info["path"]) else info["url"]
             manifest, parts = open_url_parts(url, cache_dir)  # (a sharded one: its shards, each at its URL)
             _check_fingerprint(url, manifest["fingerprint"], info, where, since)
+            for streamed in parts if verify_data else ():
+                streamed.verify()
             datasets.append(parts)
             continue
         if not (path / MANIFEST).is_file() and info.get("url"):

@@ -11,6 +11,7 @@ by range through a bounded block cache, fetched ahead by a thread.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from test_train_run import metrics
@@ -31,6 +33,8 @@ from xprep.train import trainer as trainer_module
 
 s3fs = pytest.importorskip("s3fs")
 MOTO = Path(sys.executable).parent / "moto_server"
+ROOT = Path(__file__).resolve().parents[2]
+FAULT_WORKER = ROOT / "tests" / "_train_fault_worker.py"  # `xtrain run` with the fault the environment names
 RUN = ["--steps", "6", "--micro-batch-size", "2", "--sampler", "random", "--save-every", "100"]
 
 
@@ -109,18 +113,43 @@ def endpoint(tmp_path, monkeypatch, local):
 
 
 def test_a_pack_at_a_url_trains_like_the_local_pack_in_a_bounded_cache(endpoint, local, tmp_path, monkeypatch):
-    cache_size = 2048  # bytes: the 60 documents take 4.5 kB of streams, so blocks are evicted
-    seen = []
-    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [lambda t: seen.append(
-        (t.dataset.cache.disk_bytes(), t.dataset.cache.fetched_bytes))])
+    """A random sampler: the exact ranges of the next steps' documents are fetched ahead (about the bytes the bins
+    need, not the blocks around them), the steps never fetch themselves, the cache stays within --cache-size."""
+    cache_size = 2048  # bytes: the 60 documents take 4.5 kB of streams, so ranges are evicted
+    seen, needed = [], []
+
+    def on_step(t) -> None:
+        cache = t.dataset.cache
+        seen.append((cache.disk_bytes(), cache.fetched_bytes, cache.demand_reads))
+        bins = t.sampler.bins_at(np.arange(t.sampler.consumed_samples, dtype=np.int64))  # (one rank: all of them)
+        needed.append(int(t.dataset.bins.items_of(bins)[3].sum()) * 4)  # tokens (uint16), loss mask, categories
+
+    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [on_step])
     run = tmp_path / "run"
     result = CliRunner().invoke(xtrain, ["run", "s3://stream/packed", *RUN, "--output", str(run), "--cache-size",
                                          str(cache_size), "--prefetch-steps", "2"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert [m["loss"] for m in metrics(run)] == local["losses"]
-    assert len(seen) == 6 and max(disk for disk, _ in seen) <= cache_size
+    assert len(seen) == 6 and max(disk for disk, _, _ in seen) <= cache_size
     assert seen[-1][1] > cache_size  # more was fetched than the cache holds: it evicted
+    assert seen[-1][1] <= 1.2 * needed[-1] and seen[-1][2] == 0
     assert not list((tmp_path / "cache" / "blocks").iterdir())  # the run's block cache is removed at its end
+
+
+def test_a_cache_smaller_than_a_step_still_trains_and_says_what_it_costs(endpoint, local, tmp_path, monkeypatch):
+    """--cache-size below one step's bytes: the start says so (and what size would hold the window); each step reads
+    what does not fit itself, keeping none of it; the losses are the local ones, the disk never above the size."""
+    peak = []
+    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [lambda t: peak.append(t.dataset.cache.disk_bytes())])
+    run = tmp_path / "run"
+    result = CliRunner().invoke(xtrain, ["run", "s3://stream/packed", *RUN, "--output", str(run), "--cache-size",
+                                         "300", "--prefetch-steps", "4"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert [m["loss"] for m in metrics(run)] == local["losses"] and max(peak) <= 300
+    said = re.search(r"--cache-size 300 bytes holds less than --prefetch-steps 4 \+ 1 steps of data at URLs "
+                     r"\(([\d,]+) bytes; .*\): each step waits on the network for what does not fit; give it "
+                     r"--cache-size \1 or more", result.stderr)
+    assert said, result.stderr
 
 
 def test_endpoint_down_mid_run_stops_with_a_checkpoint_and_resumes(endpoint, local, tmp_path, monkeypatch):
@@ -151,6 +180,41 @@ def test_endpoint_down_mid_run_stops_with_a_checkpoint_and_resumes(endpoint, loc
     assert [by_step[s] for s in range(1, 7)] == local["losses"]
 
 
+def test_two_ranks_stream_like_local_disk_and_stop_together_when_the_endpoint_dies(endpoint, local, tmp_path):
+    """`--nproc-per-node 2`: each rank reads its own bins from the endpoint, with the losses of the same 2-rank run on
+    local disk. Rank 0 kills the endpoint after step 2: whichever rank's read fails, the ranks agree (one all-reduce
+    before each step) and stop after step 2 together, one checkpoint of it, each with one line and no traceback; on
+    a new server the same command resumes and ends with the losses of the uninterrupted run."""
+    ranks = [*RUN, "--nproc-per-node", "2", "--dp", "2", "--stream-timeout", "2", "--prefetch-steps", "0"]
+    env = {"FSSPEC_S3": json.dumps({**fsspec.config.conf["s3"]}), "OMP_NUM_THREADS": "1"}  # (the ranks' s3fs)
+    here = launch(str(local["packed"]), *ranks, "--output", str(tmp_path / "here"))
+    assert here.returncode == 0, here.stderr
+    run = tmp_path / "run"
+    args = ["s3://stream/packed", *ranks, "--output", str(run)]
+    stopped = launch(*args, env={**env, "XTRAIN_TEST_SIGNAL": f"KILL,2,pid-{endpoint.proc.pid}"})
+    assert stopped.returncode == 2 and "Traceback" not in stopped.stderr, stopped.stderr
+    said = [line for line in stopped.stderr.splitlines() if line.startswith("error: ")]  # each rank's, the launcher's
+    assert said and said[-1] == stopped.stderr.strip().splitlines()[-1], stopped.stderr
+    for line in said:  # (a rank whose own read worked says another rank's did not)
+        assert re.search(r"(s3://stream/ds/.*: unreachable|another rank's data stayed unreachable).*: stopped after "
+                         r"step 2 \(checkpoint step-2 saved\)", line), stopped.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-2"]
+
+    endpoint.start()
+    endpoint.upload()
+    again = launch(*args, env=env)
+    assert again.returncode == 0 and "resuming at step 2" in again.stderr, again.stderr
+    by_step = {m["step"]: m["loss"] for m in metrics(run)}
+    assert [by_step[s] for s in range(1, 7)] == [m["loss"] for m in metrics(tmp_path / "here")]
+
+
+def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`xtrain run ARGS` in a process of its own (which starts the ranks), through the fault worker when ``env``
+    names a fault."""
+    return subprocess.run([sys.executable, str(FAULT_WORKER), "run", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
 def test_xprep_pack_of_a_url_reads_its_index_and_loss_mask_only(endpoint, local, tmp_path):
     """Every method packs from document lengths, and counts each bin's targets from the loss mask: the tokens and
     categories are never fetched (moto's log lists every request), and the entry is the local dataset's."""
@@ -168,6 +232,21 @@ def test_xprep_pack_of_a_url_reads_its_index_and_loss_mask_only(endpoint, local,
     there = tmp_path / "p" / here.name
     assert json.loads((there / "pack.json").read_text())["datasets"][0]["path"] == "s3://stream/ds"
     assert {f.name: f.read_bytes() for f in there.glob("*.npy")} == {f.name: f.read_bytes() for f in here.glob("*.npy")}
+
+
+def test_verify_data_rehashes_the_objects_at_the_url(endpoint, tmp_path):
+    """--verify-data means for a dataset read in place what it means on local disk: each .bin's sha256 against its
+    manifest, each object read once. An object rewritten in place with its size unchanged (which the sizes the index
+    implies cannot tell) is then refused in one line."""
+    from xprep.prep.dataset import StreamedDataset
+
+    StreamedDataset("s3://stream/ds").verify()  # the dataset as written
+    fs = s3fs.S3FileSystem()
+    data = bytearray(fs.cat("stream/ds/loss_mask.bin"))
+    data[3] ^= 1
+    fs.pipe("stream/ds/loss_mask.bin", bytes(data))
+    line = user_error("s3://stream/packed", *RUN, "--verify-data", "--output", str(tmp_path / "run"))
+    assert "s3://stream/ds/loss_mask.bin: changed since" in line and "rewritten in place" in line, line
 
 
 def test_a_missing_object_is_one_line(endpoint, tmp_path):
