@@ -229,16 +229,16 @@ def read_item_ranges(url: str, dtype: np.dtype, lo: np.ndarray, hi: np.ndarray, 
     for s, e in zip(np.split(starts * size, cuts), np.split(ends * size, cuts), strict=True):
         if not len(s):
             continue
-        data = retry.run(url, lambda s=s, e=e: _cat_ranges(fs, inner, s.tolist(), e.tolist()))
+        data = retry.run(url, lambda s=s, e=e: cat_ranges(fs, [inner] * len(s), s.tolist(), e.tolist()))
         if sum(map(len, data)) != int((e - s).sum()):
             raise XprepError(f"{url}: a range came back short: the object is shorter than its index says "
                              "(rewritten?); re-upload the dataset")
         yield np.frombuffer(b"".join(data), dtype)
 
 
-def _cat_ranges(fs, inner: str, starts: list[int], ends: list[int]) -> list[bytes]:
-    """Byte ranges of one file (concurrent requests where the file system can); the first error raised."""
-    data = fs.cat_ranges([inner] * len(starts), starts, ends, on_error="return")
+def cat_ranges(fs, paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
+    """Byte ranges of files of ``fs`` (concurrent requests on async file systems); the first error raised."""
+    data = fs.cat_ranges(paths, starts, ends, on_error="return")
     for d in data:
         if isinstance(d, BaseException):
             raise d

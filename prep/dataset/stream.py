@@ -35,7 +35,7 @@ from typing import TypeVar
 import numpy as np
 from xprep.prep.dataset.indexed import implied_bin_size, parse_index
 from xprep.prep.dataset.manifest import count
-from xprep.prep.dataset.remote import read_complete_manifest, staged_copy
+from xprep.prep.dataset.remote import cat_ranges, read_complete_manifest, staged_copy
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import CATEGORY_IDS_STREAM, LOSS_MASK_STREAM, MANIFEST, TOKENS_STREAM
@@ -464,7 +464,7 @@ class BlockCache:
         starts, ends = [p.lo for _, p in pieces], [p.hi for _, p in pieces]
         what = fs.unstrip_protocol(paths[0]) if len(set(paths)) == 1 else \
             f"{fs.unstrip_protocol(paths[0])} (and {len(set(paths)) - 1} more)"
-        data = self.retry.run(what, lambda: _cat_ranges(fs, paths, starts, ends))
+        data = self.retry.run(what, lambda: cat_ranges(fs, paths, starts, ends))
         for path, (_, p), d in zip(paths, pieces, data, strict=True):
             if len(d) != p.size:
                 raise XprepError(f"{fs.unstrip_protocol(path)}: bytes {p.lo}..{p.hi} came back as {len(d)} bytes, "
@@ -525,15 +525,6 @@ def _by_file_system(files: list[tuple[object, str, int]], pieces: list[tuple[int
     for i, (sid, _) in enumerate(pieces):
         groups.setdefault(id(files[sid][0]), []).append(i)
     return list(groups.values())
-
-
-def _cat_ranges(fs, paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
-    """Byte ranges of files of ``fs`` (concurrent requests on async file systems); the first error raised."""
-    data = fs.cat_ranges(paths, starts, ends, on_error="return")
-    for d in data:
-        if isinstance(d, BaseException):
-            raise d
-    return data
 
 
 def open_block_cache(capacity: int = DEFAULT_CACHE_SIZE, retry_s: float = DEFAULT_RETRY_S,
@@ -609,7 +600,7 @@ class StreamedDataset(TokenDataset):
 
     Same surface as ``TokenDataset`` for what packing and training read (manifest, fingerprint, lengths,
     category names; ``tokens``/``loss_mask``/``category_ids`` are ``RemoteStream``s); ``gather`` reads the
-    tokens of items through the ``BlockCache`` given to ``attach``. Pickles as its URL.
+    tokens of items through the ``BlockCache`` given to ``attach``. Pickles as its URL and cache directory.
     """
 
     streamed = True
@@ -617,7 +608,8 @@ class StreamedDataset(TokenDataset):
     def __init__(self, url: str, cache_dir: str | None = None, retry: Retry | None = None):
         self.path = url.rstrip("/")
         self.retry = retry or Retry()
-        self.manifest = read_complete_manifest(self.path)
+        self.manifest = read_complete_manifest(self.path, self.retry)
+        self.cache_dir = cache_dir
         local = _fetch_indexes(self.path, self.manifest, cache_dir, self.retry)
         fs, inner = filesystem(self.path)
         streams = {}
@@ -692,10 +684,10 @@ class StreamedDataset(TokenDataset):
                                  "then re-run `xprep pack`")
 
     def __getstate__(self) -> dict:
-        return {"path": self.path}
+        return {"path": self.path, "cache_dir": self.cache_dir}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
+        self.__init__(state["path"], state.get("cache_dir"))
 
 
 def _item_ranges(flat: np.ndarray, lens: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
