@@ -50,7 +50,7 @@ from xprep.train.config import TrainConfig, validate_against_schema
 from xprep.train.lifeline import PARENT_ENV, die_with_parent
 from xprep.train.preempt import STOP_FILE_ENV, STOP_SIGNALS, Stopped, signal_name, stop_status
 from xprep.train.rundir import RunLock
-from xprep.train.trainer import BAD_STEPS_EXIT, prepare_run, run
+from xprep.train.trainer import BAD_STEPS_EXIT, DATA_UNREACHABLE_EXIT, prepare_run, run
 
 LAUNCHED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and by this launcher
 # python arguments that start one rank, before its CONFIG_JSON (tests replace them): the rank dies with the
@@ -63,7 +63,7 @@ FORWARDED = (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT)  # passed on to the r
 POLL_S = 0.05
 STOP_STATUSES = tuple(sorted({stop_status(s) for s in STOP_SIGNALS} - {0}))  # 130, 143
 # statuses every rank ends with at the same step, rank 0 having said why: a stop on a signal, too many bad steps
-TOGETHER = (*STOP_STATUSES, BAD_STEPS_EXIT)
+TOGETHER = (*STOP_STATUSES, BAD_STEPS_EXIT, DATA_UNREACHABLE_EXIT)
 STOP_GRACE_S = 120.0  # a rank that ended so waits this long at most for the others to end as well
 
 
@@ -174,6 +174,8 @@ class _Job:
             time.sleep(POLL_S)
         if BAD_STEPS_EXIT in codes:  # every rank stopped at the same bad step, and rank 0 said why
             raise RanksFailed("too many bad steps in a row (--max-bad-steps)", BAD_STEPS_EXIT, said=True)
+        if DATA_UNREACHABLE_EXIT in codes:  # every rank stopped at the same step; those whose reads failed said why
+            raise RanksFailed("data at a URL stayed unreachable", DATA_UNREACHABLE_EXIT, said=True)
         if self.stop_file.is_file():  # rank 0 stopped the run on a signal (to it, the launcher or a rank)
             stop = json.loads(self.stop_file.read_text())
             raise Stopped(stop["signal"], stop["message"], said=True)

@@ -81,6 +81,7 @@ from xprep.train.samplers import BatchPlan, BinSampler, ResumePoint, build_sampl
 from xprep.train.weights import HFSaver, InitFrom, check_exportable, init_record, plan_init
 
 BAD_STEPS_EXIT = 3  # exit status of a run that --max-bad-steps stopped (every rank's, and xtrain run's)
+DATA_UNREACHABLE_EXIT = 75  # of a run stopped because its data at a URL stayed unreachable (sysexits' EX_TEMPFAIL)
 CPU_KEYS = ("cu_seqlens", "cu_seqlens_padded", "cu_units")  # batch keys that stay on the CPU (read as Python ints)
 PEER_FAILURE_GRACE_S = 3.0  # a rank whose collective failed waits this long before exiting (see _report_and_exit)
 STEP_END_CALLBACKS: list[Callable[[Trainer], None]] = []  # called after every step of ``run``'s loop (tests)
@@ -510,6 +511,10 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
         if dims.is_main:
             print(f"error: {e}", file=sys.stderr)
         shutdown(dims, e.exit_code, clean=True)
+    if isinstance(e, DataUnreachable):  # every rank stopped at the same step, after the checkpoint: those whose
+        if e.own:                       # own reads failed say which URL, all leave with 75
+            print(f"error: [rank {dims.rank}] {e}", file=sys.stderr)
+        shutdown(dims, e.exit_code, clean=True)
     cause = None if isinstance(e, XprepError) else machine_cause(e)
     if cause is not None:  # the machine refused (a full disk, a permission): one line, as a user's mistake is
         e = machine_error(cause)
@@ -718,8 +723,20 @@ def _stage(prefetch: Prefetcher, trainer: Trainer, ckpt: CheckpointManager, save
         return
     where = _checkpoint_to_stop(trainer, ckpt, saved_at)
     said = failure or "another rank's data stayed unreachable"
-    raise XprepError(f"{said}: stopped after step {trainer.step} ({where}); run the same command again once it "
-                     "answers, to resume")
+    raise DataUnreachable(f"{said}: stopped after step {trainer.step} ({where}); run the same command again once it "
+                          "answers, to resume", own=failure is not None)
+
+
+class DataUnreachable(XprepError):
+    """Data at a URL stayed unreachable past --stream-timeout: every rank stopped before the same step, after a
+    checkpoint; exit status 75 (sysexits' EX_TEMPFAIL, "try again later": a scheduler may requeue the same command,
+    which resumes). ``own``: this rank's own read failed (it names the URL; the others only follow)."""
+
+    exit_code = DATA_UNREACHABLE_EXIT
+
+    def __init__(self, message: str, own: bool = True):
+        super().__init__(message)
+        self.own = own
 
 
 class TooManyBadSteps(XprepError):
