@@ -261,6 +261,7 @@ def run_in_parts(job: BlendRun, epochs: list[int], taken: np.ndarray, delivered:
     later epochs (then the middle of the rest). Returns what ``greedy_blend`` does (negative: a source ran out)."""
     expected = job.expected_bins()
     split = expected // 2 if expected >= SPLIT_MIN_BINS else job.capacity
+    parallel_kernels_loaded()
     with ThreadPoolExecutor(1, thread_name_prefix="xprep-blend") as pool:
         if max(epochs) > 1:
             n, arrays, ahead = run_beside_later_epochs(job, epochs, pool, split, taken, delivered)
@@ -271,6 +272,14 @@ def run_in_parts(job: BlendRun, epochs: list[int], taken: np.ndarray, delivered:
         if ahead is not None:
             n = ahead.join(n, arrays, taken, delivered)
     return n
+
+
+def parallel_kernels_loaded() -> None:
+    """Have numba load (or compile) the parallel permutation kernel in this thread, before a worker calls it beside
+    a kernel this thread compiles: loading a parallel kernel registers types with numba's typing, which is not
+    thread-safe (on a cold cache, 'RuntimeError: dictionary changed size during iteration' in one thread or the
+    other). Called once, it costs a call of an empty permutation."""
+    shuffled_order(1, 0)
 
 
 def run_beside_later_epochs(job: BlendRun, epochs: list[int], pool: ThreadPoolExecutor, split: int,
@@ -740,6 +749,7 @@ def phased_blend(bin_sizes: list[np.ndarray | int], weights: np.ndarray, totals:
     out_index = np.empty(sum(room), streams.later.dtype)
     starts, positions = np.zeros(phases + 1, np.int64), np.zeros((phases + 1, k), np.int64)
     bins, tokens = np.zeros((phases, k), np.int64), np.zeros((phases, k), np.int64)
+    parallel_kernels_loaded()
     with ThreadPoolExecutor(1, thread_name_prefix="xprep-phases") as pool:
         later = LaterEpochs(streams, pool, _due(shares, totals, epoch_units, epochs))
         for p in range(phases):
