@@ -571,6 +571,7 @@ class SourceStreams:
     sizes: np.ndarray  # empty where every bin counts the unit
     size_offsets: np.ndarray  # int64[k + 1]
     ready: np.ndarray  # int64[k]: the positions filled in
+    mean: np.ndarray  # float64[k]: each source's mean bin size, in the units ``phase_greedy`` counts (1 without sizes)
 
     @classmethod
     def of(cls, bin_sizes: list[np.ndarray] | None, firsts: list[np.ndarray | None], counts: np.ndarray,
@@ -585,8 +586,9 @@ class SourceStreams:
             np.cumsum(spans, out=size_offsets[1:])
         later = np.zeros(later_offsets[-1] + 1, np.int32 if counts.max() < 2**31 else np.int64)
         sizes = np.empty(size_offsets[-1], size_dtype)
+        mean = np.ones(k) if bin_sizes is None else np.array([np.sum(s, dtype=np.int64) for s in bin_sizes]) / counts
         streams = cls(bin_sizes, firsts, counts, list(epochs), seed, own, later, later_offsets, sizes, size_offsets,
-                      np.zeros(k, np.int64))
+                      np.zeros(k, np.int64), mean)
         for i in range(k):
             streams.fill(i, 0)
         return streams
@@ -624,13 +626,6 @@ class SourceStreams:
             for epoch in range(1, n):
                 streams.fill(i, epoch)
         return streams
-
-    @property
-    def mean(self) -> np.ndarray:
-        """Each source's mean bin size, in the units ``phase_greedy`` counts (1 without sizes)."""
-        if self.bin_sizes is None:
-            return np.ones(len(self.counts))
-        return np.array([np.sum(s, dtype=np.int64) for s in self.bin_sizes], np.float64) / self.counts
 
 
 class LaterEpochs:
