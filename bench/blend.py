@@ -38,6 +38,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -187,7 +188,7 @@ def phased_blend_bins(bin_sizes: list[np.ndarray | int], weights: np.ndarray, un
 
 IMPLEMENTATIONS = {"new": (blend.blend_bins, [blend.greedy_blend]),
                    "previous": (previous_blend_bins, [previous_greedy_blend, previous_greedy_blend_counts])}
-PHASED = {"3 phases": (phased_blend_bins, [blend.greedy_blend, blend.place_phase])}
+PHASED = {"3 phases": (phased_blend_bins, [blend.phase_greedy])}
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -244,7 +245,8 @@ def main() -> None:
         return
     n = 1_000_000 if args.quick else 100_000_000
     print(f"blend index of {n:,} bins over {SOURCES} sources (target ≤ 2 s, peak RSS < 2,048 MB); "
-          f"best of {args.runs} warm runs, each implementation in its own process")
+          f"best of {args.runs} warm runs, each implementation in its own process; load {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cores")
     identical = True
     for kind in ("fixed", "token-aware"):
         got = {impl: run_child(n, kind, impl, args.runs) for impl in IMPLEMENTATIONS}

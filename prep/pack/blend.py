@@ -261,6 +261,7 @@ def run_in_parts(job: BlendRun, epochs: list[int], taken: np.ndarray, delivered:
     later epochs (then the middle of the rest). Returns what ``greedy_blend`` does (negative: a source ran out)."""
     expected = job.expected_bins()
     split = expected // 2 if expected >= SPLIT_MIN_BINS else job.capacity
+    parallel_kernels_loaded()
     with ThreadPoolExecutor(1, thread_name_prefix="xprep-blend") as pool:
         if max(epochs) > 1:
             n, arrays, ahead = run_beside_later_epochs(job, epochs, pool, split, taken, delivered)
@@ -271,6 +272,14 @@ def run_in_parts(job: BlendRun, epochs: list[int], taken: np.ndarray, delivered:
         if ahead is not None:
             n = ahead.join(n, arrays, taken, delivered)
     return n
+
+
+def parallel_kernels_loaded() -> None:
+    """Have numba load (or compile) the parallel permutation kernel in this thread, before a worker calls it beside
+    a kernel this thread compiles: loading a parallel kernel registers types with numba's typing, which is not
+    thread-safe (on a cold cache, 'RuntimeError: dictionary changed size during iteration' in one thread or the
+    other). Called once, it costs a call of an empty permutation."""
+    shuffled_order(1, 0)
 
 
 def run_beside_later_epochs(job: BlendRun, epochs: list[int], pool: ThreadPoolExecutor, split: int,
@@ -465,7 +474,7 @@ def epoch_seed(seed: int, source: int, epoch: int) -> int:
 # ------------------------------------------------------------------------------------------------ phases
 # Phased blends: one order of bins whose mix changes phase after phase (a mix file's ``phases:``).
 #
-# Each phase is a blend of its own (``blend_bins``: Megatron's greedy rule over the sources the
+# Each phase is a blend of its own (Megatron's greedy rule over the sources the
 # phase weighs, from a fresh start, so its shares hold after every prefix of the phase exactly as a blend's do), and
 # the phases follow each other in one order. What carries over from one phase to the next is where each source
 # stands in its own stream of bins: a source gives its bins as one endless stream (its first epoch in the pack's
@@ -476,10 +485,18 @@ def epoch_seed(seed: int, source: int, epoch: int) -> int:
 # ask more of a source than one epoch holds (then, as in a blend, the next epoch, a new permutation), and within a
 # phase only where that phase alone asks more of it than it has left in its current epoch.
 #
+# How it is built, as fast as a blend without phases: every source's stream is laid out once (``SourceStreams``:
+# its bins and their sizes in stream order, the later epochs permuted beside the greedy, in the order the phases
+# reach them, ``LaterEpochs``), and each phase runs the greedy kernel over it (``phase_greedy``: the sources the
+# phase weighs, each from where its stream stands), writing the phase's bins straight into the whole blend, a long
+# phase in two parts at once as a long blend is (``PhaseAhead``).
+#
 # ``phased_blend`` works on arrays alone (sizes in blend units, weights per phase, each phase's size): the mix file,
 # blend.json and the reports are ``xprep.prep.pack.mixture``'s.
 
-MARGIN_BINS = 4  # each phase prepares this many of a source's largest bins past its share (the greedy runs ≤ 2 ahead)
+MARGIN_BINS = 4  # stream prepared per source and phase past its share, in its largest bins (the greedy runs ≤ 2 ahead)
+PARALLEL_MIN_BINS = 1 << 16  # a smaller permutation runs on one thread, even while the greedy waits for it
+RUN_WHILE_PERMUTING = 1 << 21  # bins a phase runs between looks at whether the later epochs are all permuted
 
 
 @dataclass
@@ -495,63 +512,211 @@ class PhasedBlend:
 
 
 @njit(cache=True, nogil=True)
-def place_phase(local_source, local_index, active, offset, lookup, gathered, out_source, out_index):
-    """Write one phase's bins, blended over its own sources and their stream windows (``local_*``), as bins of the
-    whole blend: source ``active[s]``, bin ``offset[s] + t`` of its pack where its window runs in the pack's own
-    order, else ``lookup[offset[s] + t]`` (``gathered[s]``: the window read through a permutation)."""
-    for j in range(len(local_source)):
-        s = local_source[j]
-        t = offset[s] + local_index[j]
-        out_source[j] = active[s]
-        out_index[j] = lookup[t] if gathered[s] else t
+def phase_greedy(weights, active, unit, sizes, size_offsets, own, later, later_offsets, ready, base, total_tokens,
+                 max_bins, out_source, out_index, taken, delivered):
+    """``greedy_blend`` over one phase: continue it from ``taken``/``delivered`` until ``total_tokens`` are delivered
+    (or ``max_bins`` bins written in all); return the bins written in all (``out_*[:n]``), or -1 - j where source
+    ``active[j]`` reaches the end of its ``ready`` bins (the caller prepares more and calls again).
+
+    The phase weighs sources ``active`` (``weights``, normalized; ``taken``/``delivered`` are per phase source);
+    source ``active[j]`` gives the bins of its stream from position ``base[j]`` on. Position ``t`` of source ``i``'s
+    stream is bin ``t`` of its pack where ``t < own[i]`` (a first epoch in the pack's order), else
+    ``later[later_offsets[i] + t − own[i]]``; its size is ``sizes[size_offsets[i] + t]`` (``sizes`` empty: every bin
+    counts 1, ``unit`` is 1, and the rule runs on bin counts). ``ready[i]``: the positions of source ``i`` whose bins
+    and sizes are prepared. The bins are written as the whole blend's (source ids, bin indices of their packs).
+    """
+    k = len(weights)
+    sized = len(sizes) > 0
+    n = np.sum(taken)
+    total = np.sum(delivered)  # integers below 2**53: exact, in any order of summation
+    ready_size = np.ones(k, np.float64)  # the size of each source's next bin, at hand before it is chosen
+    for j in range(k):
+        if sized and base[j] + taken[j] < ready[active[j]]:
+            ready_size[j] = sizes[size_offsets[active[j]] + base[j] + taken[j]]
+    while total < total_tokens and n < max_bins:
+        best = _most_behind(weights, max(total, unit), delivered)
+        i = active[best]
+        t = base[best] + taken[best]  # the source's position in its stream
+        if t >= ready[i]:
+            return -1 - best
+        later_bin = later[max(later_offsets[i] + t - own[i], 0)]  # (no branch: as in greedy_blend)
+        size = ready_size[best] if sized else 1.0
+        out_source[n] = i
+        out_index[n] = t if t < own[i] else later_bin
+        delivered[best] += size
+        total += size
+        n += 1
+        taken[best] += 1
+        if sized and t + 1 < ready[i]:
+            ready_size[best] = sizes[size_offsets[i] + t + 1]
+    return n
 
 
-class SourceStream:
-    """One source's endless stream of bins: its first epoch (``first``, None: the pack's own order), then seeded
-    permutations; windows of it are read by position."""
+@dataclass
+class SourceStreams:
+    """Every source's stream of bins over the epochs the phases will read, laid out for ``phase_greedy``: the bins
+    past each source's first epoch in pack order (``later``: a first epoch in a random order, then the later
+    epochs' permutations) and, where bins have sizes, every position's size in stream order (uint16 where every
+    size fits: half the memory to fill and to read). ``ready`` says how far each stream is filled in: the first
+    epochs at once, the later ones by ``fill`` (in a thread beside the greedy)."""
 
-    def __init__(self, count: int, first: np.ndarray | None, seed: int, source: int):
-        self.count, self.seed, self.source = count, seed, source
-        self.dtype = np.int32 if count < 2**31 else np.int64  # as a blend's bin indices
-        self.first = None if first is None else np.asarray(first, self.dtype)
-        self._epochs: dict[int, np.ndarray | Future] = {}
+    bin_sizes: list[np.ndarray] | None  # each source's bin sizes in pack order (None: every bin counts the unit)
+    firsts: list[np.ndarray | None]  # each source's first epoch, where it is not the pack's order
+    counts: np.ndarray  # int64[k]: bins of each source (one epoch)
+    epochs: list[int]  # epochs of each source laid out
+    seed: int
+    own: np.ndarray  # int64[k]: positions given in the pack's order (the first epoch, or 0)
+    later: np.ndarray  # int32 (int64 for sources of ≥ 2**31 bins), and one element after them: never empty
+    later_offsets: np.ndarray  # int64[k + 1]
+    sizes: np.ndarray  # empty where every bin counts the unit
+    size_offsets: np.ndarray  # int64[k + 1]
+    ready: np.ndarray  # int64[k]: the positions filled in
+    mean: np.ndarray  # float64[k]: each source's mean bin size, in the units ``phase_greedy`` counts (1 without sizes)
 
-    def prepare(self, pool: ThreadPoolExecutor, epochs: int) -> None:
-        """Permute epochs 1 … epochs−1 in ``pool``, beside the blend (whose kernel holds no GIL)."""
-        for e in range(1, epochs):
-            self._epochs.setdefault(e, pool.submit(self._permutation, e))
+    @classmethod
+    def of(cls, bin_sizes: list[np.ndarray] | None, firsts: list[np.ndarray | None], counts: np.ndarray,
+           epochs: list[int], seed: int, size_dtype: type) -> SourceStreams:
+        """The streams, their first epochs filled in."""
+        k = len(counts)
+        own = np.array([0 if f is not None else c for f, c in zip(firsts, counts, strict=True)], np.int64)
+        spans = counts * np.asarray(epochs, np.int64)
+        later_offsets, size_offsets = np.zeros(k + 1, np.int64), np.zeros(k + 1, np.int64)
+        np.cumsum(spans - own, out=later_offsets[1:])
+        if bin_sizes is not None:
+            np.cumsum(spans, out=size_offsets[1:])
+        later = np.zeros(later_offsets[-1] + 1, np.int32 if counts.max() < 2**31 else np.int64)
+        sizes = np.empty(size_offsets[-1], size_dtype)
+        mean = np.ones(k) if bin_sizes is None else np.array([np.sum(s, dtype=np.int64) for s in bin_sizes]) / counts
+        streams = cls(bin_sizes, firsts, counts, list(epochs), seed, own, later, later_offsets, sizes, size_offsets,
+                      np.zeros(k, np.int64), mean)
+        for i in range(k):
+            streams.fill(i, 0)
+        return streams
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return shuffled_order(self.count, epoch_seed(self.seed, self.source, epoch)).astype(self.dtype)
+    def fill(self, source: int, epoch: int, threads=None) -> None:
+        """Lay out one epoch of a source's stream: its bins (a later epoch: permuted now, ``threads()`` threads)
+        and their sizes."""
+        count, first = int(self.counts[source]), self.firsts[source]
+        order = None
+        if epoch > 0:
+            if threads is not None:  # (numba's setting is per thread; a small permutation only waits for more)
+                numba.set_num_threads(threads() if count >= PARALLEL_MIN_BINS else 1)
+            order = shuffled_order(count, epoch_seed(self.seed, source, epoch))
+        elif first is not None:
+            order = first
+        if order is not None:
+            at = self.later_offsets[source] + epoch * count - self.own[source]
+            self.later[at:at + count] = order
+        if self.bin_sizes is not None:
+            at = self.size_offsets[source] + epoch * count
+            own_sizes = self.sizes[self.size_offsets[source]:self.size_offsets[source] + count]
+            if order is None:
+                self.sizes[at:at + count] = self.bin_sizes[source]
+            elif first is None:  # gathered from its first epoch, the pack's sizes ('wrap': in range, checked less)
+                np.take(own_sizes, order, out=self.sizes[at:at + count], mode="wrap")
+            else:
+                self.sizes[at:at + count] = self.bin_sizes[source][order]
+        self.ready[source] = (epoch + 1) * count
 
-    def forget_before(self, position: int) -> None:
-        """Drop the epochs wholly before ``position``: no later window reads them."""
-        for epoch in [e for e, o in self._epochs.items() if not isinstance(o, Future)
-                      and (e + 1) * self.count <= position]:  # (read, so permuted: not one still in the pool)
-            del self._epochs[epoch]
+    def longer(self, source: int) -> SourceStreams:
+        """These streams with twice the epochs of ``source``, every epoch filled in at once."""
+        epochs = [e * 2 if i == source else e for i, e in enumerate(self.epochs)]
+        streams = SourceStreams.of(self.bin_sizes, self.firsts, self.counts, epochs, self.seed, self.sizes.dtype)
+        for i, n in enumerate(epochs):
+            for epoch in range(1, n):
+                streams.fill(i, epoch)
+        return streams
 
-    def in_pack_order(self, start: int, stop: int) -> bool:
-        """Whether positions [start, stop) are the pack's bins start … stop−1 (the first epoch in its own order)."""
-        return self.first is None and stop <= self.count
 
-    def window(self, start: int, stop: int) -> np.ndarray:
-        """The bins at positions [start, stop) of the stream."""
-        parts = []
-        for epoch in range(start // self.count, (stop - 1) // self.count + 1):
-            lo, hi = max(start, epoch * self.count), min(stop, (epoch + 1) * self.count)
-            parts.append(self.epoch(epoch)[lo - epoch * self.count:hi - epoch * self.count])
-        return np.concatenate(parts)
+class LaterEpochs:
+    """The later epochs of every stream, permuted and filled in one after the other in ``pool``, beside the greedy
+    (whose kernel holds no GIL), in the order the phases are expected to reach them. The permutations run on one
+    core beside the kernel, on every core while the kernel waits for one."""
 
-    def epoch(self, epoch: int) -> np.ndarray:
-        """The bins of one epoch, in the order it gives them (each later epoch permuted once, then kept: the
-        memory a blend's prepared later epochs take)."""
-        if epoch == 0:
-            return np.arange(self.count, dtype=self.dtype) if self.first is None else self.first
-        if epoch not in self._epochs:
-            self._epochs[epoch] = self._permutation(epoch)
-        elif isinstance(self._epochs[epoch], Future):
-            self._epochs[epoch] = self._epochs[epoch].result()
-        return self._epochs[epoch]
+    def __init__(self, streams: SourceStreams, pool: ThreadPoolExecutor, due: list[tuple[int, int]]):
+        self.waiting = threading.Event()
+        self.coming: dict[int, list[Future]] = {}
+        for source, epoch in due:
+            self.coming.setdefault(source, []).append(pool.submit(streams.fill, source, epoch, self._threads))
+
+    def _threads(self) -> int:
+        return numba.config.NUMBA_NUM_THREADS if self.waiting.is_set() else 1
+
+    @property
+    def done(self) -> bool:
+        return all(f.done() for fs in self.coming.values() for f in fs)
+
+    def wait_for(self, source: int) -> bool:
+        """Wait for the next epoch of ``source`` to be filled in; False where none is coming."""
+        coming = [f for f in self.coming.get(source, []) if not f.done()]
+        if not coming:
+            return False
+        self.waiting.set()
+        try:
+            coming[0].result()
+        finally:
+            self.waiting.clear()
+        return True
+
+    def finish(self) -> None:
+        for fs in self.coming.values():
+            for f in fs:
+                f.result()
+
+
+@dataclass
+class PhaseRun:
+    """One phase being blended: the sources it weighs (``active``) and their weights (normalized as a blend's), where
+    each stands in its stream as the phase starts, its size, and the part of the output from its first bin on."""
+
+    streams: SourceStreams
+    weights: np.ndarray  # float64[a]
+    active: np.ndarray  # int64[a]: the phase's sources
+    base: np.ndarray  # int64[a]: their stream positions as the phase starts
+    unit: float  # as ``phase_greedy`` counts: the blend unit, or 1 where bins have no sizes
+    total_tokens: float
+    max_bins: int
+    out_source: np.ndarray
+    out_index: np.ndarray
+
+    def run(self, arrays: None, taken: np.ndarray, delivered: np.ndarray, max_bins: int | None = None) -> int:
+        """``phase_greedy`` from the state (``taken``, ``delivered``) to ``max_bins`` bins of the phase in all
+        (default: its end), over the streams as far as they are filled in. (``arrays``: as ``Ahead`` calls it.)"""
+        s = self.streams
+        stop = self.max_bins if max_bins is None else min(max_bins, self.max_bins)
+        return phase_greedy(self.weights, self.active, self.unit, s.sizes, s.size_offsets, s.own, s.later,
+                            s.later_offsets, s.ready.copy(), self.base, self.total_tokens, stop, self.out_source,
+                            self.out_index, taken, delivered)
+
+    def ended(self, taken: np.ndarray, delivered: np.ndarray) -> bool:
+        return int(taken.sum()) >= self.max_bins or float(delivered.sum()) >= self.total_tokens
+
+    def expected_bins(self) -> int:
+        """About how many bins the phase will take (its size over its sources' mean bin sizes, by weight)."""
+        return min(self.max_bins, int(self.total_tokens * float(np.sum(self.weights / self.streams.mean[self.active]))))
+
+    def state_at(self, taken: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The state after the phase took ``taken`` bins of each source (None: more than is filled in)."""
+        s, at = self.streams, self.base + taken
+        if np.any(at > s.ready[self.active]):
+            return None
+        if len(s.sizes) == 0:
+            return taken, taken.astype(np.float64)
+        return taken, np.array([float(np.sum(s.sizes[s.size_offsets[i] + b:s.size_offsets[i] + e], dtype=np.int64))
+                                for i, b, e in zip(self.active, self.base, at, strict=True)])
+
+
+class PhaseAhead(Ahead):
+    """The second part of a long phase (``Ahead``), its guess read from the phase's streams."""
+
+    def __init__(self, job: PhaseRun, split: int):
+        points = max(1, min(CHECK_POINTS, CHECK_STATES // len(job.active)))
+        super().__init__(job.run, job.weights, job.streams.counts[job.active], job.streams.mean[job.active], split,
+                         CHECK_EVERY, points)
+        self.job = job
+
+    def guess(self, arrays: None) -> tuple[np.ndarray, np.ndarray] | None:
+        return self.job.state_at(self.shares())
 
 
 def phased_blend(bin_sizes: list[np.ndarray | int], weights: np.ndarray, totals: list[int], unit: int, seed: int,
@@ -561,115 +726,96 @@ def phased_blend(bin_sizes: list[np.ndarray | int], weights: np.ndarray, totals:
     blend units are delivered, or ``max_bins[p]`` bins where given; phase after phase, each source continuing its
     stream where the previous phase left it. ``bin_sizes`` and ``unit`` as ``blend_bins`` takes them;
     ``orders[i]``: source ``i``'s first epoch, where it is not the pack's order (a cut source's random subset)."""
-    k = len(bin_sizes)
+    k, phases = len(bin_sizes), len(totals)
+    max_bins = max_bins or [None] * phases
     uniform = all(isinstance(s, int | np.integer) for s in bin_sizes)
     counts = np.array([int(s) if isinstance(s, int | np.integer) else len(s) for s in bin_sizes], np.int64)
-    biggest = unit if uniform else max(int(np.max(s)) for s in bin_sizes)
-    smallest = unit if uniform else min(int(np.min(s)) for s in bin_sizes)
-    streams = [SourceStream(int(n), (orders or [None] * k)[i], seed, i) for i, n in enumerate(counts)]
-    with ThreadPoolExecutor(1, thread_name_prefix="xprep-phases") as pool:
-        _prepare_epochs(streams, pool, bin_sizes, weights, totals, unit, biggest)
-        return _run_phases(streams, bin_sizes, weights, totals, unit, seed, max_bins, counts, uniform, biggest,
-                           smallest)
-
-
-def _prepare_epochs(streams: list[SourceStream], pool: ThreadPoolExecutor, bin_sizes: list, weights: np.ndarray,
-                    totals: list[int], unit: int, biggest: int) -> None:
-    """Start permuting the later epochs the phases will read (their shares over every phase, and the margins),
-    earliest first, beside the blend."""
-    share = weights / weights.sum(axis=1, keepdims=True)
-    want = (share * np.asarray(totals, np.float64)[:, None]).sum(axis=0) + len(totals) * MARGIN_BINS * biggest
-    epochs = [int(np.ceil(w / _epoch_units(s, unit))) for w, s in zip(want, bin_sizes, strict=True)]
-    for epoch in range(1, max(epochs)):  # epoch by epoch over the sources: the earliest needed first
-        for stream, needed in zip(streams, epochs, strict=True):
-            if epoch < needed:
-                stream.prepare(pool, epoch + 1)
-
-
-def _epoch_units(sizes, unit: int) -> int:
-    return int(sizes) * unit if isinstance(sizes, int | np.integer) else max(1, int(np.sum(sizes, dtype=np.int64)))
-
-
-def _run_phases(streams: list[SourceStream], bin_sizes: list, weights: np.ndarray, totals: list[int], unit: int,
-                seed: int, max_bins: list[int | None] | None, counts: np.ndarray, uniform: bool, biggest: int,
-                smallest: int) -> PhasedBlend:
-    k, phases = len(bin_sizes), len(totals)
-    room = sum(int(-(-t // smallest)) + k + 1 for t in totals)
-    out_source = np.empty(room, np.int16)
-    out_index = np.empty(room, np.int32 if counts.max() < 2**31 else np.int64)
+    sizes = None if uniform else [np.full(s, unit, np.int32) if isinstance(s, int | np.integer) else np.asarray(s)
+                                  for s in bin_sizes]
+    biggest = unit if uniform else max(int(np.max(s)) for s in sizes)
+    smallest = unit if uniform else min(int(np.min(s)) for s in sizes)
+    shares = weights / weights.sum(axis=1, keepdims=True)
+    epoch_units = counts * unit if uniform else np.array([np.sum(s, dtype=np.int64) for s in sizes], np.int64)
+    epochs = _epochs_wanted(shares, totals, epoch_units, biggest)
+    firsts = [None if o is None else np.asarray(o) for o in (orders or [None] * k)]
+    streams = SourceStreams.of(sizes, firsts, counts, epochs, seed, np.uint16 if biggest < 2**16 else np.int64)
+    room = [cap if cap is not None else int(-(-t // smallest)) + k + 1 for t, cap in zip(totals, max_bins, strict=True)]
+    out_source = np.empty(sum(room), np.int16)
+    out_index = np.empty(sum(room), streams.later.dtype)
     starts, positions = np.zeros(phases + 1, np.int64), np.zeros((phases + 1, k), np.int64)
     bins, tokens = np.zeros((phases, k), np.int64), np.zeros((phases, k), np.int64)
-    for p in range(phases):
-        cap = (max_bins or [None] * phases)[p]
-        total = totals[p] if cap is None else cap * biggest  # a phase of N bins: cut to N below
-        n, bins[p], tokens[p] = _one_phase(streams, bin_sizes, weights[p], total, unit, biggest, uniform, seed,
-                                           positions[p], out_source[starts[p]:], out_index[starts[p]:], cap)
-        starts[p + 1] = starts[p] + n
-        positions[p + 1] = positions[p] + bins[p]
-        for stream, at in zip(streams, positions[p + 1], strict=True):
-            stream.forget_before(int(at))
+    parallel_kernels_loaded()
+    with ThreadPoolExecutor(1, thread_name_prefix="xprep-phases") as pool:
+        later = LaterEpochs(streams, pool, _due(shares, totals, epoch_units, epochs))
+        for p in range(phases):
+            total = totals[p] if max_bins[p] is None else max_bins[p] * biggest  # a phase of N bins: N ends it
+            job = _phase_run(streams, weights[p], total, unit, uniform, room[p], positions[p],
+                             out_source[starts[p]:], out_index[starts[p]:])
+            taken, delivered = np.zeros(len(job.active), np.int64), np.zeros(len(job.active), np.float64)
+            streams = _run_phase(job, pool, later, taken, delivered)
+            starts[p + 1] = starts[p] + taken.sum()
+            bins[p, job.active] = taken
+            tokens[p, job.active] = taken * unit if uniform else delivered.astype(np.int64)
+            positions[p + 1] = positions[p] + bins[p]
+        later.finish()
     done = positions[-1]
     blend = Blend(bin_source=out_source[:starts[-1]], bin_index=out_index[:starts[-1]], bins=done,
                   tokens=tokens.sum(axis=0), epochs=np.maximum(1, -(-done // counts)))
     return PhasedBlend(blend, starts, bins, tokens, positions)
 
 
-def _one_phase(streams: list[SourceStream], bin_sizes: list, weights: np.ndarray, total: int, unit: int,
-               biggest: int, uniform: bool, seed: int, at: np.ndarray, out_source: np.ndarray,
-               out_index: np.ndarray, cap: int | None) -> tuple[int, np.ndarray, np.ndarray]:
-    """Blend one phase into ``out_*`` from the stream positions ``at``; (bins written, bins and units per source).
-
-    Each source the phase weighs is given as a window of its stream long enough for its share and a margin
-    (the greedy never runs a source more than two bins past its share), so the phase blends as a blend of its own
-    and its bins are read back through the windows."""
+def _phase_run(streams: SourceStreams, weights: np.ndarray, total: int, unit: int, uniform: bool, room: int,
+               at: np.ndarray, out_source: np.ndarray, out_index: np.ndarray) -> PhaseRun:
+    """One phase over the sources it weighs, from the stream positions ``at``: weighted as a blend of them alone
+    (``blend_bins`` normalizes the phase's shares once more), and counted in bins where bins have no sizes."""
     active = np.flatnonzero(weights > 0)
     share = weights[active] / weights[active].sum()
-    found = [_window(streams[i], bin_sizes[i], w * total, unit, biggest, uniform, int(at[i]))
-             for i, w in zip(active, share, strict=True)]
-    windows, sizes = [w[:3] for w in found], [w[3] for w in found]
-    part = blend_bins(sizes, share, unit, total, seed)
-    n = len(part.bin_source) if cap is None else min(cap, len(part.bin_source))
-    local_source, local_index = part.bin_source[:n], part.bin_index[:n]
-    whole = n == len(part.bin_source)  # (a phase of N bins is cut to N below what it blended)
-    taken = part.bins.copy() if whole else np.bincount(local_source, minlength=len(active)).astype(np.int64)
-    assert np.all(taken <= [b - a for a, b, _ in windows]), "a phase ran a source past its prepared window"
-    gathered = np.array([order is not None for _, _, order in windows])
-    lookup = [order for _, _, order in windows if order is not None]
-    offset = np.zeros(len(active), np.int64)
-    offset[gathered] = np.cumsum([0, *(len(w) for w in lookup[:-1])])
-    offset[~gathered] = [a for a, _, order in windows if order is None]
-    place_phase(local_source, local_index, active.astype(np.int16), offset,
-                np.concatenate(lookup) if lookup else np.zeros(1, out_index.dtype), gathered, out_source, out_index)
-    if whole:
-        units = part.tokens
-    else:  # a phase of N bins, cut short of what it blended
-        units = taken * unit if uniform else _units(sizes, local_source, local_index, len(active))
-    bins, tokens = np.zeros(len(weights), np.int64), np.zeros(len(weights), np.int64)
-    bins[active], tokens[active] = taken, units
-    return n, bins, tokens
-
-
-def _window(stream: SourceStream, sizes, want: float, unit: int, biggest: int, uniform: bool, at: int
-            ) -> tuple[int, int, np.ndarray | None, np.ndarray | int]:
-    """The window of a source's stream a phase may take from (from position ``at``: ``want`` units and the
-    margin): its start and stop, its bins (None where they are the pack's bins start … stop−1), and their sizes
-    as ``blend_bins`` takes them (a count for bins that all count ``unit``)."""
-    need = want + MARGIN_BINS * biggest
+    share = np.asarray(share, np.float64) / np.sum(share)
     if uniform:
-        stop = at + int(np.ceil(need / unit))
-        return at, stop, None if stream.in_pack_order(at, stop) else stream.window(at, stop), stop - at
-    sizes = np.asarray(sizes)
-    length = int(np.ceil(need / max(float(sizes.mean()), 1.0))) + MARGIN_BINS
-    while True:  # the window's sizes vary: grow it until they hold what the phase may take
-        stop = at + length
-        order = None if stream.in_pack_order(at, stop) else stream.window(at, stop)
-        held = sizes[at:stop] if order is None else sizes[order]
-        if held.sum(dtype=np.int64) >= need:
-            return at, stop, order, held
-        length *= 2
+        return PhaseRun(streams, share, active, at[active], 1.0, float(-(-total // unit)), room, out_source,
+                        out_index)
+    return PhaseRun(streams, share, active, at[active], float(unit), float(total), room, out_source, out_index)
 
 
-def _units(sizes: list[np.ndarray], local_source: np.ndarray, local_index: np.ndarray, k: int) -> np.ndarray:
-    """Blend units each source gave in a phase (its first bins' sizes, in window order)."""
-    return np.array([int(np.asarray(sizes[s])[local_index[local_source == s]].sum(dtype=np.int64))
-                     for s in range(k)], np.int64)
+def _run_phase(job: PhaseRun, pool: ThreadPoolExecutor, later: LaterEpochs, taken: np.ndarray,
+               delivered: np.ndarray) -> SourceStreams:
+    """Run one phase to its end; return the streams it ends with (laid out again, longer, in the rare case that a
+    source needs more epochs than planned).
+
+    While later epochs are being permuted the phase runs on one core, in stretches, and waits where a source
+    reaches the end of what is filled in; once they all are, the rest of a long phase runs in two parts at once."""
+    while True:
+        n = int(taken.sum())
+        if later.done and job.expected_bins() - n >= SPLIT_MIN_BINS:
+            ahead = PhaseAhead(job, n + (job.expected_bins() - n) // 2)
+            ahead.future = pool.submit(ahead.run, None)
+            n = ahead.join(job.run(None, taken, delivered, ahead.split), None, taken, delivered)
+        else:
+            n = job.run(None, taken, delivered, None if later.done else n + RUN_WHILE_PERMUTING)
+        if n >= 0 and job.ended(taken, delivered):
+            return job.streams
+        if n < 0 and not later.wait_for(int(job.active[-1 - n])):
+            later.finish()  # rare: the source needs more epochs than planned; lay its stream out longer
+            job.streams = job.streams.longer(int(job.active[-1 - n]))
+
+
+def _epochs_wanted(shares: np.ndarray, totals: list[int], epoch_units: np.ndarray, biggest: int) -> list[int]:
+    """Epochs of each source the phases will read: its shares of them and a margin per phase."""
+    want = (shares * np.asarray(totals, np.float64)[:, None]).sum(axis=0) + len(totals) * MARGIN_BINS * biggest
+    return [max(1, int(np.ceil(w / max(int(u), 1)))) for w, u in zip(want, epoch_units, strict=True)]
+
+
+def _due(shares: np.ndarray, totals: list[int], epoch_units: np.ndarray, epochs: list[int]) -> list[tuple[int, int]]:
+    """Every later epoch (source, epoch) laid out, in the order the phases are expected to reach it: where the
+    source's share of the phases delivered so far crosses the epoch's start."""
+    sizes = np.asarray(totals, np.float64)
+    taken = np.vstack([np.zeros(shares.shape[1]), np.cumsum(shares * sizes[:, None], axis=0)])  # [P + 1, k]
+    reached = np.concatenate([[0.0], np.cumsum(sizes)])
+    due = []
+    for i, n in enumerate(epochs):
+        for epoch in range(1, n):
+            x = epoch * float(epoch_units[i])
+            p = min(int(np.searchsorted(taken[1:, i], x)), len(totals) - 1)
+            span = taken[p + 1, i] - taken[p, i]
+            due.append((reached[p] + sizes[p] * ((x - taken[p, i]) / span if span > 0 else 1.0), i, epoch))
+    return [(i, epoch) for _, i, epoch in sorted(due)]

@@ -6,13 +6,16 @@ kernel against a slow obvious reference."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 from conftest import SHARED, requires_shared_data
 from prepkit import web_and_mail
 from xprep.prep.errors import XprepError
+from xprep.prep.pack import blend
 from xprep.prep.pack.blend import blend_bins, epoch_seed, phased_blend
 from xprep.prep.pack.cache import PackConfig, pack
 from xprep.prep.pack.mixture import bin_tokens
@@ -126,29 +129,43 @@ def test_a_source_without_weight_needs_phases(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-def reference_phases(sizes: list[np.ndarray], weights: np.ndarray, totals: list[int], unit: int, seed: int):
+def reference_phases(sizes: list[np.ndarray | int], weights: np.ndarray, totals: list[int], unit: int, seed: int,
+                     max_bins: list[int | None] | None = None, orders: list[np.ndarray | None] | None = None):
     """The slow obvious phased blend: per phase, Megatron's rule from a fresh start over the phase's sources
-    (argmax w·max(T, unit) − t, in float64, ties to the lowest index); each source's next bin is the next of its
-    stream (its pack order, then seeded permutations), wherever the previous phase left it."""
-    streams = [np.concatenate([np.arange(len(s))] + [shuffled_order(len(s), epoch_seed(seed, i, e))
-                                                     for e in range(1, 40)]) for i, s in enumerate(sizes)]
+    (argmax w·max(T, unit) − t, in float64, ties to the lowest index), until the phase's total is delivered or its
+    ``max_bins`` bins are taken; each source's next bin is the next of its stream (its pack order or ``orders[i]``,
+    then seeded permutations), wherever the previous phase left it. Sources given as bin counts (every one of
+    them) run the rule on counts: each bin counts 1, unit 1, a phase ends at ⌈total / unit⌉ bins. A phase's
+    weights are normalized twice, as the blend does (the phase's shares, then once more as any blend's weights):
+    an ulp can decide a tie."""
+    counted = all(isinstance(s, int) for s in sizes)
+    sizes = [np.full(s, unit) if isinstance(s, int) else s for s in sizes]
+    firsts = orders or [None] * len(sizes)
+    streams = [list(np.arange(len(s)) if first is None else first) for s, first in zip(sizes, firsts, strict=True)]
     at, out = [0] * len(sizes), []
-    for w, total in zip(weights, totals, strict=True):
+    for p, (w, total) in enumerate(zip(weights, totals, strict=True)):
+        cap = (max_bins or [None] * len(totals))[p]
+        end = -(-total // unit) if counted else total
         active = [i for i in range(len(sizes)) if w[i] > 0]
-        share = np.array([w[i] for i in active]) / sum(w[i] for i in active)
-        delivered, scale = np.zeros(len(active)), 0.0
-        while scale < total:
+        share = np.array([w[i] for i in active]) / w[active].sum()
+        share = share / share.sum()
+        delivered, scale, taken = np.zeros(len(active)), 0.0, 0
+        while taken < cap if cap is not None else scale < end:
             best, best_lag = 0, None
             for j in range(len(active)):
-                lag = share[j] * max(scale, unit) - delivered[j]
+                lag = share[j] * max(scale, 1 if counted else unit) - delivered[j]
                 if best_lag is None or lag > best_lag:
                     best, best_lag = j, lag
             i = active[best]
+            if at[i] == len(streams[i]):  # the stream's next epoch: a fresh permutation
+                streams[i].extend(shuffled_order(len(sizes[i]), epoch_seed(seed, i, at[i] // len(sizes[i]))))
             b = int(streams[i][at[i]])
             at[i] += 1
             out.append((i, b))
-            delivered[best] += sizes[i][b]
-            scale += sizes[i][b]
+            size = 1 if counted else sizes[i][b]
+            delivered[best] += size
+            scale += size
+            taken += 1
     return out
 
 
@@ -162,6 +179,115 @@ def test_phased_blend_matches_the_slow_reference():
     assert pairs == reference_phases(sizes, weights, totals, 8, seed=5)
     assert got.starts.tolist()[1:] == np.cumsum(got.bins.sum(axis=1)).tolist()
     assert got.blend.epochs.tolist() == np.maximum(1, -(-got.positions[-1] // [40, 15, 25])).tolist()
+
+
+def random_phases(rng: np.random.Generator, counted: bool) -> tuple:
+    """A few sources of 5-30 bins (sizes, or counts), 2-4 phases sized in tokens, in bins or in epochs of a source,
+    with zero weights, and some sources' first epochs in a random order: the phases run sources through several
+    epochs, mid-phase."""
+    k, unit, phases = int(rng.integers(2, 5)), 8, int(rng.integers(2, 5))
+    counts = rng.integers(5, 30, k)
+    sizes = [int(n) if counted else rng.integers(1, unit + 1, n).astype(np.int32) for n in counts]
+    weights = np.round(rng.random((phases, k)) * (rng.random((phases, k)) < 0.7), 2)
+    weights[weights.sum(axis=1) == 0, 0] = 0.5
+    totals, max_bins = [], []
+    for row in weights:
+        size = rng.integers(3)  # tokens, bins, epochs of the phase's first source
+        i = int(np.flatnonzero(row)[0])
+        units = int(counts[i]) * unit if counted else int(np.sum(sizes[i]))
+        totals.append(int(rng.integers(1, 120)) * unit if size < 2 else round(units * row.sum() / row[i]))
+        max_bins.append(totals[-1] // unit if size == 1 else None)
+    orders = [shuffled_order(int(n), 11 + i) if rng.random() < 0.3 else None for i, n in enumerate(counts)]
+    return sizes, weights, totals, unit, max_bins, orders
+
+
+@pytest.fixture(params=["as is", "in two parts", "epochs permuted late", "too few epochs planned"])
+def path(request, monkeypatch) -> list | None:
+    """Each way a phase runs, forced on blends of a few hundred bins; yields what was seen on that path (the parts
+    that met, the waits for a later epoch, the streams laid out again), None on the plain one."""
+    return {"as is": lambda m: None, "in two parts": in_two_parts, "epochs permuted late": permuted_late,
+            "too few epochs planned": too_few_epochs}[request.param](monkeypatch)
+
+
+def in_two_parts(monkeypatch) -> list[bool]:
+    """Every phase of 20 bins or more runs in two parts (as one of 4M bins does once every epoch is permuted)."""
+    monkeypatch.setattr(blend, "SPLIT_MIN_BINS", 20)
+    monkeypatch.setattr(blend, "CHECK_EVERY", 3)
+    met, join = [], blend.PhaseAhead.join
+
+    def joined(self, n, *args):
+        reached = n == self.split
+        n = join(self, n, *args)
+        if reached:
+            met.append(self.met)
+        return n
+
+    monkeypatch.setattr(blend.PhaseAhead, "join", joined)
+    return met
+
+
+def permuted_late(monkeypatch) -> list[bool]:
+    """No later epoch is permuted before the greedy waits for one: it runs in stretches of 7 bins until a source
+    reaches the end of its filled-in stream, then waits there."""
+    gate, fill, wait_for, finish = threading.Event(), blend.SourceStreams.fill, blend.LaterEpochs.wait_for, \
+        blend.LaterEpochs.finish
+    waited = []
+
+    def late_fill(self, source, epoch, threads=None):
+        if epoch > 0:
+            gate.wait(60)  # (a failing test must not hang)
+        fill(self, source, epoch, threads)
+
+    def opened(self, source):
+        gate.set()
+        waited.append(wait_for(self, source))
+        gate.clear()
+        return waited[-1]
+
+    monkeypatch.setattr(blend, "RUN_WHILE_PERMUTING", 7)
+    monkeypatch.setattr(blend.SourceStreams, "fill", late_fill)
+    monkeypatch.setattr(blend.LaterEpochs, "wait_for", opened)
+    monkeypatch.setattr(blend.LaterEpochs, "finish", lambda self: gate.set() or finish(self))
+    return waited
+
+
+def too_few_epochs(monkeypatch) -> list[int]:
+    """Fewer epochs planned than the phases read: the streams are laid out again, longer, where a source needs more."""
+    monkeypatch.setattr(blend, "MARGIN_BINS", -8)
+    longer, relaid = blend.SourceStreams.longer, []
+    monkeypatch.setattr(blend.SourceStreams, "longer", lambda self, i: relaid.append(True) or longer(self, i))
+    return relaid
+
+
+@pytest.fixture
+def one_numba_thread():
+    """The reference's permutations on one thread: thousands of tiny calls to a parallel kernel each wait for
+    numba's other thread, which a busy machine schedules late (a permutation is the same on any thread count)."""
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_numba_thread")
+@pytest.mark.parametrize("counted", [False, True], ids=["token-aware", "bin counts"])
+def test_random_phased_blends_are_the_reference(counted, path):
+    """Bin for bin, on every path a phase may take: straight, in two parts, waiting for later epochs, and with
+    streams laid out again where a source needs more epochs than planned; and each phase's counts."""
+    rng = np.random.default_rng(int(counted))
+    for case in range(25):
+        sizes, weights, totals, unit, max_bins, orders = random_phases(rng, counted)
+        got = phased_blend(sizes, weights, totals, unit, case, max_bins, orders)
+        pairs = list(zip(got.blend.bin_source.tolist(), got.blend.bin_index.tolist(), strict=True))
+        assert pairs == reference_phases(sizes, weights, totals, unit, case, max_bins, orders), case
+        size = [np.full(s, unit) if counted else s for s in sizes]
+        for p in range(len(totals)):
+            source, index = got.blend.bin_source[got.starts[p]:got.starts[p + 1]], \
+                got.blend.bin_index[got.starts[p]:got.starts[p + 1]]
+            assert got.bins[p].tolist() == np.bincount(source, minlength=len(sizes)).tolist()
+            assert got.tokens[p].tolist() == [int(size[i][index[source == i]].sum()) for i in range(len(sizes))]
+        assert got.positions.tolist() == [[0] * len(sizes), *np.cumsum(got.bins, axis=0).tolist()]
+    assert path is None or any(path)  # the path was taken (two parts: and they met)
 
 
 @requires_shared_data
