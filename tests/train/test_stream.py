@@ -14,16 +14,15 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import fsspec
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from motokit import Endpoint
 from test_train_run import metrics
 from trainkit import category_pack, user_error
 from xprep.cli import xtrain
@@ -33,40 +32,9 @@ from xprep.train import trainer as trainer_module
 from xprep.train.trainer import DATA_UNREACHABLE_EXIT
 
 s3fs = pytest.importorskip("s3fs")
-MOTO = Path(sys.executable).parent / "moto_server"
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_WORKER = ROOT / "tests" / "_train_fault_worker.py"  # `xtrain run` with the fault the environment names
 RUN = ["--steps", "6", "--micro-batch-size", "2", "--sampler", "random", "--save-every", "100"]
-
-
-class Endpoint:
-    """moto's S3 server on one port of 127.0.0.1, killed and started again on the same port by the tests."""
-
-    def __init__(self, root: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = root / "moto.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen([str(MOTO), "-H", "127.0.0.1", "-p", str(self.port)], stdout=log,
-                                         stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    pytest.fail("moto_server did not start")
-                time.sleep(0.1)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
