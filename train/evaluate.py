@@ -186,7 +186,7 @@ class EvalProgress:
 
 def open_validation(path: Path, train: PackedDataset, cp_size: int, verify_data: bool) -> PackedDataset:
     """The validation entry opened for ``cp_size`` CP ranks; its tokens must be the training pack's."""
-    dataset = PackedDataset(path, verify_data=verify_data, cp_size=cp_size)
+    dataset = PackedDataset(path, verify_data=verify_data, cp_size=cp_size, **_streaming(train))
     if dataset.vocab_size != train.vocab_size:
         raise XprepError(f"validation entry {path}: its datasets have vocabulary size {dataset.vocab_size}, the "
                          f"training pack's {train.vocab_size}; pack both from data of the same tokenizer")
@@ -208,9 +208,15 @@ def open_named_set(name: str, path: str, flag: str, train: PackedDataset, cp_siz
     refused unless it was tokenized as the training pack was and packed at its capacity."""
     if not Path(path).exists():
         raise XprepError(f"{flag} {name}={path}: no such pack cache or entry; pack it with `xprep pack` first")
-    dataset = PackedDataset(path, verify_data=verify_data, cp_size=cp_size)
+    dataset = PackedDataset(path, verify_data=verify_data, cp_size=cp_size, **_streaming(train))
     check_matches(name, flag, dataset, train)
     return dataset
+
+
+def _streaming(train: PackedDataset) -> dict:
+    """The training pack's --cache-size and --stream-timeout, for an evaluation set's datasets at URLs (each set
+    has a cache of its own, read on demand: no prefetcher)."""
+    return {"cache_size": train.cache_size, "stream_timeout": train.stream_timeout}
 
 
 def _tokenizers(dataset: PackedDataset) -> set:
