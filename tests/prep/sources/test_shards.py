@@ -305,8 +305,8 @@ def test_auto_starts_a_local_cluster_where_the_recorded_one_is_gone(monkeypatch,
 
 
 def test_the_staging_area_outlives_a_failed_upload(tmp_path, monkeypatch):
-    """With an object-store -o, the dataset is uploaded after the merge: the shards stay until the upload is
-    done, so the same command run again reuses them all."""
+    """With an object-store -o and --merge, the dataset is uploaded after the merge: the shards stay until the
+    upload is done, so the same command run again reuses them all."""
     from xprep.prep.tokenize import run as tokenize_run
     from xprep.prep.tokenize.ray.staging import Staging
 
@@ -327,5 +327,5 @@ def test_the_staging_area_outlives_a_failed_upload(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenize_run, "tokenize_on_ray", tokenize)
     monkeypatch.setattr(tokenize_run, "upload_dataset", upload)
     with pytest.raises(XprepError, match="the upload failed"):
-        tokenize_run._tokenize_on_ray(SimpleNamespace(ray="auto", output=out))
+        tokenize_run._tokenize_on_ray(SimpleNamespace(ray="auto", output=out, merge=True))
     assert os.path.isdir(os.path.join(staging.root, "shards"))
