@@ -85,3 +85,21 @@ def use_endpoint(monkeypatch, endpoint: Endpoint, credentials: dict | None = Non
     monkeypatch.setitem(fsspec.config.conf, "s3", endpoint.s3_config(credentials))
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def count_memory_reads(monkeypatch, suffix: str) -> list[int]:
+    """The byte counts of every read of a file ending in ``suffix`` on fsspec's in-memory file system (``memory://``,
+    the other object store of the tests) from now on, in order."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    fetched: list[int] = []
+    cat_file = MemoryFileSystem.cat_file
+
+    def counted(self, path, start=None, end=None, **kwargs):
+        data = cat_file(self, path, start, end, **kwargs)
+        if str(path).endswith(suffix):
+            fetched.append(len(data))
+        return data
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", counted)
+    return fetched

@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from fsspec.implementations.memory import MemoryFileSystem
+from motokit import count_memory_reads
 from trainkit import make_dataset, random_docs
 from xprep.cli import xprep
 from xprep.prep.dataset import StreamedDataset, upload_dataset
@@ -50,16 +50,7 @@ def runs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("chunk", [1 << 20, 16])  # one fetch, or many chunks of a few ranges
 def test_seen_of_a_url_dataset_reads_only_the_tokens_trained_on(runs, monkeypatch, chunk):
     root, url = runs
-    fetched: list[int] = []
-    cat_file = MemoryFileSystem.cat_file
-
-    def counted(self, path, start=None, end=None, **kwargs):
-        data = cat_file(self, path, start, end, **kwargs)
-        if str(path).endswith("category_ids.bin"):
-            fetched.append(len(data))
-        return data
-
-    monkeypatch.setattr(MemoryFileSystem, "cat_file", counted)
+    fetched = count_memory_reads(monkeypatch, "category_ids.bin")
     monkeypatch.setattr(lineage, "CATEGORY_CHUNK", chunk)
     chunks = []
     read = lineage.read_item_ranges

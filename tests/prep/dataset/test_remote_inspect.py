@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from fsspec.implementations.memory import MemoryFileSystem
+from motokit import count_memory_reads
 from trainkit import make_dataset, random_docs
 from xprep.cli import xprep
 from xprep.prep.dataset import StreamedDataset, read_item_ranges, upload_dataset
@@ -41,16 +41,7 @@ def test_inspect_reads_only_the_removed_tokens_of_a_url_dataset(tmp_path, url, m
     for source, out in ((url, "Purl"), (tmp_path / "ds", "Plocal")):
         result = CliRunner().invoke(xprep, ["pack", str(source), "-o", str(tmp_path / out), *PACK])
         assert result.exit_code == 0, (result.output, result.exception)
-    fetched: list[int] = []
-    cat_file = MemoryFileSystem.cat_file
-
-    def counted(self, path, start=None, end=None, **kwargs):
-        data = cat_file(self, path, start, end, **kwargs)
-        if str(path).endswith("category_ids.bin"):
-            fetched.append(len(data))
-        return data
-
-    monkeypatch.setattr(MemoryFileSystem, "cat_file", counted)
+    fetched = count_memory_reads(monkeypatch, "category_ids.bin")
     there, here = _inspect(tmp_path / "Purl"), _inspect(tmp_path / "Plocal")
     assert there["categories"] == here["categories"] and there["categories_note"] is None
     removed = there["overlong"]["truncated_tokens"]
