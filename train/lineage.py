@@ -164,11 +164,10 @@ def _categories_taken(ds, flat, lens, inverse, n_docs: int, cat_names: list[str]
                       ) -> tuple[np.ndarray, list[list[str]]]:
     """The tokens taken per category id, and the category names among each document's tokens taken: one numba
     pass over the items' category ids (a dataset without categories: all in its first)."""
+    counts = np.zeros(len(cat_names), np.int64)
     if ds.category_ids is None:
-        counts = np.zeros(len(cat_names), np.int64)
         counts[0] = int(lens.sum())
         return counts, [[cat_names[0]] for _ in range(n_docs)]
-    counts = np.zeros(len(cat_names), np.int64)
     present = np.zeros((n_docs, len(cat_names)), np.bool_)
     for items, starts, part in _category_chunks(ds, flat, lens):
         counts += range_bincount(items, starts, starts + lens[part], len(cat_names))
