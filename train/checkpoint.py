@@ -191,14 +191,15 @@ class CheckpointManager:
         if self._writer is None:  # not a daemon: a process ending normally waits for the save in flight
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         gpu = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        last_step, self._in_flight, self._last_step = self._last_step, save, step
         try:
-            save.job = self._writer.submit(self._write, save, state, writer, gpu)
-            self._in_flight, self._last_step = save, step
+            self._writer.submit(self._run, save, state, writer, gpu)
             if not background:
                 self._flush(shielded=blocking)
-        except BaseException:
-            submitted = save.job.running() or save is self._in_flight
-            if blocking and submitted:  # raised (by a signal handler) before the shielded wait began
+        except BaseException:  # raised by a signal handler, maybe inside ``submit``, before the shielded wait
+            if save.job.cancel():  # not picked up by the writer: it never will be
+                self._in_flight, self._last_step = None, last_step
+            elif blocking:
                 _wait_for(save.job, shielded=True)
             raise
         return final
@@ -244,6 +245,18 @@ class CheckpointManager:
         finally:
             if save.job.done():
                 self._in_flight = None
+
+    def _run(self, save: _Save, state: dict, writer: _DigestingWriter, gpu: int | None) -> None:
+        """In the writer thread: ``_write`` with its outcome in ``save.job``, a future made before the submission,
+        so that a signal handler raising inside ``submit`` cannot leave the caller without the save's future."""
+        if not save.job.set_running_or_notify_cancel():
+            return
+        try:
+            self._write(save, state, writer, gpu)
+        except BaseException as e:
+            save.job.set_exception(e)
+        else:
+            save.job.set_result(None)
 
     def _write(self, save: _Save, state: dict, writer: _DigestingWriter, gpu: int | None) -> None:
         """In the writer thread: this rank's part of ``save``, then, on rank 0, its publication (module docstring:

@@ -140,6 +140,51 @@ def test_a_signal_during_a_blocking_save_waits_for_its_publication(tmp_path, hel
     assert handled.is_set() and m.latest() == m.root / "step-3" and damage(m.root / "step-3") is None
 
 
+class SignalInSubmit(checkpoint.ThreadPoolExecutor):
+    """A signal handler's exception raised inside the next ``submit``: once the writer has picked the save up
+    (``writing``), or before the save was queued (``queued=False``), as a signal landing there on a busy machine
+    does."""
+
+    def __init__(self, writing: threading.Event, queued: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.writing, self.queued, self.interrupt = writing, queued, True
+
+    def submit(self, *args, **kwargs):
+        if not self.interrupt:
+            return super().submit(*args, **kwargs)
+        self.interrupt = False
+        if self.queued:
+            super().submit(*args, **kwargs)
+            assert self.writing.wait(HANG_GUARD_S)
+        raise KeyboardInterrupt
+
+
+def test_a_signal_inside_the_submission_of_a_blocking_save_waits_for_its_publication(tmp_path, held_writes,
+                                                                                    monkeypatch):
+    writing, release = held_writes
+    monkeypatch.setattr(checkpoint, "ThreadPoolExecutor", lambda **kw: SignalInSubmit(writing, True, **kw))
+    m = CheckpointManager(tmp_path, ParallelDims(), async_save=True)
+    model, optimizer = model_and_optimizer(3.0)
+    threading.Timer(0.5, release.set).start()  # the write ends after the exception was raised
+    with pytest.raises(KeyboardInterrupt):
+        m.save(3, model, optimizer, state(3), blocking=True)
+    assert m.latest() == m.root / "step-3" and damage(m.root / "step-3") is None
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["async", "blocking"])
+def test_a_signal_before_the_save_was_queued_leaves_no_save_in_flight(tmp_path, monkeypatch, blocking):
+    """The save never reached the writer: nothing waits for it (no hang), and the next save of that step runs."""
+    monkeypatch.setattr(checkpoint, "ThreadPoolExecutor", lambda **kw: SignalInSubmit(threading.Event(), False, **kw))
+    m = CheckpointManager(tmp_path, ParallelDims(), async_save=True)
+    model, optimizer = model_and_optimizer(4.0)
+    with pytest.raises(KeyboardInterrupt):
+        m.save(4, model, optimizer, state(4), blocking=blocking)
+    assert m.poll() is None
+    assert m.save(4, model, optimizer, state(4), blocking=True) == m.root / "step-4"
+    m.finish()
+    assert m.latest() == m.root / "step-4" and loaded_value(m, m.latest()) == 4.0
+
+
 # ------------------------------------------------------------------------------------------ 2: digests
 def flip_a_bit(path: Path) -> None:
     data = bytearray(path.read_bytes())
