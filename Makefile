@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# Two test processes (pytest-xdist), a whole test file to each at a time (module fixtures are built once): most
+# files run one Python thread, so a 2-core machine does twice the work; TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 # The whole pipeline on an embedded corpus (Python's standard library + a BPE tokenizer trained
 # here): tokenize -> pack -> inspect -> a few training steps (2 ranks: on 2 GPUs when there are, else on the CPU).
