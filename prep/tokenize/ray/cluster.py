@@ -155,8 +155,10 @@ def tokenize_on_ray(config: TokenizeConfig, job: Job, out: str, cluster: Cluster
     how = (f"ray: {len(shards)} shard{'s' if len(shards) != 1 else ''} on {len(nodes)} node"
            f"{'s' if len(nodes) != 1 else ''}, {reused} reused, {retried} retried")
     if sharded:
+        copy = ("`xprep pack` and `xtrain run` read it in place" if is_url(out) else
+                "`xprep merge` makes one merged copy of it")  # (merge reads local datasets only)
         print(f"xprep tokenize: ray: shards ran in {t1 - t0:.2f} s; published as a sharded dataset in {t2 - t1:.2f} s "
-              "(`xprep merge` makes one merged copy of it)", file=sys.stderr)
+              f"({copy})", file=sys.stderr)
         return manifest, how + ", sharded"
     merged = _bin_bytes(out, manifest)
     print(f"xprep tokenize: ray: shards ran in {t1 - t0:.2f} s; the merge copied {merged / 1e6:,.1f} MB in "
