@@ -507,13 +507,9 @@ def _report_and_exit(e: BaseException, dims: ParallelDims) -> None:
     """
     if isinstance(e, Stopped):  # every rank stopped at the same step, after the checkpoint: nothing to report
         shutdown(dims, e.exit_code, clean=True)
-    if isinstance(e, TooManyBadSteps):  # every rank stopped at the same step: rank 0 says why, all leave with 3
-        if dims.is_main:
-            print(f"error: {e}", file=sys.stderr)
-        shutdown(dims, e.exit_code, clean=True)
-    if isinstance(e, DataUnreachable):  # every rank stopped at the same step, after the checkpoint: those whose
-        if e.own:                       # own reads failed say which URL, all leave with 75
-            print(f"error: [rank {dims.rank}] {e}", file=sys.stderr)
+    if isinstance(e, AgreedStop):  # every rank stopped at the same step: no peer to wait for
+        if (line := e.line(dims)) is not None:
+            print(line, file=sys.stderr)
         shutdown(dims, e.exit_code, clean=True)
     cause = None if isinstance(e, XprepError) else machine_cause(e)
     if cause is not None:  # the machine refused (a full disk, a permission): one line, as a user's mistake is
@@ -727,7 +723,16 @@ def _stage(prefetch: Prefetcher, trainer: Trainer, ckpt: CheckpointManager, save
                           "answers, to resume", own=failure is not None)
 
 
-class DataUnreachable(XprepError):
+class AgreedStop(XprepError):
+    """A stop every rank reached at the same step: each leaves with ``exit_code``, printing its ``line``, if any."""
+
+    exit_code: int
+
+    def line(self, dims: ParallelDims) -> str | None:
+        raise NotImplementedError
+
+
+class DataUnreachable(AgreedStop):
     """Data at a URL stayed unreachable past --stream-timeout: every rank stopped before the same step, after a
     checkpoint; exit status 75 (sysexits' EX_TEMPFAIL, "try again later": a scheduler may requeue the same command,
     which resumes). ``own``: this rank's own read failed (it names the URL; the others only follow)."""
@@ -738,11 +743,18 @@ class DataUnreachable(XprepError):
         super().__init__(message)
         self.own = own
 
+    def line(self, dims: ParallelDims) -> str | None:
+        return f"error: [rank {dims.rank}] {self}" if self.own else None
 
-class TooManyBadSteps(XprepError):
-    """``--max-bad-steps`` bad steps in a row: the run stops (every rank at the same step), exit status 3."""
+
+class TooManyBadSteps(AgreedStop):
+    """``--max-bad-steps`` bad steps in a row: the run stops (every rank at the same step), exit status 3; rank 0
+    says why."""
 
     exit_code = BAD_STEPS_EXIT
+
+    def line(self, dims: ParallelDims) -> str | None:
+        return f"error: {self}" if dims.is_main else None
 
 
 def _after_bad_step(trainer: Trainer, max_bad_steps: int, total_steps: int, ckpt: CheckpointManager, out) -> None:
