@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from numba import njit
-from xprep.prep.dataset import read_item_ranges
+from xprep.prep.dataset import stream_chunks
 from xprep.prep.errors import XprepError
 from xprep.prep.pack import PackBins, open_entry, range_bincount
 from xprep.train.ckpt_files import LATEST, TRAINER_JSON
@@ -169,29 +169,12 @@ def _categories_taken(ds, flat, lens, inverse, n_docs: int, cat_names: list[str]
         counts[0] = int(lens.sum())
         return counts, [[cat_names[0]] for _ in range(n_docs)]
     present = np.zeros((n_docs, len(cat_names)), np.bool_)
-    for items, starts, part in _category_chunks(ds, flat, lens):
+    for (items,), starts, part in stream_chunks(ds, [ds.category_ids], flat, flat + lens, CATEGORY_CHUNK):
         counts += range_bincount(items, starts, starts + lens[part], len(cat_names))
         _present_kernel(items, starts, lens[part], inverse[part], present)
     rows, row_of_doc = np.unique(present, axis=0, return_inverse=True)  # few distinct sets: name each once
     named = [[cat_names[c] for c in np.flatnonzero(r)] for r in rows]
     return counts, [named[r] for r in row_of_doc.reshape(-1).tolist()]
-
-
-def _category_chunks(ds, flat: np.ndarray, lens: np.ndarray):
-    """``(items, starts, part)``: category ids holding the ranges ``[flat[k], flat[k] + lens[k])`` of ``k`` in the
-    slice ``part`` at ``starts``. A local dataset: its memory map, whole, in one. One at a URL (``StreamedDataset``):
-    the ranges fetched by range, about ``CATEGORY_CHUNK`` ids at a time (a run's lineage reads what it trained on,
-    which may be far more than memory holds), never the whole stream."""
-    if not getattr(ds, "streamed", False):
-        yield ds.category_ids.items, flat, slice(0, len(flat))
-        return
-    stream, n, budget = ds.category_ids, lens.astype(np.int64), CATEGORY_CHUNK
-    chunk = (np.cumsum(n) - n) // budget  # the chunk each range starts in
-    bounds = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), len(n)]
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        part, lo = slice(a, b), flat[a:b]
-        fetched = read_item_ranges(stream.url, stream.dtype, lo, lo + n[part], stream.retry, 4 * budget)
-        yield np.concatenate([np.zeros(0, stream.dtype), *fetched]), np.cumsum(n[part]) - n[part], part
 
 
 @njit(cache=True)

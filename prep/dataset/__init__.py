@@ -5,6 +5,7 @@ What other stages (and train/, cli.py) may import is what this file exports; ins
 import each other directly.
 """
 
+from xprep.prep.dataset.chunks import stream_chunks
 from xprep.prep.dataset.indexed import bin_path, idx_path
 from xprep.prep.dataset.manifest import (
     CONVERSATION_COUNTS,
@@ -56,6 +57,6 @@ __all__ = [
     "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids",
     "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "mark_complete", "merge_datasets",
     "open_block_cache", "open_dataset", "open_parts", "open_url_parts", "publish_sharded_url", "read_item_ranges",
-    "read_manifest", "staged_copy", "sync_dataset", "synced_from", "token_dtype", "upload_dataset", "verify_parts",
-    "verify_streams", "write_sharded"
+    "read_manifest", "staged_copy", "stream_chunks", "sync_dataset", "synced_from", "token_dtype", "upload_dataset",
+    "verify_parts", "verify_streams", "write_sharded"
 ]

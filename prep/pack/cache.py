@@ -39,6 +39,7 @@ from xprep.prep.dataset import (
     canonical_json,
     open_url_parts,
     read_manifest,
+    stream_chunks,
     synced_from,
     verify_parts,
 )
@@ -527,24 +528,46 @@ def _load_lengths(inputs: list[dict], groups: list[list[TokenDataset]]) -> tuple
     return np.concatenate(parts) if parts else np.zeros(0, np.int32), described
 
 
+NO_MASK, NO_TOKENS = np.zeros(0, np.uint8), np.zeros(0, np.int32)  # (a dataset without a loss mask; no EOD rule)
+
+
 def dataset_targets(datasets: list[TokenDataset], eod: int | None = None) -> Targets:
     """``Targets`` over the global document index of these datasets, from their loss masks (one pass over the
     masks of the items asked about; a dataset without a loss-mask stream learns every token but an item's first).
     ``eod``: the EOD id that ``mask_eod`` (``--eod-mask-loss``) keeps from being a target (``chunk_eod``)."""
     bases = np.cumsum([0, *(len(ds) for ds in datasets)])
-    streams = [(ds.loss_mask.items if ds.loss_mask is not None else np.zeros(0, np.uint8), ds.tokens.offsets(),
-                ds.lengths.astype(np.int64)) for ds in datasets]
+    offsets = [ds.tokens.offsets() for ds in datasets]
+    lengths = [ds.lengths.astype(np.int64) for ds in datasets]
+
+    def counted(mask, tokens, doc_offsets, doc_lengths, item_doc, item_start, item_len, lookahead, opens, mask_eod):
+        if opens is None and not mask_eod:
+            return item_targets(mask, doc_offsets, doc_lengths, item_doc, item_start, item_len, lookahead)
+        opens = np.ones(len(item_doc), np.bool_) if opens is None else opens
+        return sample_targets(mask, tokens, doc_offsets, doc_lengths, item_doc, item_start, item_len, opens,
+                              eod if mask_eod else -1)
 
     def one(k, item_doc, item_start, item_len, lookahead, opens, mask_eod):
-        if opens is None and not mask_eod:
-            return item_targets(*streams[k], item_doc, item_start, item_len, lookahead)
-        mask, offsets, lengths = streams[k]
-        opens = np.ones(len(item_doc), np.bool_) if opens is None else opens
-        return sample_targets(mask, datasets[k].tokens.items, offsets, lengths, item_doc, item_start, item_len,
-                              opens, eod if mask_eod else -1)
+        ds = datasets[k]
+        read = [s for s in (ds.loss_mask, ds.tokens if mask_eod else None) if s is not None]
+        if not read or not getattr(ds, "streamed", False):  # through the memory maps (or the lengths alone)
+            mask = ds.loss_mask.items if ds.loss_mask is not None else NO_MASK
+            return counted(mask, ds.tokens.items if mask_eod else NO_TOKENS, offsets[k], lengths[k], item_doc,
+                           item_start, item_len, lookahead, opens, mask_eod)
+        # at a URL: the items' ranges (with the token after each, if any) fetched a chunk at a time, each item
+        # counted as a document of its own whose start lies where its tokens were put
+        size = lengths[k][item_doc]
+        lo = offsets[k][item_doc] + item_start
+        hi = lo + np.minimum(item_len + 1, size - item_start)
+        order, out = np.argsort(lo, kind="stable"), np.empty(len(item_doc), np.int64)  # in order: few requests
+        for items, starts, part in stream_chunks(ds, read, lo[order], hi[order]):
+            sel = order[part]
+            out[sel] = counted(items[0] if ds.loss_mask is not None else NO_MASK, items[-1] if mask_eod else NO_TOKENS,
+                               starts - item_start[sel], size[sel], np.arange(len(sel)), item_start[sel],
+                               item_len[sel], lookahead, None if opens is None else opens[sel], mask_eod)
+        return out
 
     def targets(item_doc, item_start, item_len, lookahead=False, opens=None, mask_eod=False):
-        if len(streams) == 1:
+        if len(datasets) == 1:
             return one(0, item_doc, item_start, item_len, lookahead, opens, mask_eod)
         out = np.zeros(len(item_doc), np.int64)
         which = np.searchsorted(bases, item_doc, side="right") - 1

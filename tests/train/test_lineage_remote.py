@@ -14,6 +14,7 @@ from motokit import count_memory_reads
 from trainkit import make_dataset, random_docs
 from xprep.cli import xprep
 from xprep.prep.dataset import StreamedDataset, upload_dataset
+from xprep.prep.dataset import chunks as chunks_module
 from xprep.prep.pack import open_entry
 from xprep.train import lineage
 
@@ -53,12 +54,13 @@ def test_seen_of_a_url_dataset_reads_only_the_tokens_trained_on(runs, monkeypatc
     fetched = count_memory_reads(monkeypatch, "category_ids.bin")
     monkeypatch.setattr(lineage, "CATEGORY_CHUNK", chunk)
     chunks = []
-    read = lineage.read_item_ranges
-    monkeypatch.setattr(lineage, "read_item_ranges", lambda *a: chunks.append(a) or read(*a))
+    read = chunks_module.read_item_ranges
+    monkeypatch.setattr(chunks_module, "read_item_ranges", lambda *a: chunks.append(a) or read(*a))
     there, here = lineage.seen_report(root / "url"), lineage.seen_report(root / "local")
     assert there["tokens"] == here["tokens"] > 0 and there["categories"] == here["categories"]
     assert there["sources"] == here["sources"]
     assert [{**d, "dataset": None} for d in there["documents"]] == [{**d, "dataset": None} for d in here["documents"]]
     assert len({tuple(d["categories"]) for d in here["documents"]}) > 1  # the per-document sets are tested
-    assert sum(fetched) == there["tokens"] < StreamedDataset(url).category_ids.nbytes  # one byte an id
+    # one byte an id; neighbours a small gap apart fetched as one request (at most 10 % more)
+    assert there["tokens"] <= sum(fetched) <= 1.1 * there["tokens"] < StreamedDataset(url).category_ids.nbytes
     assert (len(chunks) > 1) == (chunk == 16)
