@@ -127,7 +127,24 @@ def fetch_tokenizer(ds, cache_dir: str | None = None, retry: Retry | None = None
     """The local path of the tokenizer.json the dataset ``ds`` at a URL was made with, checked against the sha256
     its manifest records (as ``dataset_tokenizer`` checks a local dataset's). One kept inside the dataset is
     fetched (that file alone) into CACHE/datasets/FINGERPRINT/, once; one named by an absolute path must be on
-    this machine."""
+    this machine.
+
+    A sharded dataset names the tokenizer kept in its first shard relative to itself, which an upload does not
+    rewrite when it renames that shard (one that lay outside it, ``../x``, goes to ``shard-00000``): where that
+    name finds nothing, the first shard's own manifest says where (shards share their tokenizer)."""
+    try:
+        return _fetch_tokenizer(ds, cache_dir, retry)
+    except XprepError as e:
+        if not getattr(ds, "shards", None):
+            raise
+        first = e
+    try:
+        return _fetch_tokenizer(ds.shards[0], cache_dir, retry)
+    except XprepError:
+        raise first from None
+
+
+def _fetch_tokenizer(ds, cache_dir: str | None, retry: Retry | None) -> str:
     info, recorded = ds.manifest.get("tokenizer") or {}, f"{ds.path}/{MANIFEST}"
     where = tokenizer_location(ds.path, ds.manifest)
     if not where:

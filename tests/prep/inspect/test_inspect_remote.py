@@ -25,8 +25,8 @@ PACK = ["--method", "multipack", "--seq-len", "32", "--overlong", "truncate"]  #
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, tiny_tokenizer):
     """(endpoint, local root) with s3://insp/sh, a sharded dataset (categories numbered differently in each shard),
-    s3://insp/packed, a pack of it made from the URL, and s3://insp/kept, a dataset whose tokenizer (converted from
-    GPT-2 files) is kept inside it."""
+    s3://insp/packed, a pack of it made from the URL, s3://insp/kept, a dataset whose tokenizer (converted from
+    GPT-2 files) is kept inside it, and s3://insp/ksh, a sharded one of two such datasets."""
     root = tmp_path_factory.mktemp("inspurl")
     endpoint = Endpoint(root).start()
     with pytest.MonkeyPatch.context() as mp:
@@ -39,8 +39,13 @@ def store(tmp_path_factory, tiny_tokenizer):
         assert packed.exit_code == 0, packed.output
         s3fs.S3FileSystem().put(str(root / "packed"), "insp/packed", recursive=True)
         gpt2 = _gpt2_files(tiny_tokenizer, root / "gpt2")
-        tokenize(write_jsonl(root / "t.jsonl", text_records(12)), root / "kept", gpt2)
+        texts = write_jsonl(root / "t.jsonl", text_records(12))
+        tokenize(texts, root / "kept", gpt2)
         upload_dataset(root / "kept", "s3://insp/kept")
+        for k in range(2):  # shards outside the sharded directory: uploaded as shard-0000k
+            tokenize(texts, root / f"k{k}", gpt2, num_shards=2, shard_index=k)
+        write_sharded([root / "k0", root / "k1"], root / "ksh")
+        upload_dataset(root / "ksh", "s3://insp/ksh")
         s3fs.S3FileSystem().pipe_file("insp/run/metrics.jsonl", b'{"step": 1, "loss": 1.0}\n')
     yield endpoint, root
     endpoint.kill()
@@ -163,14 +168,24 @@ def test_a_real_dataset_at_a_url_reports_and_samples_as_its_local_copy(tmp_path,
     assert "(see s3://insp/chat/rejects.jsonl)" in text and s3fs.S3FileSystem().exists("insp/chat/rejects.jsonl")
 
 
-def test_the_tokenizer_kept_inside_a_dataset_at_a_url_is_fetched_once(store, endpoint, reads):
-    there = _report("s3://insp/kept", "--sample", 2)
+def test_the_tokenizer_kept_inside_a_dataset_at_a_url_is_fetched_once_into_the_cache_dir(store, endpoint, reads,
+                                                                                       tmp_path):
+    there = _report("s3://insp/kept", "--sample", 2, "--cache-dir", tmp_path / "cd")
     here = _report(store[1] / "kept", "--sample", 2)
     assert there["tokenizer"]["path"] == "s3://insp/kept/tokenizer.json"
     assert there["sample"] == here["sample"] and _without_paths(there) == _without_paths(here)
     assert len(reads["insp/kept/tokenizer.json"]) == 1
-    _report("s3://insp/kept", "--sample", 2)
+    _report("s3://insp/kept", "--sample", 2, "--cache-dir", tmp_path / "cd")
     assert len(reads["insp/kept/tokenizer.json"]) == 1  # the cached copy, its sha256 checked
+    fetched = {p.name for p in (tmp_path / "cd").rglob("*")}
+    assert {"kept.index", "kept.tokenizer.json", "tokens.idx"} <= fetched and not (tmp_path / "cache").exists()
+
+
+def test_a_sharded_dataset_at_a_url_finds_the_tokenizer_kept_in_its_first_shard(store, endpoint):
+    """Its manifest names ../k0/tokenizer.json, which the upload moved to shard-00000/tokenizer.json."""
+    sample = ["--sample", 3, "--seed", 1]
+    there, here = _report("s3://insp/ksh", *sample), _report(store[1] / "ksh", *sample)
+    assert there["sample"] == here["sample"] and len(there["sample"]["documents"]) == 3
 
 
 # ----------------------------------------------------------------------------------------------- packs
