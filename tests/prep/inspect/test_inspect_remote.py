@@ -221,6 +221,16 @@ def test_what_is_no_dataset_nor_pack_at_a_url_is_one_line(endpoint):
     _one_line("s3://insp/other", "neither a token dataset, a pack cache nor a run directory")
 
 
+def test_an_endpoint_that_does_not_answer_is_one_line_once_the_retries_are_spent(tmp_path, monkeypatch):
+    import functools
+
+    from xprep.prep.inspect import remote
+
+    use_endpoint(monkeypatch, Endpoint(tmp_path))  # a free port: nothing listens there
+    monkeypatch.setattr(remote, "Retry", functools.partial(remote.Retry, budget_s=0.5))
+    _one_line("s3://insp/sh", "unreachable for", "EndpointConnectionError")
+
+
 def test_a_dataset_at_a_url_denied_is_one_line(store, tmp_path, monkeypatch):
     """Its own server: denying access applies to every request from then on. Denied every object or only the token
     stream (whose size the report checks against its index), the report is refused, naming the object."""
