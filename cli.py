@@ -401,9 +401,14 @@ def _local_dataset(path: str, cache_dir: str | None) -> str:
                    "to --step, with tokens per source and per category.")
 @click.option("--step", type=int, default=None, metavar="N",
               help="With --seen: up to step N [default: the latest checkpoint, else the last logged step].")
+@click.option("--cache-dir", default=None, metavar="DIR",
+              help="Where what is fetched of datasets and packs given as URLs (s3://…) is kept: a dataset's manifest "
+                   "and indexes, by fingerprint (never its tokens: --sample reads its documents by range), a pack's "
+                   "entry files [default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
 @_user_errors
-def inspect(paths, as_json, sample, seed, over, plot, seen, step, html):
-    """Report on token datasets, pack caches (every entry, then the current one) and run directories."""
+def inspect(paths, as_json, sample, seed, over, plot, seen, step, html, cache_dir):
+    """Report on token datasets, pack caches (every entry, then the current one) and run directories, local or at
+    URLs (s3://, gs://: read where they are; a run directory must be local)."""
     from xprep.prep.inspect import (  # deferred: numpy and the report modules load on use
         InspectOptions,
         check_target,
@@ -413,7 +418,7 @@ def inspect(paths, as_json, sample, seed, over, plot, seen, step, html):
         write_page,
     )
 
-    options = InspectOptions(sample=sample, seed=seed, over=over, plot=plot)
+    options = InspectOptions(sample=sample, seed=seed, over=over, plot=plot, cache_dir=cache_dir)
     found = [(path, kind_of(path)) for path in paths]
     options.check_applies_to(found)
     if step is not None and not seen:
@@ -445,7 +450,7 @@ def _report(kind: str, path: str, options, seen: bool = False, step: int | None 
     if kind == "packed":
         from xprep.prep.inspect import pack_report  # deferred: numpy, for this kind only
 
-        return pack_report(path)
+        return pack_report(path, options.cache_dir)
     if seen:
         from xprep.train.lineage import seen_report  # deferred: train/ is read only for a run directory
 

@@ -13,24 +13,29 @@ import numpy as np
 from tokenizers import Tokenizer
 from xprep.prep.dataset import CONVERSATION_COUNTS, conversation_counts, dataset_tokenizer, open_dataset
 from xprep.prep.errors import XprepError
+from xprep.prep.fs import is_url
 from xprep.prep.inspect.options import InspectOptions
+from xprep.prep.inspect.remote import fetch_tokenizer, open_url_dataset, tokenizer_location
 from xprep.prep.inspect.stats import default_over, histogram, length_stats, over_counts
 
 
 def dataset_report(path: str | Path, options: InspectOptions | None = None) -> dict:
-    """What ``xprep inspect DATASET`` shows, as a JSON-able dict (``xprep.prep.inspect.text`` makes the text)."""
-    path = Path(path)
+    """What ``xprep inspect DATASET`` shows, as a JSON-able dict (``xprep.prep.inspect.text`` makes the text). A
+    dataset at a URL is read where it is (prep/inspect/remote.py): its manifests and indexes, no token byte."""
     options = options or InspectOptions()
-    ds = open_dataset(path)  # plain or sharded: documents by their global index either way
+    remote = is_url(str(path))
+    # plain or sharded: documents by their global index either way
+    ds = open_url_dataset(str(path), options.cache_dir) if remote else open_dataset(Path(path))
     m = ds.manifest
     counts = m["counts"]
     conversations = conversation_counts(m)  # None: unknown (made before they were counted)
     report = {
         "kind": "dataset",
-        "path": str(path),
+        "path": str(path) if remote else str(Path(path)),  # a URL as given (a Path would make s3:// s3:/)
         "fingerprint": m["fingerprint"],
         # the path where the tokenizer is (one kept inside the dataset is recorded relative to it)
-        "tokenizer": {**m["tokenizer"], "path": str(path / m["tokenizer"]["path"])},
+        "tokenizer": {**m["tokenizer"], "path": tokenizer_location(str(path), m) if remote
+                      else str(Path(path) / m["tokenizer"]["path"])},
         # the template chat records were rendered with: none where the dataset holds no conversation
         "chat_template": m.get("chat_template") if conversations is None or conversations[0] else None,
         "conversations": conversation_shape(conversations),
@@ -52,7 +57,7 @@ def dataset_report(path: str | Path, options: InspectOptions | None = None) -> d
         "over": over_counts(ds.lengths, options.over or default_over(ds.lengths)),
     }
     if options.sample:
-        report["sample"] = sample_documents(ds, options.sample, options.seed)
+        report["sample"] = sample_documents(ds, options.sample, options.seed, options.cache_dir)
     return report
 
 
@@ -79,23 +84,26 @@ def category_shares(categories: dict, tokens: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- --sample
-def sample_documents(ds, n: int, seed: int | None) -> dict:
-    """The first ``n`` documents, or ``n`` drawn at random with ``seed`` (in index order), decoded."""
+def sample_documents(ds, n: int, seed: int | None, cache_dir: str | None = None) -> dict:
+    """The first ``n`` documents, or ``n`` drawn at random with ``seed`` (in index order), decoded (those of a
+    dataset at a URL fetched by range, its tokenizer into ``cache_dir``)."""
     total = len(ds)
     k = min(n, total)
     if seed is None:
         picked = np.arange(k)
     else:
         picked = np.sort(np.random.default_rng(seed).choice(total, k, replace=False))
-    tokenizer = load_decoder(ds) if k else None
+    tokenizer = load_decoder(ds, cache_dir) if k else None
     return {"selection": "first" if seed is None else "random", "seed": seed, "requested": n, "of": total,
             "documents": [decode_document(ds, int(i), tokenizer) for i in picked]}
 
 
-def load_decoder(ds):
-    """The ``tokenizers.Tokenizer`` the dataset was made with (``dataset_tokenizer``: found and checked)."""
+def load_decoder(ds, cache_dir: str | None = None):
+    """The ``tokenizers.Tokenizer`` the dataset was made with (``dataset_tokenizer``: found and checked; at a URL,
+    ``fetch_tokenizer``)."""
     try:
-        path = dataset_tokenizer(ds.path, ds.manifest)
+        path = fetch_tokenizer(ds, cache_dir) if getattr(ds, "streamed", False) else \
+            dataset_tokenizer(ds.path, ds.manifest)
     except XprepError as e:
         raise XprepError(f"--sample: {e} to decode the documents") from None
     try:

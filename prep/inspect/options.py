@@ -13,6 +13,8 @@ from pathlib import Path
 
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import BLEND_JSON, DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, SHARDED_FORMAT
+from xprep.prep.fs import is_url
+from xprep.prep.inspect.remote import RUN_FILES, url_kind
 from xprep.prep.io import read_json
 
 KIND_NAMES = {"dataset": "token dataset", "packed": "pack cache", "run": "run directory"}
@@ -23,13 +25,15 @@ class InspectOptions:
     """What ``xprep inspect`` adds to the plain report; one field per option.
 
     ``sample``/``seed``/``over`` apply to a token dataset, ``plot`` (an image file) to a run directory.
-    ``over`` may be given as the option's text, ``"2048,4096"``.
+    ``over`` may be given as the option's text, ``"2048,4096"``. ``cache_dir``: where what is fetched of a dataset
+    or a pack at a URL is kept (None: ``prep.fs.cache_root``'s).
     """
 
     sample: int | None = None
     seed: int | None = None
     over: tuple[int, ...] | str | None = None
     plot: str | None = None
+    cache_dir: str | None = None
 
     def __post_init__(self):
         if self.sample is not None and self.sample < 1:
@@ -41,7 +45,7 @@ class InspectOptions:
         if isinstance(self.over, str):
             self.over = parse_over(self.over)
 
-    def check_applies(self, kind: str, path: Path) -> None:
+    def check_applies(self, kind: str, path: str | Path) -> None:
         given = {"--sample": self.sample, "--over": self.over, "--plot": self.plot}
         wanted = {"--sample": "dataset", "--over": "dataset", "--plot": "run"}
         for flag, value in given.items():
@@ -54,7 +58,7 @@ class InspectOptions:
         """Every option given applies to some of the paths (``(path, kind)`` pairs); ``--plot`` draws one run
         directory alone."""
         if len(found) == 1:
-            self.check_applies(found[0][1], Path(found[0][0]))
+            self.check_applies(found[0][1], found[0][0])
             return
         if self.plot is not None:
             raise XprepError(f"--plot draws one run directory, and {len(found)} paths are given; give one, or "
@@ -78,7 +82,10 @@ def parse_over(text: str) -> tuple[int, ...]:
 
 
 def kind_of(path: str | Path) -> str:
-    """What ``path`` is: "dataset", "packed" or "run"; anything else is a clear error."""
+    """What ``path`` is: "dataset", "packed" or "run"; anything else is a clear error. A URL is looked at where it
+    is (``url_kind``; a run directory there is refused)."""
+    if is_url(str(path)):
+        return url_kind(str(path))
     path = Path(path)
     if not path.exists():
         raise XprepError(f"{path}: no such file or directory")
@@ -94,6 +101,6 @@ def kind_of(path: str | Path) -> str:
             return "packed"
     if (path / PACK_JSON).is_file() or (path / BLEND_JSON).is_file():  # one entry of a cache, plain or a blend
         return "packed"
-    if (path / "metrics.jsonl").is_file() or (path / "config.json").is_file():
+    if any((path / name).is_file() for name in RUN_FILES):
         return "run"
     raise XprepError(f"{path}: neither a token dataset, a pack cache nor a run directory")

@@ -11,9 +11,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-from xprep.prep.dataset import TokenDataset, read_item_ranges
+from xprep.prep.dataset import Retry, TokenDataset, read_item_ranges
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import BLEND_JSON
+from xprep.prep.fs import is_url
+from xprep.prep.inspect.remote import moved_to
 from xprep.prep.inspect.stats import count_histogram, fill_histogram, length_stats, ratio_histogram
 from xprep.prep.pack import (
     MANIFEST,
@@ -22,6 +24,7 @@ from xprep.prep.pack import (
     DatasetChanged,
     PackEntry,
     doc_lengths,
+    fetch_pack,
     methods_of,
     open_entry,
     range_bincount,
@@ -30,19 +33,23 @@ from xprep.prep.pack import (
 DP_STEPS_SHOWN = 48  # steps of a --balance-dp pack whose per-rank Σlen² the report lists in full
 
 
-def pack_report(path: str | Path) -> dict:
+def pack_report(path: str | Path, cache_dir: str | None = None) -> dict:
     """JSON-able report on the current entry of a pack cache (or an entry directory), with the list
-    of every entry in the cache (``None`` for an entry directory)."""
+    of every entry in the cache (``None`` for an entry directory). One at a URL is fetched first (its entry files:
+    ``fetch_pack``) into ``cache_dir``, as are the indexes of input datasets at URLs."""
+    if is_url(str(path)):
+        local = str(fetch_pack(str(path), cache_dir, Retry()))
+        return moved_to(pack_report(local, cache_dir), local, str(path).rstrip("/"))
     entries = cache_entries(Path(path))
     entry = open_entry(path)
     if isinstance(entry, BlendEntry):
-        return blend_report(entry, entries)
+        return blend_report(entry, entries, cache_dir)
     stats = entry.meta["stats"]
     offsets = np.asarray(entry.bin_offsets)
     per_bin = bin_token_counts(offsets, np.asarray(entry.item_len))
     tokens, n_bins, capacity = int(per_bin.sum()), entry.num_bins, entry.capacity
     lower = -(-tokens // capacity)
-    datasets, note = _open_inputs(entry)
+    datasets, note = _open_inputs(entry, cache_dir)
     if datasets is not None:
         entry.check_items(doc_lengths(datasets))  # a damaged entry is refused, not reported on
     categories, note = category_tokens(entry, datasets) if datasets is not None else (None, note)
@@ -145,10 +152,11 @@ def category_shares(categories: dict | None) -> dict | None:
     return {name: n / total if total else 0.0 for name, n in categories.items()}
 
 
-def _open_inputs(entry: PackEntry) -> tuple[list[TokenDataset] | None, str | None]:
-    """The entry's input datasets, or None and why they cannot be opened (the report goes on without them)."""
+def _open_inputs(entry: PackEntry, cache_dir: str | None = None) -> tuple[list[TokenDataset] | None, str | None]:
+    """The entry's input datasets, or None and why they cannot be opened (the report goes on without them). One
+    packed from a URL whose local copy this machine lacks is read in place (``stream``), never copied whole."""
     try:
-        return entry.open_datasets(), None
+        return entry.open_datasets(stream=True, cache_dir=cache_dir), None
     except DatasetChanged as e:
         return None, str(e)
     except XprepError as e:
@@ -284,7 +292,7 @@ def pack_flags(c: dict, where: str | Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------ blends
-def blend_report(entry: BlendEntry, entries: list[dict] | None) -> dict:
+def blend_report(entry: BlendEntry, entries: list[dict] | None, cache_dir: str | None = None) -> dict:
     """The report on a blend: its size and, per source, requested vs delivered share and repeat factor."""
     meta = entry.meta
     tokens, documents = blend_bin_counts(entry)
@@ -295,7 +303,7 @@ def blend_report(entry: BlendEntry, entries: list[dict] | None) -> dict:
             "tokens_per_bin": length_stats(tokens), "documents_per_bin": length_stats(documents),
             "fill_histogram": fill_histogram(tokens, entry.capacity),
             "documents_per_bin_histogram": count_histogram(documents),
-            "source_reports": [pack_report(source.path) for source in entry.sources]}
+            "source_reports": [pack_report(source.path, cache_dir) for source in entry.sources]}
 
 
 def blend_bin_counts(entry: BlendEntry) -> tuple[np.ndarray, np.ndarray]:

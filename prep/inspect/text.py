@@ -173,7 +173,9 @@ def render_dataset(r: dict, color: bool = False) -> str:
     lines += table(["category", "tokens", "target tokens", "share"], rows)
     if r["rejects"]["count"]:
         lines.append("")
-        lines.append(f"rejected records: {r['rejects']['count']:,} (see {r['path']}/rejects.jsonl)")
+        where = f"the rejects.jsonl of each shard under {r['path']}" if r.get("shards") else \
+            f"{r['path'].rstrip('/')}/rejects.jsonl"
+        lines.append(f"rejected records: {r['rejects']['count']:,} (see {where})")
         lines += [f"  {k}: {v:,}" for k, v in r["rejects"]["by_reason"].items()]
     if "sample" in r:
         lines += ["", *render_sample(r["sample"], color)]
@@ -193,7 +195,7 @@ def render_entries(r: dict) -> list[str]:
     legend = "* = current, the one `xtrain run` trains on" + (
         "; v = its --split validation entry" if any(e.get("validation") for e in entries) else "") + (
         "; t = its --split test entry" if any(e.get("test") for e in entries) else "")
-    lines = [f"pack cache {Path(r['path']).parent}: {count(len(entries), 'entry', 'entries')}, oldest first",
+    lines = [f"pack cache {parent(r['path'])}: {count(len(entries), 'entry', 'entries')}, oldest first",
              *wrap(f"{legend}; under each entry, the `xprep pack` options that made it: run them again to make it "
                    "current", "  "), ""]
     header, rule, *body = table(["", "entry", "bins", "fill", "documents kept", "created (UTC)"], rows,
@@ -278,6 +280,11 @@ def conversation_phrase(c: dict) -> str:
             f"({shares.get('ends_without_answer', 0):.1%}), {c['empty_answers']:,} blank answers "
             f"({shares.get('empty_answers', 0):.1%} of the assistant turns, each trained as its end-of-turn token "
             "alone)")
+
+
+def parent(path: str) -> str:
+    """The directory holding ``path``, a local path or a URL (``Path`` would make ``s3://`` ``s3:/``)."""
+    return path.rstrip("/").rsplit("/", 1)[0] if "://" in path else str(Path(path).parent)
 
 
 def _key(path: str, key: str) -> str:

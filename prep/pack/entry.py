@@ -101,10 +101,12 @@ class PackEntry(EntryMeta):
     def bin_items(self, b: int) -> slice:
         return slice(int(self.bin_offsets[b]), int(self.bin_offsets[b + 1]))
 
-    def open_datasets(self, verify_data: bool = False, stream: bool = False) -> list[TokenDataset]:
+    def open_datasets(self, verify_data: bool = False, stream: bool = False, cache_dir: str | None = None
+                      ) -> list[TokenDataset]:
         """Every dataset this entry was packed from, in order (a sharded one as its shards); missing or changed ones
-        are refused (``stream``: see ``open_listed``)."""
-        return open_fingerprinted(self.meta.get("datasets", []), self.path, verify_data=verify_data, stream=stream)
+        are refused (``stream``, ``cache_dir``: see ``open_listed``)."""
+        return open_fingerprinted(self.meta.get("datasets", []), self.path, verify_data=verify_data, stream=stream,
+                                  cache_dir=cache_dir)
 
     def open_listed(self, verify_data: bool = False, stream: bool = False) -> list[list[TokenDataset]]:
         """``open_datasets`` grouped by the dataset pack.json lists (``open_listed``)."""
