@@ -250,10 +250,12 @@ class ShardedDataset:
     """A sharded dataset opened as one: its manifest, its shards, and documents by global index (what ``xprep
     inspect DATASET`` reads; the packer and the trainer take the shards themselves, ``open_parts``)."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.manifest = read_manifest(self.path)
-        self.shards = open_parts(self.path, self.manifest)
+    def __init__(self, path: str | Path, manifest: dict | None = None, shards: list | None = None):
+        """``manifest`` and ``shards`` given: one whose parts are open already (at a URL: ``open_url_parts``)."""
+        self.path = Path(path) if manifest is None else path
+        self.manifest = read_manifest(self.path) if manifest is None else manifest
+        self.shards = open_parts(self.path, self.manifest) if shards is None else shards
+        self.streamed = any(getattr(s, "streamed", False) for s in self.shards)
         self.base = np.cumsum([0, *(len(s) for s in self.shards)]).astype(np.int64)
         table = CategoryTable(numeric_names=numeric_category_names(self.manifest))
         self._luts = [shard_categories(s.manifest, table) for s in self.shards]

@@ -15,8 +15,7 @@ import json
 import os
 import posixpath
 
-import numpy as np
-from xprep.prep.dataset import Retry, StreamedDataset, is_sharded, open_url_parts
+from xprep.prep.dataset import Retry, ShardedDataset, StreamedDataset, is_sharded, open_url_parts
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import BLEND_JSON, DATASET_FORMAT, MANIFEST, PACK_FORMAT, PACK_JSON, SHARDED_FORMAT
 from xprep.prep.fs import cache_root, filesystem
@@ -65,55 +64,11 @@ def url_join(url: str, name: str) -> str:
 
 # ------------------------------------------------------------------------------------------ datasets
 def open_url_dataset(url: str, cache_dir: str | None = None, retry: Retry | None = None
-                     ) -> StreamedDataset | StreamedShards:
+                     ) -> StreamedDataset | ShardedDataset:
     """The dataset at ``url``, plain or sharded, documents by their global index either way (as ``open_dataset``
     opens a local one); what is fetched (manifests, indexes) goes into ``cache_dir``."""
     manifest, parts = open_url_parts(url, cache_dir, retry or Retry())
-    return StreamedShards(url, manifest, parts) if is_sharded(manifest) else parts[0]
-
-
-class StreamedShards:
-    """A sharded dataset at a URL read as one, as ``ShardedDataset`` reads a local one: its shards (each a
-    ``StreamedDataset``) in order, documents by global index, category ids in the sharded manifest's table."""
-
-    streamed = True
-
-    def __init__(self, url: str, manifest: dict, shards: list[StreamedDataset]):
-        self.path = url.rstrip("/")
-        self.manifest = manifest
-        self.shards = shards
-        self.base = np.cumsum([0, *(len(s) for s in shards)]).astype(np.int64)
-        self.lengths = np.concatenate([s.lengths for s in shards]) if shards else np.zeros(0, np.int32)
-        self._luts = [category_lut(manifest, s) for s in shards]
-
-    @property
-    def category_names(self) -> list[str | None]:
-        return self.manifest["categories"]
-
-    def __len__(self) -> int:
-        return int(self.base[-1])
-
-    def document(self, i: int) -> dict[str, np.ndarray]:
-        """Global document ``i`` (fetched by range), its category ids in this dataset's table."""
-        k = int(np.searchsorted(self.base, i, side="right")) - 1
-        doc = self.shards[k].document(i - int(self.base[k]))
-        return {**doc, "category_ids": self._luts[k][doc["category_ids"]]}
-
-
-def category_lut(manifest: dict, shard: StreamedDataset) -> np.ndarray:
-    """A shard's category ids → the sharded dataset's: each of its names looked up in the sharded manifest's table
-    (built from the shards' names, prep/dataset/sharded.py; a numeric id of pre-tokenized data keeps its number
-    there, under the same name). Id 0, uncategorized, stays 0."""
-    ids = {name: cid for cid, name in enumerate(manifest["categories"]) if name is not None}
-    names = shard.category_names
-    lut = np.zeros(max(len(names), 1), np.uint16)
-    for cid, name in enumerate(names):
-        if cid and name is not None:
-            if name not in ids:
-                raise XprepError(f"{shard.path}: its category {name!r} is not in the sharded manifest's table; the "
-                                 "sharded dataset is corrupt: re-create it from its shards")
-            lut[cid] = ids[name]
-    return lut
+    return ShardedDataset(url.rstrip("/"), manifest, parts) if is_sharded(manifest) else parts[0]
 
 
 def tokenizer_location(url: str, manifest: dict) -> str:
