@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from xprep.prep.dataset import Retry, TokenDataset, read_item_ranges
+from xprep.prep.dataset import Retry, TokenDataset, stream_chunks
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import BLEND_JSON
 from xprep.prep.fs import is_url
@@ -200,13 +200,10 @@ def _add_dataset_categories(totals: dict[str, int], ds, covered: np.ndarray) -> 
 
 def _category_counts(ds, lo: np.ndarray, hi: np.ndarray, size: int) -> np.ndarray:
     """Occurrences of each category id in items ``[lo[k], hi[k])`` of the dataset's category stream: a local one
-    through its memory map, one at a URL (``StreamedDataset``) fetched by range in bounded batches, never whole."""
-    if not getattr(ds, "streamed", False):
-        return range_bincount(ds.category_ids.items, lo, hi, size)
+    through its memory map, one at a URL fetched a bounded chunk at a time (``stream_chunks``), never whole."""
     counts = np.zeros(size, np.int64)
-    stream = ds.category_ids
-    for values in read_item_ranges(stream.url, stream.dtype, lo, hi, stream.retry):
-        counts += np.bincount(values, minlength=size)[:size]
+    for (items,), starts, part in stream_chunks(ds, [ds.category_ids], lo, hi):
+        counts += range_bincount(items, starts, starts + (hi[part] - lo[part]), size)
     return counts
 
 
