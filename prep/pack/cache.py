@@ -158,33 +158,32 @@ class PackOutcome:
 
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
          log: Callable[[str], None] | None = None, allow_empty: bool = False, weights: list[float] | None = None,
-         mix: str | None = None, make_current: bool = True, localize: Callable[[str], str] | None = None,
-         source_options: list[dict] | None = None, cache_dir: str | None = None) -> PackOutcome:
+         mix: str | None = None, make_current: bool = True, source_options: list[dict] | None = None,
+         cache_dir: str | None = None) -> PackOutcome:
     """Return the cache entry for these datasets and options, building it unless it exists.
 
     A pack of 0 bins (no documents, or all empty or dropped) is refused before anything is published,
     hit or build, unless ``allow_empty``: training on it would do nothing, silently. ``make_current``:
     record it as PACKED/manifest.json's current entry (a blend's sources are not: only the blend is).
-    ``localize``: a dataset URL named in the ``mix`` file → the local copy to pack (see ``read_sources``).
     ``source_options``: each ``DATASET@WEIGHT:key=value`` argument's options (a blend's ``method``/``overlong``).
-    ``cache_dir`` (``--cache-dir``): where the indexes of datasets at URLs are fetched (None: ``prep.fs.cache_root``).
+    ``cache_dir`` (``--cache-dir``): where the indexes of datasets at URLs are fetched (None: ``prep.fs.cache_root``);
+    a blend's datasets at URLs are read in place too (``read_sources``).
     A full disk (a permission, a read-only filesystem) is the one-line error naming ``-o``; the entry being built
     is removed, and nothing is published.
     """
     with machine_errors(str(output), "-o"):
-        return _pack(datasets, output, config, force, log, allow_empty, weights, mix, make_current, localize,
-                     source_options, cache_dir)
+        return _pack(datasets, output, config, force, log, allow_empty, weights, mix, make_current, source_options,
+                     cache_dir)
 
 
 def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
           log: Callable[[str], None] | None, allow_empty: bool, weights: list[float] | None, mix: str | None,
-          make_current: bool, localize: Callable[[str], str] | None, source_options: list[dict] | None,
+          make_current: bool, source_options: list[dict] | None,
           cache_dir: str | None = None) -> PackOutcome:
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
     if weights is not None or mix is not None:
-        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, localize, source_options,
-                           cache_dir)
+        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, source_options, cache_dir)
     new_root = not Path(output).exists()
     root = prepare_root(Path(output))
     try:
@@ -315,13 +314,13 @@ def split_parts(datasets: list[dict], split: tuple[float, ...]) -> np.ndarray:
 
 def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
                 log: Callable[[str], None], weights: list[float] | None, mix: str | None, allow_empty: bool,
-                localize: Callable[[str], str] | None = None, source_options: list[dict] | None = None,
-                cache_dir: str | None = None) -> PackOutcome:
+                source_options: list[dict] | None = None, cache_dir: str | None = None) -> PackOutcome:
     """A blend (prep/pack/mixture.py): every source packed alone by the plain path (its own entry, shared with
-    other mixtures), then the blend entry ordering their bins, built under its lock and made current."""
+    other mixtures; a source at a URL read in place and listed by URL), then the blend entry ordering their bins,
+    built under its lock and made current."""
     t0 = time.perf_counter()
     check_blend_config(config)
-    sources = read_sources([str(d) for d in datasets], weights, mix, localize, source_options)  # all checked first
+    sources = read_sources([str(d) for d in datasets], weights, mix, source_options, cache_dir)  # all checked first
     phases = read_phases(mix, sources)
     configs = source_configs(sources, config)
     outcomes = []
