@@ -190,7 +190,7 @@ def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, fo
         inputs = read_fingerprints(datasets, cache_dir)
         check_sizing(config)
         split = split_names(config, inputs)
-        check_split_counts(config, inputs, allow_empty)
+        check_split_counts(config, inputs, allow_empty, cache_dir)
         held = {part: _entry(root, inputs, config.for_validation(), force, allow_empty, log, split, part, cache_dir)[0]
                 for part in held_out_parts(config)}
         entry, hit = _entry(root, inputs, config, force, allow_empty, log, split, TRAIN, cache_dir)
@@ -255,12 +255,16 @@ def split_names(config: PackConfig, inputs: list[dict]) -> dict | None:
     return {**described, "rule": SPLIT_RULE_3 if test else SPLIT_RULE, "entries": names}
 
 
-def check_split_counts(config: PackConfig, inputs: list[dict], allow_empty: bool) -> None:
+def check_split_counts(config: PackConfig, inputs: list[dict], allow_empty: bool, cache_dir: str | None = None
+                       ) -> None:
     """Refuse a three-share --split whose validation or test share rounds to no document of any dataset, before
-    any part is built (so that nothing is published), unless ``allow_empty``."""
+    any part is built (so that nothing is published), unless ``allow_empty``. (A dataset at a URL: its manifest
+    read in place, ``open_url_parts``.)"""
     if config.split is None or len(config.split) != 3 or allow_empty:
         return
-    sizes = [int(read_manifest(d["path"])["counts"]["documents"]) for d in inputs]
+    manifests = [open_url_parts(d["path"], cache_dir)[0] if is_url(d["path"]) else read_manifest(d["path"])
+                 for d in inputs]
+    sizes = [int(m["counts"]["documents"]) for m in manifests]
     for k, part in ((1, VALIDATION), (2, TEST)):
         if config.split[k] and not sum(split_counts(config.split, n)[k] for n in sizes):
             check_not_empty({"bins": 0, "documents_in": 0}, config, False, part)

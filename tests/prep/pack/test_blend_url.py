@@ -76,12 +76,17 @@ def assert_same_blend(there, here, urls: list[str]) -> None:
 
 
 def test_a_blend_by_arguments_reads_url_datasets_in_place(datasets, tmp_path, monkeypatch):
+    """Split 8,1,1 too (its document counts read from the manifests at the URLs)."""
     local, url = datasets["local"], datasets["url"]
     tokens, masks = count_memory_reads(monkeypatch, "tokens.bin"), count_memory_reads(monkeypatch, "loss_mask.bin")
-    _pack(f"{url['web']}@0.7", f"{url['chat']}@0.3", "-o", tmp_path / "there", *PACK, "--cache-dir",
-          tmp_path / "cache")
-    _pack(f"{local['web']}@0.7", f"{local['chat']}@0.3", "-o", tmp_path / "here", *PACK)
+    _pack(f"{url['web']}@0.7", f"{url['chat']}@0.3", "-o", tmp_path / "there", *PACK, "--split", "8,1,1",
+          "--cache-dir", tmp_path / "cache")
+    _pack(f"{local['web']}@0.7", f"{local['chat']}@0.3", "-o", tmp_path / "here", *PACK, "--split", "8,1,1")
     assert_same_blend(tmp_path / "there", tmp_path / "here", [url["web"], url["chat"]])
+    entries = [sorted(p.name for p in (tmp_path / d).iterdir() if p.is_dir()) for d in ("there", "here")]
+    assert entries[0] == entries[1] and len(entries[0]) == 3 + 2 * 3  # three blends of the sources' three parts
+    for name in entries[0]:  # the validation and test blends and every part too
+        assert _arrays(tmp_path / "there" / name) == _arrays(tmp_path / "here" / name), name
     assert tokens == []  # never a token
     assert 0 < sum(masks) <= 1.1 * StreamedDataset(url["chat"]).loss_mask.nbytes  # the mask about once, for targets
     assert not list((tmp_path / "cache").rglob("*.bin"))  # nothing copied: manifests and indexes only
