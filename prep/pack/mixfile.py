@@ -258,8 +258,7 @@ def check_one_tokenizer(sources: list[Source]) -> None:
     """All sources of a blend share a tokenizer: their token ids end up in the same batches."""
     first = None
     for s in sources:
-        manifest = s.manifest
-        sha = (manifest.get("tokenizer") or {}).get("sha256") if isinstance(manifest, dict) else None
+        sha = (s.manifest.get("tokenizer") or {}).get("sha256")  # (check_dataset made it a manifest)
         if first is None:
             first = (s, sha)
         elif sha != first[1]:
