@@ -319,9 +319,9 @@ def _overlong_defaults(methods) -> str:
                    "data is re-packed; with three shares each part has Megatron's document count. The validation "
                    "and test parts are their own entries; a zero share means no such part.")
 @click.option("--cache-dir", default=None, metavar="DIR",
-              help="Where what is fetched of datasets given as URLs (s3://…) is kept, by fingerprint: a plain "
-                   "pack reads a dataset at a URL in place and keeps its manifest and indexes there; a blend "
-                   "copies its URL datasets there whole [default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
+              help="Where what is fetched of datasets given as URLs (s3://…) is kept, by fingerprint: a pack "
+                   "(a blend too) reads a dataset at a URL in place and keeps its manifest and indexes there "
+                   "[default: $XPREP_CACHE_DIR, else ~/.cache/xprep].")
 @click.option("--attention", type=click.Choice(["document", "causal"]), default="document", show_default=True,
               cls=_MethodsHelp, methods_help=lambda ms: (
                   f"Inside a {_named(ms, lambda m: m.fixed_length_samples, ' or ')} sample: document keeps its "
@@ -341,8 +341,7 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     from xprep.prep.pack import pack as run_pack
 
     paths, weights, options = parse_sources(datasets, mix)
-    blend = weights is not None or mix is not None  # (a blend's datasets at URLs are copied; a plain pack's are read)
-    paths = [_local_dataset(p, cache_dir) if blend else _dataset_argument(p) for p in paths]
+    paths = [_dataset_argument(p) for p in paths]  # (datasets at URLs, of a blend too, are read in place)
     config = PackConfig(method=method, seq_len=seq_len, max_tokens=max_tokens, overlong=overlong,
                         cp_size=cp_size, group_size=group_size, balance_dp=balance_dp,
                         dp_micro_batches=dp_micro_batches, shuffle=shuffle, seed=seed, total_tokens=total_tokens,
@@ -350,8 +349,7 @@ def pack(datasets, output, method, seq_len, max_tokens, overlong, cp_size, group
     # Packing runs numba kernels, which an interrupt cannot stop midway: run_interruptibly keeps Ctrl-C to one line
     outcome = outcome_report(run_interruptibly(lambda: run_pack(
         paths, output, config, force=force, allow_empty=allow_empty, log=lambda m: click.echo(m, err=True),
-        weights=weights, mix=mix, localize=lambda url: _local_dataset(url, cache_dir), source_options=options,
-        cache_dir=cache_dir)))
+        weights=weights, mix=mix, source_options=options, cache_dir=cache_dir)))
     click.echo("\n".join(summary_lines(outcome)))
     for line in warning_lines(outcome):
         click.echo(line, err=True)
@@ -362,18 +360,6 @@ def _dataset_argument(path: str) -> str:
     from xprep.prep.fs import is_url, local_path  # deferred, as every command's
 
     return path if is_url(path) else local_path(path)
-
-
-def _local_dataset(path: str, cache_dir: str | None) -> str:
-    """A dataset at a URL is synced into the local cache (once per fingerprint) and packed from there."""
-    from xprep.prep.dataset import Retry, sync_dataset  # deferred: fsspec, for URLs only
-    from xprep.prep.fs import is_url, local_path
-
-    if not is_url(path):
-        return local_path(path)
-    local = sync_dataset(path, cache_dir, Retry())
-    click.echo(f"xprep pack: {path} → {local}", err=True)
-    return str(local)
 
 
 # ---------------------------------------------------------------------------------------- inspect

@@ -158,40 +158,39 @@ class PackOutcome:
 
 def pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool = False,
          log: Callable[[str], None] | None = None, allow_empty: bool = False, weights: list[float] | None = None,
-         mix: str | None = None, make_current: bool = True, localize: Callable[[str], str] | None = None,
-         source_options: list[dict] | None = None, cache_dir: str | None = None) -> PackOutcome:
+         mix: str | None = None, make_current: bool = True, source_options: list[dict] | None = None,
+         cache_dir: str | None = None) -> PackOutcome:
     """Return the cache entry for these datasets and options, building it unless it exists.
 
     A pack of 0 bins (no documents, or all empty or dropped) is refused before anything is published,
     hit or build, unless ``allow_empty``: training on it would do nothing, silently. ``make_current``:
     record it as PACKED/manifest.json's current entry (a blend's sources are not: only the blend is).
-    ``localize``: a dataset URL named in the ``mix`` file → the local copy to pack (see ``read_sources``).
     ``source_options``: each ``DATASET@WEIGHT:key=value`` argument's options (a blend's ``method``/``overlong``).
-    ``cache_dir`` (``--cache-dir``): where the indexes of datasets at URLs are fetched (None: ``prep.fs.cache_root``).
+    ``cache_dir`` (``--cache-dir``): where the indexes of datasets at URLs are fetched (None: ``prep.fs.cache_root``);
+    a blend's datasets at URLs are read in place too (``read_sources``).
     A full disk (a permission, a read-only filesystem) is the one-line error naming ``-o``; the entry being built
     is removed, and nothing is published.
     """
     with machine_errors(str(output), "-o"):
-        return _pack(datasets, output, config, force, log, allow_empty, weights, mix, make_current, localize,
-                     source_options, cache_dir)
+        return _pack(datasets, output, config, force, log, allow_empty, weights, mix, make_current, source_options,
+                     cache_dir)
 
 
 def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
           log: Callable[[str], None] | None, allow_empty: bool, weights: list[float] | None, mix: str | None,
-          make_current: bool, localize: Callable[[str], str] | None, source_options: list[dict] | None,
+          make_current: bool, source_options: list[dict] | None,
           cache_dir: str | None = None) -> PackOutcome:
     t0 = time.perf_counter()
     log = log or (lambda _msg: None)
     if weights is not None or mix is not None:
-        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, localize, source_options,
-                           cache_dir)
+        return _pack_blend(datasets, output, config, force, log, weights, mix, allow_empty, source_options, cache_dir)
     new_root = not Path(output).exists()
     root = prepare_root(Path(output))
     try:
         inputs = read_fingerprints(datasets, cache_dir)
         check_sizing(config)
         split = split_names(config, inputs)
-        check_split_counts(config, inputs, allow_empty)
+        check_split_counts(config, inputs, allow_empty, cache_dir)
         held = {part: _entry(root, inputs, config.for_validation(), force, allow_empty, log, split, part, cache_dir)[0]
                 for part in held_out_parts(config)}
         entry, hit = _entry(root, inputs, config, force, allow_empty, log, split, TRAIN, cache_dir)
@@ -256,12 +255,16 @@ def split_names(config: PackConfig, inputs: list[dict]) -> dict | None:
     return {**described, "rule": SPLIT_RULE_3 if test else SPLIT_RULE, "entries": names}
 
 
-def check_split_counts(config: PackConfig, inputs: list[dict], allow_empty: bool) -> None:
+def check_split_counts(config: PackConfig, inputs: list[dict], allow_empty: bool, cache_dir: str | None = None
+                       ) -> None:
     """Refuse a three-share --split whose validation or test share rounds to no document of any dataset, before
-    any part is built (so that nothing is published), unless ``allow_empty``."""
+    any part is built (so that nothing is published), unless ``allow_empty``. (A dataset at a URL: its manifest
+    read in place, ``open_url_parts``.)"""
     if config.split is None or len(config.split) != 3 or allow_empty:
         return
-    sizes = [int(read_manifest(d["path"])["counts"]["documents"]) for d in inputs]
+    manifests = [open_url_parts(d["path"], cache_dir)[0] if is_url(d["path"]) else read_manifest(d["path"])
+                 for d in inputs]
+    sizes = [int(m["counts"]["documents"]) for m in manifests]
     for k, part in ((1, VALIDATION), (2, TEST)):
         if config.split[k] and not sum(split_counts(config.split, n)[k] for n in sizes):
             check_not_empty({"bins": 0, "documents_in": 0}, config, False, part)
@@ -315,13 +318,13 @@ def split_parts(datasets: list[dict], split: tuple[float, ...]) -> np.ndarray:
 
 def _pack_blend(datasets: list[str | Path], output: str | Path, config: PackConfig, force: bool,
                 log: Callable[[str], None], weights: list[float] | None, mix: str | None, allow_empty: bool,
-                localize: Callable[[str], str] | None = None, source_options: list[dict] | None = None,
-                cache_dir: str | None = None) -> PackOutcome:
+                source_options: list[dict] | None = None, cache_dir: str | None = None) -> PackOutcome:
     """A blend (prep/pack/mixture.py): every source packed alone by the plain path (its own entry, shared with
-    other mixtures), then the blend entry ordering their bins, built under its lock and made current."""
+    other mixtures; a source at a URL read in place and listed by URL), then the blend entry ordering their bins,
+    built under its lock and made current."""
     t0 = time.perf_counter()
     check_blend_config(config)
-    sources = read_sources([str(d) for d in datasets], weights, mix, localize, source_options)  # all checked first
+    sources = read_sources([str(d) for d in datasets], weights, mix, source_options, cache_dir)  # all checked first
     phases = read_phases(mix, sources)
     configs = source_configs(sources, config)
     outcomes = []

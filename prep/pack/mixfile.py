@@ -4,7 +4,8 @@ anything is packed, and the options each source is packed with.
 Mix file, YAML (needs PyYAML) or JSON (``schemas/mix.schema.json``)::
 
     sources:
-      - dataset: data/web   # a token dataset; a relative path is read from the mix file's directory
+      - dataset: data/web   # a token dataset; a relative path is read from the mix file's directory; a URL
+                            # (s3://…) is read in place, as a plain pack reads it
         weight: 0.7         # > 0, a share of tokens (normalized over the sources)
         name: web           # optional: the source's name in per-source loss and reports [default: directory name]
         method: sequential  # optional: its own packing method and overlong policy [default: the command's]
@@ -18,21 +19,23 @@ Mix file, YAML (needs PyYAML) or JSON (``schemas/mix.schema.json``)::
 With ``phases``, a source's ``weight`` is not read (it may be left out): each phase weighs the sources itself.
 
 Every mistake (a missing dataset, a bad weight, two sources of one name or of different tokenizers, a method
-that cannot blend with the others) is one error naming the file and the source. The blend itself (the order
+that cannot blend with the others) is one error naming the file and the source. A source at a URL is read in place
+(its manifest and indexes fetched into ``--cache-dir``, ``open_url_parts``), never copied whole: its path stays the
+URL as typed, a string (pathlib would turn ``s3://b/x`` into ``s3:/b/x``). The blend itself (the order
 of bins, blend.json) is ``xprep.prep.pack.mixture``'s.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+from xprep.prep.dataset import open_url_parts
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import DATASET_FORMAT, LOSS_MASK_STREAM, MANIFEST, SHARDED_FORMAT, declared_format
-from xprep.prep.fs import is_url
+from xprep.prep.fs import is_url, local_path
 from xprep.prep.io import read_json
 from xprep.prep.pack.blend import MAX_SOURCES
 from xprep.prep.pack.config import SOURCE_OPTIONS, PackConfig, check_source_option
@@ -47,11 +50,12 @@ class Source:
     """One dataset of a blend: where it is, its weight (a share of tokens, not normalized), its name, and the
     packing options it overrides (``method``, ``overlong``; None: the command's, see ``PackConfig.for_source``)."""
 
-    path: Path
+    path: str  # a local directory, or a URL as typed (read in place)
     weight: float | None  # None: a source of a phased mix file that gives none (its phases weigh it)
     name: str
     method: str | None = None
     overlong: str | None = None
+    manifest: dict = field(default_factory=dict, repr=False)  # its manifest, once ``read_sources`` checked it
 
 
 @dataclass(frozen=True)
@@ -73,26 +77,26 @@ class Phase:
         return f"tokens: {self.tokens}" if self.tokens is not None else f"bins: {self.bins}"
 
 
-def read_sources(paths: list[str], weights: list[float] | None, mix: str | None,
-                 localize: Callable[[str], str] | None = None, options: list[dict] | None = None) -> list[Source]:
+def read_sources(paths: list[str], weights: list[float] | None, mix: str | None, options: list[dict] | None = None,
+                 cache_dir: str | None = None) -> list[Source]:
     """The sources of a blend: the ``--mix`` file's, then the ``DATASET@WEIGHT[:key=value,...]`` arguments
     (``options``: each argument's keys); all checked (weights, names, options, datasets present, one tokenizer)
-    before anything is packed. ``localize`` maps a dataset URL of the mix file to the local copy to pack (the
-    CLI syncs it into the cache directory)."""
-    sources = read_mix(mix, localize) if mix is not None else []
+    before anything is packed, each with its manifest. A dataset at a URL is read in place: its manifest and
+    indexes fetched into ``cache_dir`` (``--cache-dir``; None: ``prep.fs.cache_root``'s), as a plain pack does."""
+    sources = read_mix(mix) if mix is not None else []
     if paths and any(s.weight is None for s in sources):
         raise XprepError(f"--mix {mix} has phases: DATASET@WEIGHT arguments cannot be added to it (no phase weighs "
                          f"them); list {paths[0]} among its `sources:` and give it a weight in each phase")
     options = options or [{} for _ in paths]
-    sources += [Source(Path(p), float(w), Path(p).resolve().name, **o)
+    sources += [Source(p, float(w), dataset_name(p), **o)
                 for p, w, o in zip(paths, weights or [], options, strict=True)]
     where = f"--mix {mix}" if mix is not None else "the blend"
     if len(sources) > MAX_SOURCES:
         raise XprepError(f"{where}: {len(sources):,} sources, more than {MAX_SOURCES:,}; merge some datasets first")
     seen_names, seen_paths = {}, {}
     for s in sources:
-        check_dataset(s, where)
-        resolved = str(s.path.resolve())
+        s.manifest = check_dataset(s, where, cache_dir)
+        resolved = dataset_identity(s.path)
         if resolved in seen_paths:
             raise XprepError(f"{where}: dataset {s.path} is listed twice ({seen_paths[resolved]} and {s.name}); "
                              "list each dataset once, with the sum of its weights")
@@ -104,7 +108,17 @@ def read_sources(paths: list[str], weights: list[float] | None, mix: str | None,
     return sources
 
 
-def read_mix(mix: str, localize: Callable[[str], str] | None = None) -> list[Source]:
+def dataset_name(dataset: str) -> str:
+    """A source's default name: the last part of its URL, or its directory's name."""
+    return dataset.rstrip("/").rsplit("/", 1)[-1] if is_url(dataset) else Path(dataset).resolve().name
+
+
+def dataset_identity(dataset: str) -> str:
+    """What two sources of one dataset share: the URL (a trailing slash aside), or the resolved directory."""
+    return dataset.rstrip("/") if is_url(dataset) else str(Path(dataset).resolve())
+
+
+def read_mix(mix: str) -> list[Source]:
     """The sources a mix file lists; every mistake is one error naming the file and the source."""
     path = Path(mix)
     data = _load_mix(path)
@@ -116,7 +130,7 @@ def read_mix(mix: str, localize: Callable[[str], str] | None = None) -> list[Sou
     if extra:
         raise XprepError(f"--mix {mix}: unknown key {sorted(extra)[0]!r} at the top; only `sources:` and `phases:` "
                          "are read")
-    return [_mix_source(item, i, path, localize, "phases" in data) for i, item in enumerate(listed)]
+    return [_mix_source(item, i, path, "phases" in data) for i, item in enumerate(listed)]
 
 
 def read_phases(mix: str | None, sources: list[Source]) -> list[Phase] | None:
@@ -189,8 +203,7 @@ def _load_mix(path: Path):
         raise XprepError(f"--mix {path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
 
 
-def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None = None, phased: bool = False
-                ) -> Source:
+def _mix_source(item, i: int, path: Path, phased: bool = False) -> Source:
     where = f"--mix {path}: source #{i + 1}"
     if not isinstance(item, dict):
         raise XprepError(f"{where}: expected a mapping {{dataset, weight, name?}}, got {item!r}")
@@ -209,23 +222,28 @@ def _mix_source(item, i: int, path: Path, localize: Callable[[str], str] | None 
         raise XprepError(f"{where} ({dataset}): the weight {weight!r} must be a positive number")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise XprepError(f"{where} ({dataset}): `name:` must be a non-empty string")
-    if is_url(dataset):  # an object-store dataset: packed from its local copy, named after the URL
-        if localize is None:
-            raise XprepError(f"{where}: {dataset} is a URL; give the mix file to `xprep pack --mix`, which copies "
-                             "URL datasets into its --cache-dir")
-        return Source(Path(localize(dataset)), _weight(weight), name or dataset.rstrip("/").rsplit("/", 1)[-1],
-                      **options)
-    full = Path(dataset) if Path(dataset).is_absolute() else path.parent / dataset
-    return Source(full, _weight(weight), name or full.resolve().name, **options)
+    if is_url(dataset):  # an object-store dataset: read in place, named after the URL's last part
+        return Source(dataset, _weight(weight), name or dataset_name(dataset), **options)
+    local = Path(local_path(dataset))
+    full = str(local if local.is_absolute() else path.parent / local)
+    return Source(full, _weight(weight), name or dataset_name(full), **options)
 
 
 def _weight(weight) -> float | None:
     return None if weight is None else float(weight)
 
 
-def check_dataset(source: Source, where: str) -> None:
-    """The source is a token dataset, or one error naming it."""
-    manifest = source.path / MANIFEST
+def check_dataset(source: Source, where: str, cache_dir: str | None = None) -> dict:
+    """The manifest of the source's token dataset, or one error naming the source. A dataset at a URL is opened in
+    place (``open_url_parts``: its manifest and indexes fetched into ``cache_dir``, a sharded one's shards checked):
+    no dataset there, a missing object or refused access is that one line."""
+    if is_url(source.path):
+        try:
+            manifest, _ = open_url_parts(source.path, cache_dir)
+        except XprepError as e:
+            raise XprepError(f"{where}: source {source.name!r}: {e}") from None
+        return manifest
+    manifest = Path(source.path) / MANIFEST
     if not manifest.is_file():
         raise XprepError(f"{where}: source {source.name!r}: {source.path} is not a token dataset (no {MANIFEST}); "
                          "check the path (a mix file's relative paths are read from its directory)")
@@ -233,14 +251,14 @@ def check_dataset(source: Source, where: str) -> None:
     if fmt not in (DATASET_FORMAT, SHARDED_FORMAT):
         raise XprepError(f"{where}: source {source.name!r}: {source.path} holds a {fmt!r} manifest, not a token "
                          "dataset's; blend token datasets (written by `xprep tokenize` or `xprep merge`)")
+    return read_json(manifest, "dataset manifest", "re-run `xprep tokenize`")
 
 
 def check_one_tokenizer(sources: list[Source]) -> None:
     """All sources of a blend share a tokenizer: their token ids end up in the same batches."""
     first = None
     for s in sources:
-        manifest = read_json(s.path / MANIFEST, "dataset manifest", "re-run `xprep tokenize`")
-        sha = (manifest.get("tokenizer") or {}).get("sha256") if isinstance(manifest, dict) else None
+        sha = (s.manifest.get("tokenizer") or {}).get("sha256")  # (check_dataset made it a manifest)
         if first is None:
             first = (s, sha)
         elif sha != first[1]:
@@ -269,7 +287,7 @@ def source_configs(sources: list[Source], config: PackConfig) -> list[PackConfig
     configs = []
     for s in sources:
         try:
-            c = config.for_source(s.method, s.overlong, has_loss_mask(s.path))
+            c = config.for_source(s.method, s.overlong, has_loss_mask(s.manifest))
         except XprepError as e:
             raise XprepError(f"blend source {s.name!r} ({s.path}): {e}") from None
         configs.append(replace(c, total_tokens=None, epochs=None))
@@ -283,9 +301,8 @@ def source_configs(sources: list[Source], config: PackConfig) -> list[PackConfig
     return configs
 
 
-def has_loss_mask(dataset: Path) -> bool:
-    """Whether a token dataset has a loss-mask stream (SFT data: some tokens are not targets)."""
-    manifest = read_json(dataset / MANIFEST, "dataset manifest", "re-run `xprep tokenize`")
+def has_loss_mask(manifest: dict) -> bool:
+    """Whether a token dataset (its manifest) has a loss-mask stream (SFT data: some tokens are not targets)."""
     return LOSS_MASK_STREAM in (manifest.get("streams") or {})
 
 

@@ -16,7 +16,8 @@ from xprep.cli import xprep, xtrain
 from xprep.prep.dataset import upload_dataset
 
 s3fs = pytest.importorskip("s3fs")
-DENIED = re.compile(r"^error: s3://locked/ds/[\w.]+: access denied .*; check the URL and the credentials for it$")
+DENIED = re.compile(r"^error: (the blend: source 'ds': )?s3://locked/ds/[\w.]+: access denied .*; "
+                    r"check the URL and the credentials for it$")
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +51,13 @@ def _one_line(result) -> str:
 
 def _refused_once(endpoint: Endpoint, since: int, line: str) -> None:
     """The refused object was asked for once (a permanent error is not retried), and nothing else was refused."""
-    obj = line.split(": ", 2)[1].removeprefix("s3://")
+    obj = next(w for w in line.split(": ") if w.startswith("s3://")).removeprefix("s3://")
     refused = [r for r in endpoint.requests(since) if '" 403' in r]
     assert len(refused) == 1 and f"/{obj} " in refused[0], refused
 
 
 @pytest.mark.parametrize("denied", ["every object", "token streams"])
-@pytest.mark.parametrize("given", ["s3://locked/ds", "s3://locked/ds@1"])  # read in place; copied for a blend
+@pytest.mark.parametrize("given", ["s3://locked/ds", "s3://locked/ds@1"])  # read in place, for a blend too
 def test_xprep_pack_with_denied_credentials_is_one_line(locked, tmp_path, monkeypatch, denied, given):
     endpoint, credentials = locked
     use_endpoint(monkeypatch, endpoint, credentials[denied])

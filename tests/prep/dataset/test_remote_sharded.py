@@ -1,6 +1,6 @@
 """A sharded dataset at a URL (moto's S3 server on 127.0.0.1): each shard an ordinary dataset at a URL relative to the
-manifest, read in place by ``xprep pack``, ``xprep inspect`` (of the pack) and ``xtrain run`` as its local merged copy
-is read from disk: the same bins, the same report, the same losses."""
+manifest, read in place by ``xprep pack`` (a blend's too), ``xprep inspect`` (of the pack) and ``xtrain run`` as its
+local merged copy is read from disk: the same bins, the same report, the same losses."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from motokit import Endpoint, use_endpoint
 from trainkit import make_dataset, random_docs
 from xprep.cli import xprep, xtrain
-from xprep.prep.dataset import ShardedDataset, TokenDataset, upload_dataset, write_sharded
+from xprep.prep.dataset import upload_dataset, write_sharded
+from xprep.prep.pack import open_entry
 from xprep.prep.pack.entry import ARRAYS, TARGETS, open_packed
 
 s3fs = pytest.importorskip("s3fs")
@@ -81,13 +82,16 @@ def test_a_sharded_dataset_at_a_url_reads_as_its_merged_copy(endpoint, tmp_path)
     assert _losses(tmp_path / "run-Purl") == _losses(tmp_path / "run-Pmerged")
 
 
-def test_a_blend_copies_a_sharded_dataset_at_a_url_shard_by_shard(endpoint, tmp_path):
+def test_a_blend_reads_a_sharded_dataset_at_a_url_in_place(endpoint, tmp_path):
     sharded, merged = sharded_dataset(tmp_path)
     upload_dataset(sharded, "s3://shards/sh")
-    _invoke(xprep, "pack", "s3://shards/sh@1", "-o", tmp_path / "P", *PACK, "--cache-dir", tmp_path / "copies")
-    copy = next((tmp_path / "copies" / "datasets").glob("*/sh"))
-    assert [len(s) for s in ShardedDataset(copy).shards] == [15, 15, 15]  # each shard synced as a dataset
-    a, b = ShardedDataset(copy), TokenDataset(merged)
-    for i in range(len(b)):
-        x, y = a.document(i), b.document(i)
-        assert all(np.array_equal(x[k], y[k]) for k in y), i
+    _invoke(xprep, "pack", "s3://shards/sh@1", "-o", tmp_path / "Purl", *PACK, "--cache-dir", tmp_path / "fetched")
+    _invoke(xprep, "pack", f"{merged}@1", "-o", tmp_path / "Pmerged", *PACK)
+    there, here = open_entry(tmp_path / "Purl"), open_entry(tmp_path / "Pmerged")
+    assert [d["path"] for d in there.sources[0].meta["datasets"]] == ["s3://shards/sh"]  # listed by URL
+    assert np.array_equal(there.bin_index, here.bin_index)
+    for name in (*ARRAYS, TARGETS):
+        assert np.array_equal(getattr(there.sources[0], name), getattr(here.sources[0], name)), name
+    fetched = tmp_path / "fetched" / "datasets"
+    assert sorted(p.name for p in fetched.glob("*/*.index")) == ["shard-0.index", "shard-1.index", "shard-2.index"]
+    assert not list(fetched.rglob("*.bin"))  # each shard's manifest and indexes, no stream copied

@@ -352,7 +352,7 @@ def test_s3_in_and_out_equals_local_and_packs_the_same(corpus, s3, tmp_path):
     elsewhere = xprep("inspect", tmp_path / "p1", env={**s3["env"], "XPREP_CACHE_DIR": str(tmp_path / "node-cache")})
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert (tmp_path / "node-cache" / "datasets" / listed[0]["fingerprint"] / "ds.index" / "manifest.json").is_file()
-    # a --mix file may name the URL dataset too: copied once into the cache, named after the URL
+    # a --mix file may name the URL dataset too: read in place, named after the URL
     mix = tmp_path / "mix.json"
     mix.write_text(json.dumps({"sources": [{"dataset": "s3://corpus/out/ds", "weight": 2},
                                            {"dataset": str(local), "weight": 1, "name": "local"}]}))
