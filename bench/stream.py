@@ -11,7 +11,9 @@ Two cases by default: *in order* (``--sampler sequential`` over a ``--method seq
 the bytes after the last step's) and *random* (``--sampler random`` over a ``--method multipack`` pack: each step
 reads a few documents scattered over the whole dataset). The endpoint is moto's server on 127.0.0.1; the latency
 comes from a small TCP proxy in front of it (``Delay``) that holds every chunk a client sends (a request: HTTP keeps
-one connection per request in flight) for ``--latency-ms`` before passing it on. Both runs are
+one connection per request in flight) for ``--latency-ms`` before passing it on. Both run in processes of their own
+at the lowest priority (``nice`` 19): they stand for a remote service, which costs the trainer's machine no CPU, so
+they take the shared cores only when the trainer leaves them idle, and never the trainer's GIL. Both runs are
 ``xprep.train.trainer.run`` in this process, alternating, best of ``--repeats`` each; steps/s are counted from the
 step after ``WARMUP_STEPS`` to the last, so the start (the pack's files and indexes fetched once, the model built)
 is not in them. Goals: stream / local ≥ 0.9 (the prefetcher hides the latency), and bytes fetched ≤ 1.2 × the
@@ -31,6 +33,7 @@ ROOT = BENCH.parent
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 
 import argparse  # noqa: E402
+import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
@@ -49,51 +52,61 @@ VOCAB = 4096
 # ----------------------------------------------------------------------------------------- endpoint
 class Delay:
     """A TCP proxy on 127.0.0.1 that forwards to ``upstream`` port, holding each chunk a client sends for
-    ``latency`` seconds first (a request's round trip is that much longer)."""
+    ``latency`` seconds first (a request's round trip is that much longer).
+
+    It runs in a process of its own at the lowest priority (``_serve_delay``), as moto's server does: both stand for
+    the network and a service on other machines, which cost the trainer no CPU. As threads of the bench's process they
+    would take the trainer's GIL, and at normal priority its cores, and the bench would measure the stand-ins."""
 
     def __init__(self, upstream: int, latency: float):
-        self.upstream, self.latency = upstream, latency
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, self.latency), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, 0.0), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, latency: float) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if latency:
-                    time.sleep(latency)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        spawn = multiprocessing.get_context("spawn")  # (not a fork of this process and its threads)
+        ours, theirs = spawn.Pipe()
+        self.proc = spawn.Process(target=_serve_delay, args=(upstream, latency, theirs), daemon=True)
+        self.proc.start()
+        self.port = ours.recv()
 
     def close(self) -> None:
-        self.server.close()
+        self.proc.kill()
+        self.proc.join()
+
+
+def _serve_delay(upstream: int, latency: float, conn) -> None:
+    """``Delay``'s process: a thread per connection and direction."""
+    os.nice(19)
+    server = socket.create_server(("127.0.0.1", 0))
+    conn.send(server.getsockname()[1])
+    while True:
+        client, _ = server.accept()
+        up = socket.create_connection(("127.0.0.1", upstream))
+        threading.Thread(target=_pump, args=(client, up, latency), daemon=True).start()
+        threading.Thread(target=_pump, args=(up, client, 0.0), daemon=True).start()
+
+
+def _pump(src: socket.socket, dst: socket.socket, latency: float) -> None:
+    try:
+        while data := src.recv(1 << 16):
+            if latency:
+                time.sleep(latency)
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def start_moto(log: Path) -> tuple[subprocess.Popen, int]:
+    """moto's S3 server on a free port, at the lowest priority (``nice`` execs it: the process is moto's), as
+    ``Delay``: the service it stands for runs on other machines."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(["nice", "-n", "19", str(Path(sys.executable).parent / "moto_server"), "-H",
+                                 "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while True:
         try:
