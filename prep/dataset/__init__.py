@@ -40,6 +40,7 @@ from xprep.prep.dataset.sharded import (
     write_sharded,
 )
 from xprep.prep.dataset.stream import (
+    COALESCE_GAP,
     DEFAULT_CACHE_SIZE,
     DEFAULT_RETRY_S,
     BlockCache,
@@ -51,7 +52,8 @@ from xprep.prep.dataset.stream import (
 from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset, check_token_ids
 
 __all__ = [
-    "BlockCache", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S", "DatasetWriter",
+    "BlockCache", "COALESCE_GAP", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S",
+    "DatasetWriter",
     "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StreamUnavailable", "StreamedDataset",
     "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids",
     "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "mark_complete", "merge_datasets",

@@ -264,3 +264,27 @@ def test_a_causal_chunk_pack_of_a_url_reads_like_the_local_one(endpoint, local, 
         x, y = there[b], here[b]
         assert all(torch.equal(x[k], y[k]) for k in y), b
     there.close()
+
+
+def test_steps_read_in_order_come_in_a_handful_of_requests(endpoint, local, tmp_path, monkeypatch):
+    """A sequential sampler over the sequential pack: the loop fetches the first step itself, then the thread reads
+    the window and on to the last step (the cache holds it all) in one request a stream: two requests a stream in
+    all (one a step a stream without reading ahead), the bytes the bins need, the local losses."""
+    sequential = [*RUN[:RUN.index("--sampler")], "--sampler", "sequential", "--prefetch-steps", "1"]
+    here = tmp_path / "here"
+    assert CliRunner().invoke(xtrain, ["run", str(local["packed"]), *sequential, "--output", str(here)]).exit_code == 0
+    seen = []
+
+    def on_step(t) -> None:
+        cache = t.dataset.cache
+        bins = t.sampler.bins_at(np.arange(t.sampler.consumed_samples, dtype=np.int64))
+        needed = int(t.dataset.bins.items_of(bins)[3].sum()) * 4  # tokens (uint16), loss mask, categories
+        seen.append((cache.requests, cache.fetched_bytes, needed, cache.demand_reads))
+
+    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [on_step])
+    run = tmp_path / "run"
+    result = CliRunner().invoke(xtrain, ["run", "s3://stream/packed", *sequential, "--output", str(run)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert [m["loss"] for m in metrics(run)] == [m["loss"] for m in metrics(here)]
+    requests, fetched, needed, demand = seen[-1]
+    assert requests <= 3 * 3 and fetched <= 1.2 * needed and demand == 0, seen  # (3 streams; a request's margin)
