@@ -8,7 +8,9 @@ are in the block cache (fetched now, retried, if the thread has not fetched them
 retry budget, and the loop then stops with a checkpoint before the step has changed anything), then hands the
 ranges of the ``steps_ahead`` steps after it to a thread that fetches them, nearest first, while the step computes.
 In steady state the step reads only local bytes: ``BlockCache.demand_reads`` counts the ranges the step had to
-fetch itself.
+fetch itself. The thread's requests are made by a process of its own (``FetchProcess``): a request to object storage
+costs the client a few ms of CPU (s3fs: botocore builds, signs and parses it), nearly all of it holding the GIL,
+which the training loop needs between its kernels; the thread only waits on a pipe.
 
 Where the steps read in order (a sequential sampler over a pack in document order: each step's ranges start where
 the last one's end), the thread reads ahead beyond the window, in one request a stream: as many steps as fit in
@@ -27,7 +29,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from xprep.prep.dataset import COALESCE_GAP, BlockCache
+from xprep.prep.dataset import COALESCE_GAP, BlockCache, FetchProcess
 from xprep.train.data import PackedDataset
 from xprep.train.samplers import BinSampler
 
@@ -59,6 +61,9 @@ class Prefetcher:
         self._cond = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None  # the thread's last error (the step's own read raises it again)
+        self._via = FetchProcess()  # makes the thread's requests (module docstring)
+        if steps_ahead:
+            self._via.start()
         self._thread = threading.Thread(target=self._run, name="xtrain-prefetch", daemon=True)
         self._thread.start()
 
@@ -154,7 +159,8 @@ class Prefetcher:
                 plan, self._plan = self._plan, []
             done = self.sampler.consumed_samples
             try:
-                fetched = self.cache.fetch_ahead([(step, ranges) for step, ranges in plan if step >= done])
+                fetched = self.cache.fetch_ahead([(step, ranges) for step, ranges in plan if step >= done],
+                                                 via=self._via)
             except Exception as e:  # the step's own read retries, and raises what the user must see
                 self.error, fetched = e, False
             if not fetched:  # (no room yet, or an error: the steps not fetched are handed again)
@@ -166,6 +172,7 @@ class Prefetcher:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        self._via.close()
 
 
 def _reads_on(ranges: StepRanges, after: StepRanges) -> bool:

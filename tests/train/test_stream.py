@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import fsspec
@@ -27,6 +28,7 @@ from test_train_run import metrics
 from trainkit import category_pack, user_error
 from xprep.cli import xtrain
 from xprep.prep.dataset import Retry, StreamUnavailable, upload_dataset
+from xprep.prep.dataset import stream as stream_module
 from xprep.prep.errors import XprepError
 from xprep.train import trainer as trainer_module
 from xprep.train.trainer import DATA_UNREACHABLE_EXIT
@@ -83,9 +85,13 @@ def endpoint(tmp_path, monkeypatch, local):
 
 def test_a_pack_at_a_url_trains_like_the_local_pack_in_a_bounded_cache(endpoint, local, tmp_path, monkeypatch):
     """A random sampler: the exact ranges of the next steps' documents are fetched ahead (about the bytes the bins
-    need, not the blocks around them), the steps never fetch themselves, the cache stays within --cache-size."""
+    need, not the blocks around them), the steps never fetch themselves, the cache stays within --cache-size. The
+    thread's requests are made by a process of their own (FetchProcess): none by this one's fetching thread."""
     cache_size = 2048  # bytes: the 60 documents take 4.5 kB of streams, so ranges are evicted
-    seen, needed = [], []
+    seen, needed, callers = [], [], []
+    here = stream_module.cat_ranges
+    monkeypatch.setattr(stream_module, "cat_ranges",
+                        lambda *a: (callers.append(threading.current_thread().name), here(*a))[1])
 
     def on_step(t) -> None:
         cache = t.dataset.cache
@@ -103,6 +109,7 @@ def test_a_pack_at_a_url_trains_like_the_local_pack_in_a_bounded_cache(endpoint,
     assert seen[-1][1] > cache_size  # more was fetched than the cache holds: it evicted
     assert seen[-1][1] <= 1.2 * needed[-1] and seen[-1][2] == 0
     assert not list((tmp_path / "cache" / "blocks").iterdir())  # the run's block cache is removed at its end
+    assert "MainThread" in callers and "xtrain-prefetch" not in callers, callers  # (the loop fetches step 1 itself)
 
 
 def test_a_cache_smaller_than_a_step_still_trains_and_says_what_it_costs(endpoint, local, tmp_path, monkeypatch):
@@ -288,3 +295,24 @@ def test_steps_read_in_order_come_in_a_handful_of_requests(endpoint, local, tmp_
     assert [m["loss"] for m in metrics(run)] == [m["loss"] for m in metrics(here)]
     requests, fetched, needed, demand = seen[-1]
     assert requests <= 3 * 3 and fetched <= 1.2 * needed and demand == 0, seen  # (3 streams; a request's margin)
+
+
+def test_a_fetch_process_reads_like_this_one_and_survives_its_death(endpoint):
+    """FetchProcess (the prefetcher's requests, made by a process of their own): the bytes this process reads; a
+    missing object comes back as FileNotFoundError (permanent for ``Retry``); a child killed is a transient error
+    (ConnectionError) and the next call starts another."""
+    from xprep.prep.dataset import FetchProcess
+    from xprep.prep.dataset.remote import cat_ranges
+
+    fs, paths, starts, ends = s3fs.S3FileSystem(), ["stream/ds/tokens.bin"] * 2, [0, 10], [6, 30]
+    via = FetchProcess()
+    try:
+        assert via.cat_ranges(fs, paths, starts, ends) == cat_ranges(fs, paths, starts, ends)
+        with pytest.raises(FileNotFoundError):
+            via.cat_ranges(fs, ["stream/ds/nothing.bin"], [0], [1])
+        via._proc.kill()
+        with pytest.raises(ConnectionError, match="ended"):
+            via.cat_ranges(fs, paths, starts, ends)
+        assert via.cat_ranges(fs, paths, starts, ends) == cat_ranges(fs, paths, starts, ends)
+    finally:
+        via.close()
