@@ -104,8 +104,8 @@ class Prefetcher:
 
     def stage(self) -> None:
         """The next step's ranges in the cache (the caller stops on ``StreamUnavailable``), those of the steps before
-        it unpinned; when fewer than ``steps_ahead - refill`` steps after it have been handed to the thread, the
-        thread told to fetch the rest of the window (and to read ahead beyond it where the steps read in order)."""
+        it unpinned; when at most ``steps_ahead - refill`` steps after it have been handed to the thread, the thread
+        told to fetch the rest of the window (and to read ahead beyond it where the steps read in order)."""
         done = self.sampler.consumed_samples
         self._known = {k: v for k, v in self._known.items() if k >= done}
         self.cache.release(done)
