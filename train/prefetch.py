@@ -8,7 +8,16 @@ are in the block cache (fetched now, retried, if the thread has not fetched them
 retry budget, and the loop then stops with a checkpoint before the step has changed anything), then hands the
 ranges of the ``steps_ahead`` steps after it to a thread that fetches them, nearest first, while the step computes.
 In steady state the step reads only local bytes: ``BlockCache.demand_reads`` counts the ranges the step had to
-fetch itself.
+fetch itself. The thread's requests are made by a process of its own (``FetchProcess``): a request to object storage
+costs the client a few ms of CPU (s3fs: botocore builds, signs and parses it), nearly all of it holding the GIL,
+which the training loop needs between its kernels; the thread only waits on a pipe.
+
+Where the steps read in order (a sequential sampler over a pack in document order: each step's ranges start where
+the last one's end), the thread reads ahead beyond the window, in one request a stream: as many steps as fit in
+``READ_AHEAD_BYTES`` and half of what the cache has beside the window (the next read-ahead is fetched while this one
+is still pinned), never past the run's last step: a request to object storage costs the client a few ms of CPU
+whatever its size (s3fs: botocore builds, signs and parses it, nearly all of it holding the GIL the training loop
+needs), and a sequential run makes a handful of requests instead of one a step.
 
 A cache smaller than the window (``steps_ahead`` + 1 steps of data) still trains: the thread fetches as many whole
 steps ahead as the cache holds (a planned step's ranges are never evicted for a later one's); smaller than one
@@ -20,11 +29,14 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from xprep.prep.dataset import BlockCache
+from xprep.prep.dataset import COALESCE_GAP, BlockCache, FetchProcess
 from xprep.train.data import PackedDataset
 from xprep.train.samplers import BinSampler
 
 DEFAULT_PREFETCH_STEPS = 4  # --prefetch-steps
+# at most this many bytes read ahead beyond the window in one request where steps read in order: 80 ms at 100 MB/s,
+# so the nearest steps of the same request (they come in it) are not held up long
+READ_AHEAD_BYTES = 8 << 20
 
 StepRanges = list[tuple[int, np.ndarray, np.ndarray]]  # (stream id, sorted disjoint byte ranges) a step reads
 
@@ -42,21 +54,26 @@ class Prefetcher:
         # the thread tops the window up every ``refill`` steps, ``refill`` steps at a time: steps read in order
         # then come in one request a stream (their ranges touch), and the window never drops below half
         self.refill = max(1, (steps_ahead + 1) // 2)
-        self._staged = 0
+        self._horizon = 0  # the first sample of the steps not handed to the thread yet
+        self._replan = False  # the thread did not fetch all it was handed: hand the window again
         self._plan: list[tuple[int, StepRanges]] = []  # the next steps (first sample, ranges), nearest first
         self._known: dict[int, StepRanges] = {}  # each step's ranges, by its first sample
         self._cond = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None  # the thread's last error (the step's own read raises it again)
+        self._via = FetchProcess()  # makes the thread's requests (module docstring)
+        if steps_ahead:
+            self._via.start()
         self._thread = threading.Thread(target=self._run, name="xtrain-prefetch", daemon=True)
         self._thread.start()
 
-    def step_bins(self, ahead: int) -> list[int]:
-        """This rank's bins of the step ``ahead`` steps after the next one (0: the next), as the trainer will draw
-        them from the sampler (``BinSampler.next_micro_batch``, ``grad_accum`` times), without drawing them."""
+    def step_bins(self, ahead: int, steps: int = 1) -> list[int]:
+        """This rank's bins of ``steps`` steps from the one ``ahead`` steps after the next one (0: the next), as the
+        trainer will draw them from the sampler (``BinSampler.next_micro_batch``, ``grad_accum`` times a step),
+        without drawing them."""
         s = self.sampler
         first = self.step_start(ahead) + s.dp_rank * s.micro_batch_size
-        starts = first + np.arange(self.grad_accum, dtype=np.int64) * s.micro_batch_times_dp
+        starts = first + np.arange(self.grad_accum * steps, dtype=np.int64) * s.micro_batch_times_dp
         return s.bins_at((starts[:, None] + np.arange(s.micro_batch_size)).reshape(-1)).tolist()
 
     def step_start(self, ahead: int) -> int:
@@ -87,19 +104,50 @@ class Prefetcher:
 
     def stage(self) -> None:
         """The next step's ranges in the cache (the caller stops on ``StreamUnavailable``), those of the steps before
-        it unpinned; every ``refill`` steps, the thread told to fetch the steps after it."""
+        it unpinned; when at most ``steps_ahead - refill`` steps after it have been handed to the thread, the thread
+        told to fetch the rest of the window (and to read ahead beyond it where the steps read in order)."""
         done = self.sampler.consumed_samples
         self._known = {k: v for k, v in self._known.items() if k >= done}
         self.cache.release(done)
         self.cache.fetch_ahead([(done, self.step_ranges(0))], wait=True)
-        self._staged += 1
-        if (self._staged - 1) % self.refill:
-            return
-        plan = [(self.step_start(k), self.step_ranges(k)) for k in range(1, self.steps_ahead + 1)
-                if self.end is None or self.step_start(k) < self.end]
         with self._cond:
-            self._plan = plan
+            if self._replan:
+                self._horizon, self._replan = 0, False
+        if not self.steps_ahead or self._horizon > self.step_start(self.steps_ahead - self.refill + 1):
+            return
+        step = self.step_start(1) - done  # samples a step
+        first = max(1, -(-(self._horizon - done) // step))
+        window = [k for k in range(first, self.steps_ahead + 1) if self._before_end(k)]
+        plan = [(self.step_start(k), self.step_ranges(k)) for k in window]
+        plan += self._read_ahead(window[-1]) if window else []
+        self._horizon = plan[-1][0] + step if plan else done + step
+        with self._cond:
+            self._plan += plan
             self._cond.notify()
+
+    def _before_end(self, ahead: int) -> bool:
+        return self.end is None or self.step_start(ahead) < self.end
+
+    def _read_ahead(self, last: int) -> list[tuple[int, StepRanges]]:
+        """The steps after step ``last`` (the window's last) as one plan item (the first sample of the last of them,
+        their ranges), when they read on where it stops (one range a stream, within a coalescing gap of its end):
+        as many as ``READ_AHEAD_BYTES`` and half the cache beside the window hold (module docstring), none past the
+        run's last step. Else nothing: the thread fetches the window only."""
+        ranges = self.step_ranges(last)
+        step_bytes = max(1, sum(int((hi - lo).sum()) for _, lo, hi in ranges))
+        budget = min(READ_AHEAD_BYTES, (self.cache.capacity - (self.steps_ahead + 1) * step_bytes) // 2)
+        steps = budget // step_bytes
+        if self.end is not None:
+            steps = min(steps, (self.end - self.step_start(last + 1)) // (self.step_start(1) - self.step_start(0)))
+        if steps < 1 or not _reads_on(ranges, self.step_ranges(last + 1)):
+            return []
+        for _ in range(2):  # (steps' bytes vary: fewer steps once if these are more than the budget)
+            more = self.dataset.stream_ranges(self.step_bins(last + 1, steps))
+            size = sum(int((hi - lo).sum()) for _, lo, hi in more)
+            if size <= budget:
+                return [(self.step_start(last + steps), more)] if _reads_on(ranges, more) else []
+            steps = steps * budget // size
+        return []
 
     def _run(self) -> None:
         while True:
@@ -109,17 +157,27 @@ class Prefetcher:
                 if self._stopping:
                     return
                 plan, self._plan = self._plan, []
+            done = self.sampler.consumed_samples
             try:
-                self._fetch(plan)
+                fetched = self.cache.fetch_ahead([(step, ranges) for step, ranges in plan if step >= done],
+                                                 via=self._via)
             except Exception as e:  # the step's own read retries, and raises what the user must see
-                self.error = e
-
-    def _fetch(self, plan: list[tuple[int, StepRanges]]) -> None:
-        """Fetch the steps of ``plan``, nearest first, as many as the cache holds, in one batch of requests."""
-        self.cache.fetch_ahead(plan)
+                self.error, fetched = e, False
+            if not fetched:  # (no room yet, or an error: the steps not fetched are handed again)
+                with self._cond:
+                    self._replan = True
 
     def close(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        self._via.close()
+
+
+def _reads_on(ranges: StepRanges, after: StepRanges) -> bool:
+    """Whether ranges ``after`` are one range a stream, each starting within a coalescing gap of where ``ranges`` end
+    in its stream (an item that looks ahead overlaps the next step's by a token): the bytes read next, in order."""
+    ends = {sid: int(hi[-1]) for sid, _, hi in ranges if len(hi)}
+    return all(len(lo) == 1 and sid in ends and abs(int(lo[0]) - ends[sid]) <= COALESCE_GAP for sid, lo, _ in after) \
+        and {sid for sid, lo, _ in after if len(lo)} == set(ends)

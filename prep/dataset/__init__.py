@@ -23,6 +23,7 @@ from xprep.prep.dataset.manifest import (
 )
 from xprep.prep.dataset.merge import append_dataset, merge_datasets
 from xprep.prep.dataset.remote import (
+    FetchProcess,
     check_output_url,
     mark_complete,
     read_item_ranges,
@@ -41,6 +42,7 @@ from xprep.prep.dataset.sharded import (
     write_sharded,
 )
 from xprep.prep.dataset.stream import (
+    COALESCE_GAP,
     DEFAULT_CACHE_SIZE,
     DEFAULT_RETRY_S,
     BlockCache,
@@ -52,7 +54,8 @@ from xprep.prep.dataset.stream import (
 from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset, check_token_ids
 
 __all__ = [
-    "BlockCache", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S", "DatasetWriter",
+    "BlockCache", "COALESCE_GAP", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S",
+    "DatasetWriter", "FetchProcess",
     "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StreamUnavailable", "StreamedDataset",
     "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids",
     "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "mark_complete", "merge_datasets",

@@ -8,7 +8,9 @@
 - ``sync_dataset`` brings a dataset at a URL into a local cache directory keyed by its fingerprint (files
   checked against the manifest's sizes), for commands that memory-map it: ``datasets/`` of the cache directory
   (``prep.fs.cache_root``: ``--cache-dir``, else ``$XPREP_CACHE_DIR``, ...);
-- ``read_item_ranges`` reads scattered items of a stream at a URL by range, in bounded batches.
+- ``read_item_ranges`` reads scattered items of a stream at a URL by range, in bounded batches;
+- ``FetchProcess`` makes ``cat_ranges`` calls in a process of its own, for a thread that fetches while another
+  computes (the trainer's prefetcher).
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import posixpath
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -267,3 +274,87 @@ def _check_digests(directory: Path, manifest: dict, url: str) -> None:
         if wrong is not None:
             raise XprepError(f"{url}: {wrong.name} is missing or differs from its manifest digest after download; "
                              "run again")
+
+
+class FetchProcess:
+    """``cat_ranges`` of object stores made by a Python process of its own (``serve_fetches``), started at the first
+    call, for a thread that fetches while another computes (the trainer's prefetcher).
+
+    A request through fsspec's object stores costs the client a few ms of CPU (s3fs: botocore builds, signs and
+    parses it), nearly all of it holding the GIL; made in the trainer's process, that is time the training loop
+    waits for the GIL between its kernels. Here the caller pickles the file system (fsspec file systems pickle as
+    their class and options: the child makes an equal one) and the ranges, and waits on a pipe, GIL released.
+    File systems of this process only (``async_impl`` false: local, ``memory://``), and those whose options do not
+    pickle, are read here, as ``cat_ranges`` does. Errors come back as raised (one that does not pickle, as an
+    ``OSError`` naming it: ``Retry`` counts it transient); a child that died is a ``ConnectionError``, and the next
+    call starts another. One call at a time."""
+
+    def __init__(self):
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def cat_ranges(self, fs, paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
+        try:
+            call = pickle.dumps((fs, paths, starts, ends)) if getattr(fs, "async_impl", False) else None
+        except Exception:  # (options that do not pickle: a session object given to the file system)
+            call = None
+        if call is None:
+            return cat_ranges(fs, paths, starts, ends)
+        with self._lock:
+            try:
+                proc = self._started()
+                proc.stdin.write(call)
+                proc.stdin.flush()
+                ok, value = pickle.load(proc.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError) as e:  # the child died (killed, out of memory)
+                self._stop()
+                raise ConnectionError(f"the process fetching for this one ended ({type(e).__name__}: {e})") from None
+        if not ok:
+            raise value
+        return value
+
+    def start(self) -> None:
+        """Start the child now (its imports take a second or two), rather than at the first call."""
+        with self._lock:
+            self._started()
+
+    def _started(self) -> subprocess.Popen:
+        if self._proc is None:
+            code = "from xprep.prep.dataset.remote import serve_fetches; serve_fetches()"
+            self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        return self._proc
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+
+def serve_fetches() -> None:
+    """``FetchProcess``'s child: (file system, paths, starts, ends) in on stdin, (True, the bytes) or (False, the
+    error) out on stdout, until stdin closes (the caller closed it, or died)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (^C is the trainer's to handle: it closes this process)
+    calls, replies = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # (nothing printed may land among the replies)
+    while True:
+        try:
+            fs, paths, starts, ends = pickle.load(calls)
+        except Exception:  # (EOF: the caller closed or died)
+            return
+        try:
+            reply = (True, cat_ranges(fs, paths, starts, ends))
+        except Exception as e:  # the caller's to classify (``Retry``)
+            reply = (False, e)
+        try:
+            data = pickle.dumps(reply)
+            if not reply[0]:
+                pickle.loads(data)
+        except Exception:  # an error that does not pickle, or not back
+            data = pickle.dumps((False, OSError(f"{type(reply[1]).__name__}: {reply[1]}")))
+        replies.write(data)
+        replies.flush()

@@ -35,7 +35,7 @@ from typing import TypeVar
 import numpy as np
 from xprep.prep.dataset.indexed import implied_bin_size, parse_index
 from xprep.prep.dataset.manifest import count
-from xprep.prep.dataset.remote import cat_ranges, read_complete_manifest, staged_copy
+from xprep.prep.dataset.remote import FetchProcess, cat_ranges, read_complete_manifest, staged_copy
 from xprep.prep.dataset.token_dataset import TokenDataset
 from xprep.prep.errors import XprepError
 from xprep.prep.formats import CATEGORY_IDS_STREAM, LOSS_MASK_STREAM, MANIFEST, TOKENS_STREAM
@@ -212,32 +212,32 @@ class _Piece:
 
 
 class _Pieces:
-    """The disjoint pieces of one file the cache holds or is fetching, by start; sorted starts and ends for
-    vectorized look-ups, rebuilt after a change."""
+    """The disjoint pieces of one file the cache holds or is fetching, by start, and their starts and ends as sorted
+    arrays for vectorized look-ups, kept in step one insertion or deletion at a time (no Python loop over the
+    pieces: a cache holds thousands)."""
 
     def __init__(self):
         self.by_lo: dict[int, _Piece] = {}
-        self._lo: np.ndarray | None = None
+        self._lo = np.zeros(0, np.int64)
         self._hi = np.zeros(0, np.int64)
 
     def add(self, p: _Piece) -> None:
+        assert p.lo not in self.by_lo, "pieces of a file are disjoint"
         self.by_lo[p.lo] = p
-        self._lo = None
+        i = int(np.searchsorted(self._lo, p.lo))
+        self._lo, self._hi = np.insert(self._lo, i, p.lo), np.insert(self._hi, i, p.hi)
 
     def remove(self, p: _Piece) -> None:
         if self.by_lo.get(p.lo) is p:
             del self.by_lo[p.lo]
-            self._lo = None
+            i = int(np.searchsorted(self._lo, p.lo))
+            self._lo, self._hi = np.delete(self._lo, i), np.delete(self._hi, i)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._lo is None:
-            starts = sorted(self.by_lo)
-            self._lo = np.array(starts, np.int64)
-            self._hi = np.array([self.by_lo[s].hi for s in starts], np.int64)
         return self._lo, self._hi
 
     def at(self, i: int) -> _Piece:
-        return self.by_lo[int(self.arrays()[0][i])]
+        return self.by_lo[int(self._lo[i])]
 
 
 class BlockCache:
@@ -273,6 +273,7 @@ class BlockCache:
         self.requests = 0  # ranges fetched (one request each)
         self.demand_reads = 0  # ranges the reader had to fetch itself
         self.demand_s = 0.0  # seconds the reader spent fetching them
+        self.waited_s = 0.0  # seconds ``fetch_ahead(wait=True)`` waited for pieces another thread was fetching
 
     def add_file(self, url: str, size: int) -> int:
         """Register the file at ``url`` (``size`` bytes, from its index); returns its stream id."""
@@ -282,13 +283,15 @@ class BlockCache:
         return len(self._files) - 1
 
     # ------------------------------------------------------------------------------ fetching ahead
-    def fetch_ahead(self, steps: list[tuple[int, StepRanges]], wait: bool = False) -> bool:
+    def fetch_ahead(self, steps: list[tuple[int, StepRanges]], wait: bool = False,
+                    via: FetchProcess | None = None) -> bool:
         """Fetch what no piece holds of the byte ranges of ``steps`` — (step, [(stream id, sorted disjoint ranges lo,
         hi)]), nearest first; a step is its first sample — in one batch of concurrent requests (one a range; a
         step's range touching the one before merged with it), and pin every piece each step touches until that
         step has run (``release``). Stops at the first step whose pieces and the pinned ones would not fit in the
         capacity, pinning nothing of it (the reader must consume some first): False. ``wait``: also wait for the
-        pieces another thread is fetching (and fetch those here if that failed). Raises as ``read`` does."""
+        pieces another thread is fetching (and fetch those here if that failed). ``via``: the requests made by that
+        process (the prefetcher's: the GIL stays with the training loop). Raises as ``read`` does."""
         while True:
             with self._lock:
                 new, theirs, fits = [], [], True
@@ -300,11 +303,13 @@ class BlockCache:
                     new += planned[0]
                     theirs += planned[1]
                 new = self._merge_touching(new)
-            self._fetch(new)
+            self._fetch(new, via)
             if not (wait and theirs):
                 return fits
+            started = time.monotonic()
             for event in theirs:
                 event.wait()
+            self.waited_s += time.monotonic() - started
 
     def _plan(self, until: int, ranges: StepRanges):
         """Register and pin the pieces one step needs: (new pieces, events of the pieces others fetch), or None
@@ -439,14 +444,14 @@ class BlockCache:
         return filled, waits
 
     # ---------------------------------------------------------------------------------- the network
-    def _fetch(self, pieces: list[tuple[int, _Piece]]) -> list[bytes]:
+    def _fetch(self, pieces: list[tuple[int, _Piece]], via: FetchProcess | None = None) -> list[bytes]:
         """Fetch registered ``pieces`` (one request each, concurrently where the file system can), check their sizes,
         store those that fit; returns their bytes. Then none of them is being fetched any more (dropped unless
         stored)."""
         try:
             data: list[bytes] = [b""] * len(pieces)
             for group in _by_file_system(self._files, pieces):
-                for i, d in zip(group, self._fetch_group([pieces[i] for i in group]), strict=True):
+                for i, d in zip(group, self._fetch_group([pieces[i] for i in group], via), strict=True):
                     data[i] = d
             for (sid, p), d in zip(pieces, data, strict=True):
                 self._store(sid, p, d)
@@ -457,14 +462,15 @@ class BlockCache:
                     if p.fetching is not None:  # (an error came first)
                         self._settle(sid, p, stored=False)
 
-    def _fetch_group(self, pieces: list[tuple[int, _Piece]]) -> list[bytes]:
+    def _fetch_group(self, pieces: list[tuple[int, _Piece]], via: FetchProcess | None) -> list[bytes]:
         """The bytes of ``pieces`` of files of one file system: one batch of concurrent requests, retried whole."""
         fs = self._files[pieces[0][0]][0]
         paths = [self._files[sid][1] for sid, _ in pieces]
         starts, ends = [p.lo for _, p in pieces], [p.hi for _, p in pieces]
         what = fs.unstrip_protocol(paths[0]) if len(set(paths)) == 1 else \
             f"{fs.unstrip_protocol(paths[0])} (and {len(set(paths)) - 1} more)"
-        data = self.retry.run(what, lambda: cat_ranges(fs, paths, starts, ends))
+        fetch = cat_ranges if via is None else via.cat_ranges
+        data = self.retry.run(what, lambda: fetch(fs, paths, starts, ends))
         for path, (_, p), d in zip(paths, pieces, data, strict=True):
             if len(d) != p.size:
                 raise XprepError(f"{fs.unstrip_protocol(path)}: bytes {p.lo}..{p.hi} came back as {len(d)} bytes, "

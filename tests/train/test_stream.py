@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import fsspec
@@ -27,6 +28,7 @@ from test_train_run import metrics
 from trainkit import category_pack, user_error
 from xprep.cli import xtrain
 from xprep.prep.dataset import Retry, StreamUnavailable, upload_dataset
+from xprep.prep.dataset import stream as stream_module
 from xprep.prep.errors import XprepError
 from xprep.train import trainer as trainer_module
 from xprep.train.trainer import DATA_UNREACHABLE_EXIT
@@ -83,9 +85,13 @@ def endpoint(tmp_path, monkeypatch, local):
 
 def test_a_pack_at_a_url_trains_like_the_local_pack_in_a_bounded_cache(endpoint, local, tmp_path, monkeypatch):
     """A random sampler: the exact ranges of the next steps' documents are fetched ahead (about the bytes the bins
-    need, not the blocks around them), the steps never fetch themselves, the cache stays within --cache-size."""
+    need, not the blocks around them), the steps never fetch themselves, the cache stays within --cache-size. The
+    thread's requests are made by a process of their own (FetchProcess): none by this one's fetching thread."""
     cache_size = 2048  # bytes: the 60 documents take 4.5 kB of streams, so ranges are evicted
-    seen, needed = [], []
+    seen, needed, callers = [], [], []
+    here = stream_module.cat_ranges
+    monkeypatch.setattr(stream_module, "cat_ranges",
+                        lambda *a: (callers.append(threading.current_thread().name), here(*a))[1])
 
     def on_step(t) -> None:
         cache = t.dataset.cache
@@ -103,6 +109,7 @@ def test_a_pack_at_a_url_trains_like_the_local_pack_in_a_bounded_cache(endpoint,
     assert seen[-1][1] > cache_size  # more was fetched than the cache holds: it evicted
     assert seen[-1][1] <= 1.2 * needed[-1] and seen[-1][2] == 0
     assert not list((tmp_path / "cache" / "blocks").iterdir())  # the run's block cache is removed at its end
+    assert "MainThread" in callers and "xtrain-prefetch" not in callers, callers  # (the loop fetches step 1 itself)
 
 
 def test_a_cache_smaller_than_a_step_still_trains_and_says_what_it_costs(endpoint, local, tmp_path, monkeypatch):
@@ -264,3 +271,48 @@ def test_a_causal_chunk_pack_of_a_url_reads_like_the_local_one(endpoint, local, 
         x, y = there[b], here[b]
         assert all(torch.equal(x[k], y[k]) for k in y), b
     there.close()
+
+
+def test_steps_read_in_order_come_in_a_handful_of_requests(endpoint, local, tmp_path, monkeypatch):
+    """A sequential sampler over the sequential pack: the loop fetches the first step itself, then the thread reads
+    the window and on to the last step (the cache holds it all) in one request a stream: two requests a stream in
+    all (one a step a stream without reading ahead), the bytes the bins need, the local losses."""
+    sequential = [*RUN[:RUN.index("--sampler")], "--sampler", "sequential", "--prefetch-steps", "1"]
+    here = tmp_path / "here"
+    assert CliRunner().invoke(xtrain, ["run", str(local["packed"]), *sequential, "--output", str(here)]).exit_code == 0
+    seen = []
+
+    def on_step(t) -> None:
+        cache = t.dataset.cache
+        bins = t.sampler.bins_at(np.arange(t.sampler.consumed_samples, dtype=np.int64))
+        needed = int(t.dataset.bins.items_of(bins)[3].sum()) * 4  # tokens (uint16), loss mask, categories
+        seen.append((cache.requests, cache.fetched_bytes, needed, cache.demand_reads))
+
+    monkeypatch.setattr(trainer_module, "STEP_END_CALLBACKS", [on_step])
+    run = tmp_path / "run"
+    result = CliRunner().invoke(xtrain, ["run", "s3://stream/packed", *sequential, "--output", str(run)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert [m["loss"] for m in metrics(run)] == [m["loss"] for m in metrics(here)]
+    requests, fetched, needed, demand = seen[-1]
+    assert requests <= 3 * 3 and fetched <= 1.2 * needed and demand == 0, seen  # (3 streams; a request's margin)
+
+
+def test_a_fetch_process_reads_like_this_one_and_survives_its_death(endpoint):
+    """FetchProcess (the prefetcher's requests, made by a process of their own): the bytes this process reads; a
+    missing object comes back as FileNotFoundError (permanent for ``Retry``); a child killed is a transient error
+    (ConnectionError) and the next call starts another."""
+    from xprep.prep.dataset import FetchProcess
+    from xprep.prep.dataset.remote import cat_ranges
+
+    fs, paths, starts, ends = s3fs.S3FileSystem(), ["stream/ds/tokens.bin"] * 2, [0, 10], [6, 30]
+    via = FetchProcess()
+    try:
+        assert via.cat_ranges(fs, paths, starts, ends) == cat_ranges(fs, paths, starts, ends)
+        with pytest.raises(FileNotFoundError):
+            via.cat_ranges(fs, ["stream/ds/nothing.bin"], [0], [1])
+        via._proc.kill()
+        with pytest.raises(ConnectionError, match="ended"):
+            via.cat_ranges(fs, paths, starts, ends)
+        assert via.cat_ranges(fs, paths, starts, ends) == cat_ranges(fs, paths, starts, ends)
+    finally:
+        via.close()
