@@ -339,8 +339,10 @@ def serve_fetches() -> None:
     """``FetchProcess``'s child: (file system, paths, starts, ends) in on stdin, (True, the bytes) or (False, the
     error) out on stdout, until stdin closes (the caller closed it, or died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (^C is the trainer's to handle: it closes this process)
-    calls, replies = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # (nothing printed may land among the replies)
+    calls = sys.stdin.buffer
+    replies = os.fdopen(os.dup(1), "wb")  # the replies' own descriptor; then nothing written to descriptor 1, by
+    os.dup2(2, 1)  # Python or a C library, lands among them: it goes to stderr
+    sys.stdout = sys.stderr
     while True:
         try:
             fs, paths, starts, ends = pickle.load(calls)
