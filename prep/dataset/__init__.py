@@ -26,6 +26,7 @@ from xprep.prep.dataset.remote import (
     FetchProcess,
     check_output_url,
     mark_complete,
+    read_complete_manifest,
     read_item_ranges,
     staged_copy,
     sync_dataset,
@@ -55,11 +56,10 @@ from xprep.prep.dataset.token_dataset import DatasetWriter, TokenDataset, check_
 
 __all__ = [
     "BlockCache", "COALESCE_GAP", "CONVERSATION_COUNTS", "CategoryTable", "DEFAULT_CACHE_SIZE", "DEFAULT_RETRY_S",
-    "DatasetWriter", "FetchProcess",
-    "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StreamUnavailable", "StreamedDataset",
-    "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url", "check_token_ids",
-    "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "mark_complete", "merge_datasets",
-    "open_block_cache", "open_dataset", "open_parts", "open_url_parts", "publish_sharded_url", "read_item_ranges",
-    "read_manifest", "staged_copy", "stream_chunks", "sync_dataset", "synced_from", "token_dtype", "upload_dataset",
-    "verify_parts", "verify_streams", "write_sharded"
+    "DatasetWriter", "FetchProcess", "KEPT_TOKENIZER", "MAX_CATEGORY", "Retry", "ShardedDataset", "StreamUnavailable",
+    "StreamedDataset", "TokenDataset", "append_dataset", "bin_path", "canonical_json", "check_output_url",
+    "check_token_ids", "conversation_counts", "count", "dataset_tokenizer", "idx_path", "is_sharded", "mark_complete",
+    "merge_datasets", "open_block_cache", "open_dataset", "open_parts", "open_url_parts", "publish_sharded_url",
+    "read_complete_manifest", "read_item_ranges", "read_manifest", "staged_copy", "stream_chunks", "sync_dataset",
+    "synced_from", "token_dtype", "upload_dataset", "verify_parts", "verify_streams", "write_sharded"
 ]

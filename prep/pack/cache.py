@@ -35,9 +35,11 @@ from pathlib import Path
 
 import numpy as np
 from xprep.prep.dataset import (
+    Retry,
     TokenDataset,
     canonical_json,
     open_url_parts,
+    read_complete_manifest,
     read_manifest,
     stream_chunks,
     synced_from,
@@ -190,7 +192,7 @@ def _pack(datasets: list[str | Path], output: str | Path, config: PackConfig, fo
         inputs = read_fingerprints(datasets, cache_dir)
         check_sizing(config)
         split = split_names(config, inputs)
-        check_split_counts(config, inputs, allow_empty, cache_dir)
+        check_split_counts(config, inputs, allow_empty)
         held = {part: _entry(root, inputs, config.for_validation(), force, allow_empty, log, split, part, cache_dir)[0]
                 for part in held_out_parts(config)}
         entry, hit = _entry(root, inputs, config, force, allow_empty, log, split, TRAIN, cache_dir)
@@ -255,14 +257,13 @@ def split_names(config: PackConfig, inputs: list[dict]) -> dict | None:
     return {**described, "rule": SPLIT_RULE_3 if test else SPLIT_RULE, "entries": names}
 
 
-def check_split_counts(config: PackConfig, inputs: list[dict], allow_empty: bool, cache_dir: str | None = None
-                       ) -> None:
+def check_split_counts(config: PackConfig, inputs: list[dict], allow_empty: bool) -> None:
     """Refuse a three-share --split whose validation or test share rounds to no document of any dataset, before
     any part is built (so that nothing is published), unless ``allow_empty``. (A dataset at a URL: its manifest
-    read in place, ``open_url_parts``.)"""
+    alone read there; ``read_fingerprints`` opened and checked the dataset already.)"""
     if config.split is None or len(config.split) != 3 or allow_empty:
         return
-    manifests = [open_url_parts(d["path"], cache_dir)[0] if is_url(d["path"]) else read_manifest(d["path"])
+    manifests = [read_complete_manifest(d["path"], Retry()) if is_url(d["path"]) else read_manifest(d["path"])
                  for d in inputs]
     sizes = [int(m["counts"]["documents"]) for m in manifests]
     for k, part in ((1, VALIDATION), (2, TEST)):
