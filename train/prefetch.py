@@ -15,9 +15,8 @@ which the training loop needs between its kernels; the thread only waits on a pi
 Where the steps read in order (a sequential sampler over a pack in document order: each step's ranges start where
 the last one's end), the thread reads ahead beyond the window, in one request a stream: as many steps as fit in
 ``READ_AHEAD_BYTES`` and half of what the cache has beside the window (the next read-ahead is fetched while this one
-is still pinned), never past the run's last step: a request to object storage costs the client a few ms of CPU
-whatever its size (s3fs: botocore builds, signs and parses it, nearly all of it holding the GIL the training loop
-needs), and a sequential run makes a handful of requests instead of one a step.
+is still pinned), never past the run's last step: a request costs those few ms of CPU whatever its size, and a
+sequential run makes a handful of requests instead of one a step.
 
 A cache smaller than the window (``steps_ahead`` + 1 steps of data) still trains: the thread fetches as many whole
 steps ahead as the cache holds (a planned step's ranges are never evicted for a later one's); smaller than one
